@@ -1,0 +1,82 @@
+// KernelSpec: every compile-time choice of one kernel. It is the content of the cache key, so two
+// equal specs always render the same source, and anything that changes the source is a field here.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include <nlohmann/json_fwd.hpp>
+
+namespace flashjit {
+
+// One template file in templates/ per family.
+enum class Family {
+  reference_fwd,  // fp32-math oracle: one query row per warp, for shapes too big for the CPU
+};
+
+enum class DType { fp16, bf16 };
+
+// Which keys a query may see. `window` covers any (left, right) band, causal-with-window included;
+// the band's widths are runtime values. Bottom-right aligned when seqlen_q != seqlen_k.
+enum class MaskKind { none, causal, window };
+
+// A compile target: sm_80, sm_86, sm_89, sm_90, sm_90a, ... `arch_specific` is the `a` suffix that
+// unlocks wgmma and setmaxnreg on sm_90a.
+struct Arch {
+  int sm = 80;
+  bool arch_specific = false;
+
+  static Arch parse(std::string_view text);  // "sm_90a"; throws Error(invalid_argument)
+  std::string name() const;                  // "sm_90a"
+  int major() const { return sm / 10; }
+  bool operator==(const Arch& o) const { return sm == o.sm && arch_specific == o.arch_specific; }
+  bool operator!=(const Arch& o) const { return !(*this == o); }
+};
+
+struct KernelSpec {
+  Family family = Family::reference_fwd;
+  Arch arch;
+  DType dtype = DType::bf16;
+  int head_dim = 128;  // the kernel's head dim; a problem's head dim is rounded up to it
+  int block_m = 4;     // query rows per CTA
+  int block_n = 32;    // keys per inner-loop tile
+  int num_warps = 4;
+  int num_stages = 1;  // K/V shared-memory pipeline depth
+  MaskKind mask = MaskKind::none;
+  bool has_softcap = false;
+
+  // The reason this spec cannot be compiled, or nullopt when it is legal.
+  std::optional<std::string> validate() const;
+  // Readable, unique and stable across versions: fa2_fwd_bf16_d128_m128n64w4s2_causal_sm80.
+  std::string name() const;
+
+  nlohmann::json to_json() const;
+  // Strict: every field required, unknown fields and bad values rejected with Error(invalid_argument).
+  static KernelSpec from_json(const nlohmann::json& j);
+
+  bool operator==(const KernelSpec& o) const;
+  bool operator!=(const KernelSpec& o) const { return !(*this == o); }
+};
+
+struct KernelSpecHash {
+  size_t operator()(const KernelSpec& s) const noexcept;
+};
+
+// The spec a family uses when nothing better is known (no tuning DB entry, no heuristic rule).
+KernelSpec default_spec(Family family, Arch arch, DType dtype, int head_dim,
+                        MaskKind mask = MaskKind::none, bool has_softcap = false);
+
+// Enum <-> text, used by names, JSON and the CLIs. The parsers throw Error(invalid_argument).
+std::string_view to_string(Family f);
+std::string_view to_string(DType d);
+std::string_view to_string(MaskKind m);
+Family parse_family(std::string_view text);
+DType parse_dtype(std::string_view text);
+MaskKind parse_mask(std::string_view text);
+const std::vector<Family>& all_families();
+
+}  // namespace flashjit

@@ -1,0 +1,186 @@
+#include "flashjit/codegen/kernel_spec.hpp"
+
+#include <algorithm>
+#include <cctype>
+#include <functional>
+
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+#include <nlohmann/json.hpp>
+
+#include "family_rules.hpp"
+#include "flashjit/error.hpp"
+
+namespace flashjit {
+
+using codegen_detail::family_rules;
+using nlohmann::json;
+
+namespace {
+
+constexpr std::string_view kFamilyNames[] = {"reference_fwd"};
+constexpr std::string_view kDTypeNames[] = {"fp16", "bf16"};
+constexpr std::string_view kMaskNames[] = {"none", "causal", "window"};
+
+template <class Enum, size_t N>
+Enum parse_enum(std::string_view text, const std::string_view (&names)[N], const char* what) {
+  for (size_t i = 0; i < N; ++i)
+    if (names[i] == text) return static_cast<Enum>(i);
+  throw Error(ErrorCode::invalid_argument, "spec",
+              fmt::format("unknown {} '{}' (expected one of: {})", what, text,
+                          fmt::join(names, ", ")));
+}
+
+}  // namespace
+
+std::string_view to_string(Family f) { return kFamilyNames[static_cast<int>(f)]; }
+std::string_view to_string(DType d) { return kDTypeNames[static_cast<int>(d)]; }
+std::string_view to_string(MaskKind m) { return kMaskNames[static_cast<int>(m)]; }
+Family parse_family(std::string_view t) { return parse_enum<Family>(t, kFamilyNames, "family"); }
+DType parse_dtype(std::string_view t) { return parse_enum<DType>(t, kDTypeNames, "dtype"); }
+MaskKind parse_mask(std::string_view t) { return parse_enum<MaskKind>(t, kMaskNames, "mask"); }
+
+const std::vector<Family>& all_families() {
+  static const std::vector<Family> families{Family::reference_fwd};
+  return families;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Arch
+
+Arch Arch::parse(std::string_view text) {
+  auto fail = [&] {
+    return Error(ErrorCode::invalid_argument, "arch",
+                 fmt::format("'{}' is not a CUDA arch name (expected sm_<major><minor>[a], such "
+                             "as sm_80 or sm_90a)", text));
+  };
+  if (text.substr(0, 3) != "sm_") throw fail();
+  std::string_view digits = text.substr(3);
+  Arch arch;
+  if (!digits.empty() && digits.back() == 'a') {
+    arch.arch_specific = true;
+    digits.remove_suffix(1);
+  }
+  if (digits.size() < 2 || digits.size() > 3 ||
+      !std::all_of(digits.begin(), digits.end(), [](char c) { return std::isdigit(c) != 0; }))
+    throw fail();
+  arch.sm = std::stoi(std::string(digits));
+  if (arch.sm < 50) throw fail();
+  return arch;
+}
+
+std::string Arch::name() const { return fmt::format("sm_{}{}", sm, arch_specific ? "a" : ""); }
+
+// ---------------------------------------------------------------------------------------------
+// KernelSpec
+
+std::optional<std::string> KernelSpec::validate() const {
+  const auto& rules = family_rules(family);
+  if (arch.sm < rules.min_sm)
+    return fmt::format("{} needs sm_{} or newer, arch is {}", rules.name, rules.min_sm,
+                       arch.name());
+  if (rules.needs_arch_specific && !arch.arch_specific)
+    return fmt::format("{} uses arch-specific instructions (wgmma, setmaxnreg) and needs an "
+                       "'a' target such as sm_90a, arch is {}", rules.name, arch.name());
+  if (std::find(rules.head_dims.begin(), rules.head_dims.end(), head_dim) == rules.head_dims.end())
+    return fmt::format("{} has no kernel for head_dim {} (kernel head dims: {})", rules.name,
+                       head_dim, fmt::join(rules.head_dims, ", "));
+  if (block_m <= 0 || block_n <= 0 || num_warps <= 0 || num_stages <= 0)
+    return fmt::format("block_m, block_n, num_warps and num_stages must be positive, got "
+                       "{}, {}, {}, {}", block_m, block_n, num_warps, num_stages);
+  return rules.validate_tiles(*this);
+}
+
+std::string KernelSpec::name() const {
+  std::string mask_part = mask == MaskKind::none ? "" : fmt::format("_{}", to_string(mask));
+  return fmt::format("{}_{}_d{}_m{}n{}w{}s{}{}{}_sm{}{}", to_string(family), to_string(dtype),
+                     head_dim, block_m, block_n, num_warps, num_stages, mask_part,
+                     has_softcap ? "_softcap" : "", arch.sm, arch.arch_specific ? "a" : "");
+}
+
+json KernelSpec::to_json() const {
+  return json{{"family", to_string(family)}, {"arch", arch.name()},
+              {"dtype", to_string(dtype)},   {"head_dim", head_dim},
+              {"block_m", block_m},          {"block_n", block_n},
+              {"num_warps", num_warps},      {"num_stages", num_stages},
+              {"mask", to_string(mask)},     {"softcap", has_softcap}};
+}
+
+KernelSpec KernelSpec::from_json(const json& j) {
+  static const std::vector<std::string> kFields{"family",  "arch",      "dtype",      "head_dim",
+                                                "block_m", "block_n",   "num_warps",  "num_stages",
+                                                "mask",    "softcap"};
+  auto fail = [](const std::string& message) {
+    return Error(ErrorCode::invalid_argument, "spec JSON", message);
+  };
+  if (!j.is_object()) throw fail(fmt::format("a kernel spec must be a JSON object, got {}", j.dump()));
+  for (const auto& [key, value] : j.items())
+    if (std::find(kFields.begin(), kFields.end(), key) == kFields.end())
+      throw fail(fmt::format("unknown field '{}' (known: {})", key, fmt::join(kFields, ", ")));
+  auto field = [&](const char* key) -> const json& {
+    auto it = j.find(key);
+    if (it == j.end()) throw fail(fmt::format("missing field '{}'", key));
+    return *it;
+  };
+  auto text = [&](const char* key) {
+    const json& v = field(key);
+    if (!v.is_string()) throw fail(fmt::format("field '{}' must be a string, got {}", key, v.dump()));
+    return v.get<std::string>();
+  };
+  auto integer = [&](const char* key) {
+    const json& v = field(key);
+    if (!v.is_number_integer())
+      throw fail(fmt::format("field '{}' must be an integer, got {}", key, v.dump()));
+    auto value = v.get<int64_t>();
+    if (value < 0 || value > 65536)
+      throw fail(fmt::format("field '{}' is out of range: {}", key, value));
+    return static_cast<int>(value);
+  };
+  KernelSpec s;
+  s.family = parse_family(text("family"));
+  s.arch = Arch::parse(text("arch"));
+  s.dtype = parse_dtype(text("dtype"));
+  s.head_dim = integer("head_dim");
+  s.block_m = integer("block_m");
+  s.block_n = integer("block_n");
+  s.num_warps = integer("num_warps");
+  s.num_stages = integer("num_stages");
+  s.mask = parse_mask(text("mask"));
+  const json& softcap = field("softcap");
+  if (!softcap.is_boolean())
+    throw fail(fmt::format("field 'softcap' must be true or false, got {}", softcap.dump()));
+  s.has_softcap = softcap.get<bool>();
+  return s;
+}
+
+bool KernelSpec::operator==(const KernelSpec& o) const {
+  return family == o.family && arch == o.arch && dtype == o.dtype && head_dim == o.head_dim &&
+         block_m == o.block_m && block_n == o.block_n && num_warps == o.num_warps &&
+         num_stages == o.num_stages && mask == o.mask && has_softcap == o.has_softcap;
+}
+
+size_t KernelSpecHash::operator()(const KernelSpec& s) const noexcept {
+  // Every field fits in a few bits; pack them, then mix.
+  uint64_t packed = static_cast<uint64_t>(s.family);
+  for (uint64_t v : {uint64_t(s.arch.sm), uint64_t(s.arch.arch_specific), uint64_t(s.dtype),
+                     uint64_t(s.head_dim), uint64_t(s.block_m), uint64_t(s.block_n),
+                     uint64_t(s.num_warps), uint64_t(s.num_stages), uint64_t(s.mask),
+                     uint64_t(s.has_softcap)})
+    packed = packed * 0x100000001b3ull ^ v;
+  return std::hash<uint64_t>{}(packed);
+}
+
+KernelSpec default_spec(Family family, Arch arch, DType dtype, int head_dim, MaskKind mask,
+                        bool has_softcap) {
+  KernelSpec s;
+  s.family = family;
+  s.arch = arch;
+  s.dtype = dtype;
+  s.head_dim = head_dim;
+  s.mask = mask;
+  s.has_softcap = has_softcap;
+  family_rules(family).set_default_tiles(s);
+  return s;
+}
+
+}  // namespace flashjit

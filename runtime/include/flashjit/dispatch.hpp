@@ -1,0 +1,15 @@
+// What dispatch would choose without timing anything, for tools that prepare kernels ahead of
+// time (flashjit-warm's presets) on machines with no GPU.
+#pragma once
+
+#include <vector>
+
+#include "flashjit/codegen/kernel_spec.hpp"
+
+namespace flashjit {
+
+// The forward spec the heuristic picks on `arch` for this dtype, problem head dim and mask.
+KernelSpec heuristic_forward_spec(const Arch& arch, DType dtype, int head_dim, MaskKind mask,
+                                  bool has_softcap = false);
+
+}  // namespace flashjit

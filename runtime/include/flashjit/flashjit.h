@@ -1,0 +1,87 @@
+/* flashjit's C API: the C++ Runtime::global() behind status codes and a thread-local message.
+ * Every function returns FLASHJIT_OK or an error status; flashjit_last_error() then says why. */
+#ifndef FLASHJIT_FLASHJIT_H
+#define FLASHJIT_FLASHJIT_H
+
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+typedef enum flashjit_status {
+  FLASHJIT_OK = 0,
+  FLASHJIT_ERROR_INVALID_ARGUMENT = 1,
+  FLASHJIT_ERROR_UNSUPPORTED = 2,
+  FLASHJIT_ERROR_COMPILE_FAILED = 3,
+  FLASHJIT_ERROR_NO_DRIVER = 4,
+  FLASHJIT_ERROR_CUDA = 5,
+  FLASHJIT_ERROR_CACHE = 6,
+  FLASHJIT_ERROR_IO = 7,
+  FLASHJIT_ERROR_OUT_OF_RESOURCES = 8,
+  FLASHJIT_ERROR_INTERNAL = 9
+} flashjit_status;
+
+typedef enum flashjit_dtype {
+  FLASHJIT_FLOAT16 = 0,
+  FLASHJIT_BFLOAT16 = 1,
+  FLASHJIT_FLOAT32 = 2,
+  FLASHJIT_INT32 = 3
+} flashjit_dtype;
+
+typedef enum flashjit_backend {
+  FLASHJIT_BACKEND_AUTO = 0,
+  FLASHJIT_BACKEND_REFERENCE = 1
+} flashjit_backend;
+
+/* A strided view of device memory; strides in elements. */
+typedef struct flashjit_tensor {
+  void* data;
+  int32_t dtype; /* flashjit_dtype */
+  int32_t device;
+  int32_t rank;
+  int64_t shape[4];
+  int64_t strides[4];
+} flashjit_tensor;
+
+typedef struct flashjit_attention_options {
+  float softmax_scale; /* <= 0 or NaN: 1 / sqrt(head_dim) */
+  int32_t causal;
+  int32_t window_left; /* -1: unbounded */
+  int32_t window_right;
+  float softcap;       /* 0: off */
+  int32_t backend;     /* flashjit_backend */
+  void* stream;        /* CUstream, NULL = legacy default stream */
+} flashjit_attention_options;
+
+/* Fills the defaults: no mask, no softcap, automatic backend, default scale and stream. */
+void flashjit_attention_options_init(flashjit_attention_options* options);
+
+/* See flashjit::Runtime::forward. lse may be NULL. */
+flashjit_status flashjit_forward(const flashjit_tensor* q, const flashjit_tensor* k,
+                                 const flashjit_tensor* v, const flashjit_tensor* out,
+                                 const flashjit_tensor* lse,
+                                 const flashjit_attention_options* options);
+
+/* See flashjit::Runtime::forward_varlen. */
+flashjit_status flashjit_forward_varlen(const flashjit_tensor* q, const flashjit_tensor* k,
+                                        const flashjit_tensor* v, const flashjit_tensor* out,
+                                        const flashjit_tensor* lse,
+                                        const flashjit_tensor* cu_seqlens_q,
+                                        const flashjit_tensor* cu_seqlens_k, int32_t max_seqlen_q,
+                                        int32_t max_seqlen_k,
+                                        const flashjit_attention_options* options);
+
+/* Counters of the global runtime's kernel cache (any pointer may be NULL). */
+flashjit_status flashjit_cache_stats(uint64_t* memory_hits, uint64_t* disk_hits, uint64_t* compiles);
+
+/* The message of the last failed call on this thread ("" if none). Valid until the next call. */
+const char* flashjit_last_error(void);
+
+const char* flashjit_version(void);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* FLASHJIT_FLASHJIT_H */

@@ -1,0 +1,93 @@
+// flashjit's C++ API: FlashAttention over framework-free tensor views, compiled just in time.
+//
+//   flashjit::Runtime& rt = flashjit::Runtime::global();
+//   rt.forward(q, k, v, out, &lse, {.causal = true, .stream = stream});
+//
+// Tensors are (batch, seqlen, heads, head_dim) with any strides whose last dim is contiguous; the
+// first call for a new kernel spec compiles it (or loads it from the disk cache), later calls only
+// launch. Errors are flashjit::Error with a message naming the argument at fault.
+#pragma once
+
+#include <cstdint>
+#include <initializer_list>
+#include <memory>
+#include <optional>
+
+#include "flashjit/codegen/kernel_spec.hpp"
+#include "flashjit/device.hpp"
+#include "flashjit/error.hpp"
+#include "flashjit/kernel_cache.hpp"
+
+namespace flashjit {
+
+enum class ScalarType { float16, bfloat16, float32, int32 };
+const char* to_string(ScalarType t);
+int element_size(ScalarType t);
+
+struct TensorView {
+  void* data = nullptr;
+  ScalarType dtype = ScalarType::bfloat16;
+  int device = 0;  // CUDA ordinal the memory lives on
+  int rank = 0;
+  int64_t shape[4] = {0, 0, 0, 0};
+  int64_t strides[4] = {0, 0, 0, 0};  // in elements
+
+  // A row-major contiguous view of `shape` (rank 1 to 4).
+  static TensorView contiguous(void* data, ScalarType dtype, std::initializer_list<int64_t> shape,
+                               int device = 0);
+  int64_t numel() const;
+};
+
+// Which kernel family serves a call. `automatic` is the dispatcher's choice; the others force a
+// family (tests, benchmarks) and fail with Error(unsupported) where it cannot serve the problem.
+enum class Backend { automatic, reference };
+
+struct AttentionOptions {
+  std::optional<float> softmax_scale;  // default 1 / sqrt(head_dim)
+  bool causal = false;                 // bottom-right aligned when seqlen_q != seqlen_k
+  int window_left = -1;                // sliding window (FlashAttention's window_size); -1 = none
+  int window_right = -1;
+  float softcap = 0.f;                 // > 0: scores = softcap * tanh(scores / softcap)
+  Backend backend = Backend::automatic;
+  void* stream = nullptr;              // CUstream; nullptr = the legacy default stream
+};
+
+// A packed variable-length batch: sequence b of q occupies rows [cu_seqlens_q[b], cu_seqlens_q[b+1]).
+struct VarlenBatch {
+  TensorView cu_seqlens_q;  // int32 (batch + 1), on the device, non-decreasing, starting at 0
+  TensorView cu_seqlens_k;
+  int max_seqlen_q = 0;
+  int max_seqlen_k = 0;
+};
+
+class Runtime {
+ public:
+  explicit Runtime(CacheConfig cache = CacheConfig::from_environment());
+  ~Runtime();
+  Runtime(const Runtime&) = delete;
+  Runtime& operator=(const Runtime&) = delete;
+
+  // The process-wide runtime configured from FLASHJIT_* variables (what the C API uses).
+  static Runtime& global();
+
+  // out = softmax(scale * q k^T + mask) v, per head.
+  //   q, out: (batch, seqlen_q, heads_q, head_dim)   k, v: (batch, seqlen_k, heads_kv, head_dim)
+  //   lse:    optional float32 (batch, heads_q, seqlen_q), natural-log logsumexp of each row
+  // fp16 or bf16; heads_q a multiple of heads_kv; head_dim a multiple of 8 up to 256.
+  void forward(const TensorView& q, const TensorView& k, const TensorView& v,
+               const TensorView& out, const TensorView* lse, const AttentionOptions& options = {});
+
+  // Variable-length: q, out (total_q, heads_q, head_dim); k, v (total_k, heads_kv, head_dim);
+  // lse optional float32 (heads_q, total_q).
+  void forward_varlen(const TensorView& q, const TensorView& k, const TensorView& v,
+                      const TensorView& out, const TensorView* lse, const VarlenBatch& batch,
+                      const AttentionOptions& options = {});
+
+  KernelCache& kernel_cache();
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace flashjit

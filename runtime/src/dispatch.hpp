@@ -1,0 +1,15 @@
+// runtime/dispatch: ForwardProblem + device -> KernelSpec. Never times anything; a heuristic
+// answer always exists for a supported problem.
+#pragma once
+
+#include "flashjit/device.hpp"
+#include "problem.hpp"
+
+namespace flashjit::detail {
+
+// The smallest kernel head dim of `family` that holds `head_dim`.
+int kernel_head_dim(Family family, int head_dim);
+
+KernelSpec select_forward_kernel(const ForwardProblem& problem, const DeviceProperties& device);
+
+}  // namespace flashjit::detail

@@ -1,0 +1,88 @@
+#include "module_cache.hpp"
+
+#include <fmt/format.h>
+
+#include "flashjit/codegen/render.hpp"
+#include "flashjit/error.hpp"
+
+namespace flashjit::detail {
+
+LoadedKernel::~LoadedKernel() {
+  // At process exit the driver may already be torn down; unloading is then best effort.
+  if (library != nullptr && driver_available()) driver().cuLibraryUnload(library);
+}
+
+void check_shared_memory(const CompiledKernel& kernel, int dynamic_smem_bytes,
+                         const DeviceProperties& device) {
+  int static_bytes = 0;
+  for (const auto& e : kernel.entries) static_bytes = std::max(static_bytes, e.static_smem_bytes);
+  const int total = static_bytes + dynamic_smem_bytes;
+  if (total > device.max_smem_per_block_optin)
+    throw Error(ErrorCode::out_of_resources, "launch",
+                fmt::format("kernel {} needs {} bytes of shared memory per block ({} static + {} "
+                            "dynamic), but device {} ({}) allows {}",
+                            kernel.spec.name(), total, static_bytes, dynamic_smem_bytes,
+                            device.ordinal, device.name, device.max_smem_per_block_optin));
+}
+
+const LoadedKernel& ModuleCache::get(const KernelSpec& spec, const DeviceProperties& device) {
+  std::shared_ptr<LoadedKernel> kernel;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    auto it = loaded_.find(spec);
+    if (it != loaded_.end()) kernel = it->second;
+  }
+  if (!kernel) {
+    // Compile (or read from disk) outside the lock: KernelCache already makes that once per spec.
+    auto compiled = kernels_.get(spec);
+    auto fresh = std::make_shared<LoadedKernel>();
+    fresh->compiled = compiled;
+    fresh->dynamic_smem_bytes = dynamic_smem_bytes(spec);
+    FLASHJIT_CU(cuLibraryLoadData, &fresh->library, compiled->cubin.data(), nullptr, nullptr, 0,
+                nullptr, nullptr, 0);
+    for (const auto& name : compiled->entry_names) {
+      CUkernel entry = nullptr;
+      FLASHJIT_CU(cuLibraryGetKernel, &entry, fresh->library, name.c_str());
+      fresh->entries.push_back(entry);
+    }
+    std::lock_guard<std::mutex> lock(mutex_);
+    auto [it, inserted] = loaded_.emplace(spec, fresh);
+    kernel = it->second;  // another thread may have won; its copy is identical
+  }
+  const uint64_t bit = uint64_t{1} << (device.ordinal & 63);
+  if ((kernel->configured_devices.load(std::memory_order_acquire) & bit) == 0) {
+    check_shared_memory(*kernel->compiled, kernel->dynamic_smem_bytes, device);
+    CUdevice cu_device;
+    FLASHJIT_CU(cuDeviceGet, &cu_device, device.ordinal);
+    for (CUkernel entry : kernel->entries)
+      FLASHJIT_CU(cuKernelSetAttribute, CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                  kernel->dynamic_smem_bytes, entry, cu_device);
+    kernel->configured_devices.fetch_or(bit, std::memory_order_release);
+  }
+  return *kernel;
+}
+
+void make_context_current(int device) {
+  const DriverApi& api = driver();
+  CUcontext current = nullptr;
+  FLASHJIT_CU(cuCtxGetCurrent, &current);
+  CUdevice cu_device;
+  FLASHJIT_CU(cuDeviceGet, &cu_device, device);
+  if (current != nullptr) {
+    CUdevice current_device;
+    if (api.cuCtxGetDevice(&current_device) == CUDA_SUCCESS && current_device == cu_device) return;
+  }
+  // Retained once per device and held for the life of the process (as the runtime API does).
+  static std::mutex mutex;
+  static std::unordered_map<CUdevice, CUcontext> primary_contexts;
+  CUcontext primary = nullptr;
+  {
+    std::lock_guard<std::mutex> lock(mutex);
+    CUcontext& slot = primary_contexts[cu_device];
+    if (slot == nullptr) FLASHJIT_CU(cuDevicePrimaryCtxRetain, &slot, cu_device);
+    primary = slot;
+  }
+  FLASHJIT_CU(cuCtxSetCurrent, primary);
+}
+
+}  // namespace flashjit::detail

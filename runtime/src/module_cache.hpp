@@ -1,0 +1,49 @@
+// runtime/driver side of the cache: cubins loaded as context-independent CUlibrary objects, with
+// each entry's launch attributes set once per device. Lookups by spec are the hot path of every
+// call, so they hash the spec's fields, never the source.
+#pragma once
+
+#include <atomic>
+#include <memory>
+#include <mutex>
+#include <unordered_map>
+#include <vector>
+
+#include "driver.hpp"
+#include "flashjit/device.hpp"
+#include "flashjit/kernel_cache.hpp"
+
+namespace flashjit::detail {
+
+struct LoadedKernel {
+  std::shared_ptr<const CompiledKernel> compiled;
+  CUlibrary library = nullptr;
+  std::vector<CUkernel> entries;       // in the family's entry order
+  int dynamic_smem_bytes = 0;          // what the main entry is launched with
+  std::atomic<uint64_t> configured_devices{0};  // bit d: attributes set for device d
+
+  ~LoadedKernel();
+};
+
+// Throws Error(out_of_resources) when static + dynamic shared memory exceeds what `device` allows a
+// block (ptxas' static figure comes from the compiled kernel's stats).
+void check_shared_memory(const CompiledKernel& kernel, int dynamic_smem_bytes,
+                         const DeviceProperties& device);
+
+class ModuleCache {
+ public:
+  explicit ModuleCache(KernelCache& kernels) : kernels_(kernels) {}
+
+  // Compiles or loads on first use; sets the dynamic smem limit for `device` on first use there.
+  const LoadedKernel& get(const KernelSpec& spec, const DeviceProperties& device);
+
+ private:
+  KernelCache& kernels_;
+  std::mutex mutex_;
+  std::unordered_map<KernelSpec, std::shared_ptr<LoadedKernel>, KernelSpecHash> loaded_;
+};
+
+// Makes the device's primary context current unless a context of that device already is.
+void make_context_current(int device);
+
+}  // namespace flashjit::detail

@@ -1,0 +1,279 @@
+#include "problem.hpp"
+
+#include <cmath>
+#include <string>
+
+#include <fmt/format.h>
+
+#include "driver.hpp"
+
+namespace flashjit {
+
+const char* to_string(ScalarType t) {
+  switch (t) {
+    case ScalarType::float16: return "float16";
+    case ScalarType::bfloat16: return "bfloat16";
+    case ScalarType::float32: return "float32";
+    case ScalarType::int32: return "int32";
+  }
+  return "unknown";
+}
+
+int element_size(ScalarType t) { return t == ScalarType::float16 || t == ScalarType::bfloat16 ? 2 : 4; }
+
+TensorView TensorView::contiguous(void* data, ScalarType dtype, std::initializer_list<int64_t> shape,
+                                  int device) {
+  TensorView view;
+  view.data = data;
+  view.dtype = dtype;
+  view.device = device;
+  view.rank = static_cast<int>(shape.size());
+  if (view.rank < 1 || view.rank > 4)
+    throw Error(ErrorCode::invalid_argument, "TensorView::contiguous",
+                fmt::format("rank must be 1 to 4, got {}", view.rank));
+  int i = 0;
+  for (int64_t extent : shape) view.shape[i++] = extent;
+  int64_t stride = 1;
+  for (int d = view.rank - 1; d >= 0; --d) {
+    view.strides[d] = stride;
+    stride *= view.shape[d];
+  }
+  return view;
+}
+
+int64_t TensorView::numel() const {
+  int64_t n = 1;
+  for (int d = 0; d < rank; ++d) n *= shape[d];
+  return n;
+}
+
+namespace detail {
+namespace {
+
+constexpr int kMaxHeadDim = 256;
+constexpr int kVectorElements = 8;  // 16-byte loads of 16-bit elements
+
+Error bad(const std::string& message) { return Error(ErrorCode::invalid_argument, "forward", message); }
+
+std::string shape_text(const TensorView& t) {
+  std::string s = "(";
+  for (int d = 0; d < t.rank; ++d) s += fmt::format("{}{}", d ? ", " : "", t.shape[d]);
+  return s + ")";
+}
+
+void check_rank(const TensorView& t, const char* name, int rank, const char* layout) {
+  if (t.data == nullptr) throw bad(fmt::format("{}: data pointer is null", name));
+  if (t.rank != rank)
+    throw bad(fmt::format("{}: expected {} dims {}, got {} dims {}", name, rank, layout, t.rank,
+                          shape_text(t)));
+  for (int d = 0; d < rank; ++d)
+    if (t.shape[d] < 0) throw bad(fmt::format("{}: negative extent in shape {}", name, shape_text(t)));
+}
+
+// Last dim contiguous, other strides multiples of 8 elements and the base 16-byte aligned, so the
+// kernels can move 16 bytes per load.
+void check_attention_layout(const TensorView& t, const char* name) {
+  const int last = t.rank - 1;
+  if (t.strides[last] != 1 && t.shape[last] > 1)
+    throw bad(fmt::format("{}: the last dim (head_dim) must be contiguous (stride 1), got stride {}",
+                          name, t.strides[last]));
+  for (int d = 0; d < last; ++d)
+    if (t.strides[d] % kVectorElements != 0 && t.shape[d] > 1)
+      throw bad(fmt::format("{}: stride {} of dim {} is not a multiple of {} elements (16 bytes), "
+                            "which the kernels' vector loads need",
+                            name, t.strides[d], d, kVectorElements));
+  if (reinterpret_cast<uintptr_t>(t.data) % 16 != 0)
+    throw bad(fmt::format("{}: data pointer {} is not 16-byte aligned", name, t.data));
+}
+
+void check_same(const TensorView& a, const char* a_name, const TensorView& b, const char* b_name) {
+  if (a.dtype != b.dtype)
+    throw bad(fmt::format("{}: dtype {} differs from {}'s {}", b_name, to_string(b.dtype), a_name,
+                          to_string(a.dtype)));
+  if (a.device != b.device)
+    throw bad(fmt::format("{}: on device {}, but {} is on device {}", b_name, b.device, a_name,
+                          a.device));
+}
+
+void check_shape(const TensorView& t, const char* name, std::initializer_list<int64_t> expected,
+                 const char* layout) {
+  int d = 0;
+  bool same = t.rank == static_cast<int>(expected.size());
+  for (int64_t e : expected) same = same && t.shape[d++] == e;
+  if (!same) {
+    std::string want = "(";
+    d = 0;
+    for (int64_t e : expected) want += fmt::format("{}{}", d++ ? ", " : "", e);
+    throw bad(fmt::format("{}: expected shape {} {}, got {}", name, want + ")", layout, shape_text(t)));
+  }
+}
+
+int to_int(int64_t value, const char* what) {
+  if (value > (1LL << 31) - 1) throw bad(fmt::format("{} {} does not fit in 32 bits", what, value));
+  return static_cast<int>(value);
+}
+
+}  // namespace
+
+void check_device_pointer(const TensorView& view, const char* name) {
+  int ordinal = -1;
+  CUresult r = driver().cuPointerGetAttribute(&ordinal, CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL,
+                                              reinterpret_cast<CUdeviceptr>(view.data));
+  if (r != CUDA_SUCCESS)
+    throw bad(fmt::format("{}: {} is not CUDA device memory", name, view.data));
+  if (ordinal != view.device)
+    throw bad(fmt::format("{}: memory is on device {}, but the view says device {}", name, ordinal,
+                          view.device));
+}
+
+ForwardProblem make_forward_problem(const TensorView& q, const TensorView& k, const TensorView& v,
+                                    const TensorView& out, const TensorView* lse,
+                                    const VarlenBatch* varlen, const AttentionOptions& options) {
+  ForwardProblem p;
+  p.is_varlen = varlen != nullptr;
+  const int rank = p.is_varlen ? 3 : 4;
+  const char* q_layout = p.is_varlen ? "(total_q, heads_q, head_dim)" : "(batch, seqlen_q, heads_q, head_dim)";
+  const char* kv_layout = p.is_varlen ? "(total_k, heads_kv, head_dim)" : "(batch, seqlen_k, heads_kv, head_dim)";
+  check_rank(q, "q", rank, q_layout);
+  check_rank(k, "k", rank, kv_layout);
+  check_rank(v, "v", rank, kv_layout);
+  check_rank(out, "out", rank, q_layout);
+  if (q.dtype != ScalarType::float16 && q.dtype != ScalarType::bfloat16)
+    throw bad(fmt::format("q: expected dtype float16 or bfloat16, got {}", to_string(q.dtype)));
+  check_same(q, "q", k, "k");
+  check_same(q, "q", v, "v");
+  check_same(q, "q", out, "out");
+  if (q.device < 0) throw bad(fmt::format("q: device {} is not a CUDA device ordinal", q.device));
+
+  const int s = p.is_varlen ? 0 : 1;  // index of the seqlen dim
+  const int64_t head_dim = q.shape[rank - 1];
+  const int64_t heads_q = q.shape[rank - 2], heads_kv = k.shape[rank - 2];
+  if (head_dim > kMaxHeadDim || head_dim % 8 != 0 || head_dim == 0)
+    throw bad(fmt::format("q: head_dim {} is not supported (expected a multiple of 8, at most {})",
+                          head_dim, kMaxHeadDim));
+  if (heads_kv == 0 || heads_q % heads_kv != 0)
+    throw bad(fmt::format("k: heads_kv {} must divide heads_q {} (GQA/MQA)", heads_kv, heads_q));
+  if (p.is_varlen) {
+    check_shape(k, "k", {k.shape[0], heads_kv, head_dim}, kv_layout);
+    check_shape(v, "v", {k.shape[0], heads_kv, head_dim}, kv_layout);
+  } else {
+    check_shape(k, "k", {q.shape[0], k.shape[1], heads_kv, head_dim}, kv_layout);
+    check_shape(v, "v", {q.shape[0], k.shape[1], heads_kv, head_dim}, kv_layout);
+  }
+  if (p.is_varlen)
+    check_shape(out, "out", {q.shape[0], heads_q, head_dim}, q_layout);
+  else
+    check_shape(out, "out", {q.shape[0], q.shape[1], heads_q, head_dim}, q_layout);
+  for (const auto& [view, name] : {std::pair{&q, "q"}, {&k, "k"}, {&v, "v"}, {&out, "out"}})
+    check_attention_layout(*view, name);
+
+  p.dtype = q.dtype == ScalarType::float16 ? DType::fp16 : DType::bf16;
+  p.device = q.device;
+  p.heads_q = to_int(heads_q, "heads_q");
+  p.heads_kv = to_int(heads_kv, "heads_kv");
+  p.head_dim = static_cast<int>(head_dim);
+  if (p.heads_q > 65535) throw bad(fmt::format("q: {} heads exceed the grid limit of 65535", p.heads_q));
+
+  AttentionFwdParams& a = p.params;
+  if (p.is_varlen) {
+    const auto& cq = varlen->cu_seqlens_q;
+    const auto& ck = varlen->cu_seqlens_k;
+    check_rank(cq, "cu_seqlens_q", 1, "(batch + 1)");
+    check_rank(ck, "cu_seqlens_k", 1, "(batch + 1)");
+    for (const auto& [view, name] : {std::pair{&cq, "cu_seqlens_q"}, {&ck, "cu_seqlens_k"}}) {
+      if (view->dtype != ScalarType::int32)
+        throw bad(fmt::format("{}: expected dtype int32, got {}", name, to_string(view->dtype)));
+      if (view->strides[0] != 1 && view->shape[0] > 1)
+        throw bad(fmt::format("{}: must be contiguous, got stride {}", name, view->strides[0]));
+      if (view->device != q.device)
+        throw bad(fmt::format("{}: on device {}, but q is on device {}", name, view->device, q.device));
+      if (view->shape[0] < 1) throw bad(fmt::format("{}: needs at least one element", name));
+    }
+    if (cq.shape[0] != ck.shape[0])
+      throw bad(fmt::format("cu_seqlens_k: {} entries, but cu_seqlens_q has {}", ck.shape[0], cq.shape[0]));
+    if (varlen->max_seqlen_q < 0 || varlen->max_seqlen_k < 0)
+      throw bad("max_seqlen_q and max_seqlen_k must be non-negative");
+    if (varlen->max_seqlen_q > q.shape[0])
+      throw bad(fmt::format("max_seqlen_q {} exceeds total_q {}", varlen->max_seqlen_q, q.shape[0]));
+    if (varlen->max_seqlen_k > k.shape[0])
+      throw bad(fmt::format("max_seqlen_k {} exceeds total_k {}", varlen->max_seqlen_k, k.shape[0]));
+    p.batch = to_int(cq.shape[0] - 1, "batch");
+    p.seqlen_q = varlen->max_seqlen_q;
+    p.seqlen_k = varlen->max_seqlen_k;
+    a.cu_seqlens_q = static_cast<const int*>(cq.data);
+    a.cu_seqlens_k = static_cast<const int*>(ck.data);
+  } else {
+    p.batch = to_int(q.shape[0], "batch");
+    p.seqlen_q = to_int(q.shape[1], "seqlen_q");
+    p.seqlen_k = to_int(k.shape[1], "seqlen_k");
+  }
+  if (p.batch > 65535) throw bad(fmt::format("batch {} exceeds the grid limit of 65535", p.batch));
+
+  if (lse != nullptr) {
+    if (lse->dtype != ScalarType::float32)
+      throw bad(fmt::format("lse: expected dtype float32, got {}", to_string(lse->dtype)));
+    if (lse->device != q.device)
+      throw bad(fmt::format("lse: on device {}, but q is on device {}", lse->device, q.device));
+    if (p.is_varlen) {
+      check_shape(*lse, "lse", {heads_q, q.shape[0]}, "(heads_q, total_q)");
+      a.lse_batch_stride = 0;
+      a.lse_head_stride = lse->strides[0];
+    } else {
+      check_shape(*lse, "lse", {q.shape[0], heads_q, q.shape[1]}, "(batch, heads_q, seqlen_q)");
+      a.lse_batch_stride = lse->strides[0];
+      a.lse_head_stride = lse->strides[1];
+    }
+    if (lse->strides[lse->rank - 1] != 1 && lse->shape[lse->rank - 1] > 1)
+      throw bad(fmt::format("lse: rows must be contiguous (last stride 1), got stride {}",
+                            lse->strides[lse->rank - 1]));
+    if (reinterpret_cast<uintptr_t>(lse->data) % 4 != 0)
+      throw bad(fmt::format("lse: data pointer {} is not 4-byte aligned", lse->data));
+    a.lse = static_cast<float*>(lse->data);
+  }
+
+  // Options.
+  if (options.window_left < -1 || options.window_right < -1)
+    throw bad(fmt::format("window_size ({}, {}): each side must be -1 (unbounded) or >= 0",
+                          options.window_left, options.window_right));
+  if (!(options.softcap >= 0.f) || std::isinf(options.softcap))
+    throw bad(fmt::format("softcap must be finite and >= 0, got {}", options.softcap));
+  const float scale = options.softmax_scale.value_or(1.f / std::sqrt(static_cast<float>(head_dim)));
+  if (!std::isfinite(scale)) throw bad(fmt::format("softmax_scale must be finite, got {}", scale));
+
+  int window_left = options.window_left, window_right = options.window_right;
+  if (options.causal) window_right = 0;
+  if (window_left >= 0 || window_right >= 0)
+    p.mask = window_left < 0 && window_right == 0 ? MaskKind::causal : MaskKind::window;
+  p.has_softcap = options.softcap > 0.f;
+  p.backend = options.backend;
+  p.stream = options.stream;
+
+  a.q = q.data;
+  a.k = k.data;
+  a.v = v.data;
+  a.o = out.data;
+  auto strides = [&](const TensorView& t, long long& batch_stride, long long& row_stride,
+                     long long& head_stride) {
+    batch_stride = p.is_varlen ? 0 : t.strides[0];
+    row_stride = t.strides[s];
+    head_stride = t.strides[s + 1];
+  };
+  strides(q, a.q_batch_stride, a.q_row_stride, a.q_head_stride);
+  strides(k, a.k_batch_stride, a.k_row_stride, a.k_head_stride);
+  strides(v, a.v_batch_stride, a.v_row_stride, a.v_head_stride);
+  strides(out, a.o_batch_stride, a.o_row_stride, a.o_head_stride);
+  a.batch = p.batch;
+  a.num_heads_q = p.heads_q;
+  a.num_heads_kv = p.heads_kv;
+  a.head_dim = p.head_dim;
+  a.seqlen_q = p.seqlen_q;
+  a.seqlen_k = p.seqlen_k;
+  a.window_left = p.mask == MaskKind::none ? -1 : window_left;
+  a.window_right = p.mask == MaskKind::none ? -1 : window_right;
+  a.softmax_scale = scale;
+  a.softcap = options.softcap;
+  return p;
+}
+
+}  // namespace detail
+}  // namespace flashjit

@@ -1,0 +1,39 @@
+// runtime/api: validate the caller's tensors and options into a ForwardProblem (shapes, flags and
+// the kernel arguments). Nothing here touches the GPU except the pointer checks, and everything is
+// checked before anything is launched.
+#pragma once
+
+#include "common/params.cuh"
+#include "flashjit/flashjit.hpp"
+
+namespace flashjit::detail {
+
+struct ForwardProblem {
+  DType dtype = DType::bf16;
+  int device = 0;
+  int batch = 0;
+  int seqlen_q = 0;  // max over the batch when varlen
+  int seqlen_k = 0;
+  int heads_q = 0;
+  int heads_kv = 0;
+  int head_dim = 0;
+  bool is_varlen = false;
+  MaskKind mask = MaskKind::none;
+  bool has_softcap = false;
+  Backend backend = Backend::automatic;
+  void* stream = nullptr;
+  AttentionFwdParams params{};
+
+  bool is_empty() const { return batch == 0 || seqlen_q == 0 || heads_q == 0; }
+};
+
+// Throw Error(invalid_argument) naming the argument and what was expected.
+ForwardProblem make_forward_problem(const TensorView& q, const TensorView& k, const TensorView& v,
+                                    const TensorView& out, const TensorView* lse,
+                                    const VarlenBatch* varlen, const AttentionOptions& options);
+
+// Checks that `view.data` is device memory on `view.device` (a host pointer would fault the kernel
+// and poison the context). Needs the driver.
+void check_device_pointer(const TensorView& view, const char* name);
+
+}  // namespace flashjit::detail

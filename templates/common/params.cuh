@@ -1,0 +1,39 @@
+// Kernel arguments shared verbatim by the host (runtime/ includes this file) and the device
+// families, so their layout cannot drift. Plain C++ only: no CUDA keywords, no toolkit headers.
+#pragma once
+
+namespace flashjit {
+
+// Forward attention, all families. Tensors are (batch, seqlen, heads, head_dim) in any stride order
+// with the last dim contiguous; strides are in elements. With cu_seqlens_q/k (varlen), sequences
+// are packed along the seqlen dim, batch strides are unused and seqlen_q/k hold the maximum length.
+struct AttentionFwdParams {
+  const void* q;
+  const void* k;
+  const void* v;
+  void* o;
+  float* lse;                // (batch, heads_q, seqlen_q) or, varlen, (heads_q, total_q); may be null
+  const int* cu_seqlens_q;   // (batch + 1) prefix sums, or null
+  const int* cu_seqlens_k;
+
+  long long q_batch_stride, q_row_stride, q_head_stride;
+  long long k_batch_stride, k_row_stride, k_head_stride;
+  long long v_batch_stride, v_row_stride, v_head_stride;
+  long long o_batch_stride, o_row_stride, o_head_stride;
+  long long lse_batch_stride, lse_head_stride;  // rows of one head are contiguous
+
+  int batch;
+  int num_heads_q;
+  int num_heads_kv;  // num_heads_q is a multiple of it (GQA / MQA)
+  int head_dim;      // the problem's; the kernel's kHeadDim may be larger (rounded up)
+  int seqlen_q;
+  int seqlen_k;
+  // Keys visible to query row i: [i + seqlen_k - seqlen_q - window_left,
+  //                                i + seqlen_k - seqlen_q + window_right]; < 0 means unbounded.
+  int window_left;
+  int window_right;
+  float softmax_scale;       // multiplies QK^T
+  float softcap;             // > 0: scores become softcap * tanh(scores / softcap)
+};
+
+}  // namespace flashjit

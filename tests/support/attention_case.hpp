@@ -1,0 +1,196 @@
+// One forward-attention test case on the GPU: random inputs (rounded to the dtype), device buffers
+// in the requested layout, poisoned outputs, a launch through the public API, and a comparison
+// with the float64 reference.
+#pragma once
+
+#include <cmath>
+#include <random>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "flashjit/flashjit.hpp"
+#include "support/attention_reference.hpp"
+#include "support/device_buffer.hpp"
+#include "support/half_precision.hpp"
+#include "support/tolerances.hpp"
+
+namespace flashjit::test {
+
+enum class Layout { bshd, bhsd };  // memory order of q/k/v/out (ignored for varlen: packed)
+
+struct Comparison {
+  size_t checked = 0;
+  size_t bad = 0;        // outside tolerance (NaN counts: unwritten elements stay NaN)
+  double max_abs = 0;    // largest |got - want|
+  std::string first_bad;
+  bool ok() const { return bad == 0; }
+};
+
+inline void compare(Comparison& c, double got, double want, Tolerance t, const std::string& where) {
+  ++c.checked;
+  const bool both_inf = std::isinf(want) && got == want;
+  const double err = both_inf ? 0.0 : std::fabs(got - want);
+  if (!(err <= t.atol + t.rtol * std::fabs(want))) {  // NaN fails here
+    if (c.bad++ == 0) {
+      std::ostringstream s;
+      s << where << ": got " << got << ", want " << want;
+      c.first_bad = s.str();
+    }
+  }
+  if (std::isfinite(err)) c.max_abs = std::max(c.max_abs, err);
+}
+
+class AttentionCase {
+ public:
+  AttentionCase(const AttentionShape& shape, DType dtype, uint64_t seed, Layout layout = Layout::bshd)
+      : shape_(shape), dtype_(dtype), layout_(shape.is_varlen() ? Layout::bshd : layout) {
+    std::mt19937_64 rng(seed);
+    std::normal_distribution<float> normal(0.f, 1.f);
+    auto fill = [&](std::vector<uint16_t>& bits, std::vector<double>& values, size_t n) {
+      bits.resize(n);
+      values.resize(n);
+      for (size_t i = 0; i < n; ++i) {
+        bits[i] = to_storage(dtype, normal(rng));
+        values[i] = from_storage(dtype, bits[i]);
+      }
+    };
+    const int d = shape.head_dim;
+    fill(q_bits_, q_, size_t(shape.total_q()) * shape.heads_q * d);
+    fill(k_bits_, k_, size_t(shape.total_k()) * shape.heads_kv * d);
+    fill(v_bits_, v_, size_t(shape.total_k()) * shape.heads_kv * d);
+    reference_attention(shape, q_, k_, v_, want_out_, want_lse_);
+  }
+
+  // Poisons the outputs, runs `runtime.forward` (or forward_varlen), synchronizes.
+  void run(Runtime& runtime, AttentionOptions options) {
+    const int d = shape_.head_dim;
+    DeviceBuffer q(q_bits_.size() * 2), k(k_bits_.size() * 2), v(v_bits_.size() * 2);
+    out_ = std::make_unique<DeviceBuffer>(q_bits_.size() * 2);
+    lse_ = std::make_unique<DeviceBuffer>(want_lse_.size() * 4);
+    q.upload(to_layout(q_bits_, shape_.seqlen_q, shape_.heads_q));
+    k.upload(to_layout(k_bits_, shape_.seqlen_k, shape_.heads_kv));
+    v.upload(to_layout(v_bits_, shape_.seqlen_k, shape_.heads_kv));
+    out_->poison();
+    lse_->poison();
+    const ScalarType t = dtype_ == DType::bf16 ? ScalarType::bfloat16 : ScalarType::float16;
+    options.causal = shape_.causal;
+    options.window_left = shape_.window_left;
+    options.window_right = shape_.window_right;
+    options.softcap = shape_.softcap;
+    if (shape_.scale != 0) options.softmax_scale = static_cast<float>(shape_.scale);
+    if (shape_.is_varlen()) {
+      std::vector<int> cu_q{0}, cu_k{0};
+      int max_q = 0, max_k = 0;
+      for (int b = 0; b < shape_.batch; ++b) {
+        cu_q.push_back(cu_q.back() + shape_.seqlens_q[b]);
+        cu_k.push_back(cu_k.back() + shape_.seqlens_k[b]);
+        max_q = std::max(max_q, shape_.seqlens_q[b]);
+        max_k = std::max(max_k, shape_.seqlens_k[b]);
+      }
+      DeviceBuffer cu_q_buffer(cu_q.size() * 4), cu_k_buffer(cu_k.size() * 4);
+      cu_q_buffer.upload(cu_q);
+      cu_k_buffer.upload(cu_k);
+      VarlenBatch batch{
+          TensorView::contiguous(cu_q_buffer.get(), ScalarType::int32, {int64_t(cu_q.size())}),
+          TensorView::contiguous(cu_k_buffer.get(), ScalarType::int32, {int64_t(cu_k.size())}), max_q,
+          max_k};
+      auto lse_view = TensorView::contiguous(lse_->get(), ScalarType::float32, {shape_.heads_q, shape_.total_q()});
+      runtime.forward_varlen(
+          TensorView::contiguous(q.get(), t, {shape_.total_q(), shape_.heads_q, d}),
+          TensorView::contiguous(k.get(), t, {shape_.total_k(), shape_.heads_kv, d}),
+          TensorView::contiguous(v.get(), t, {shape_.total_k(), shape_.heads_kv, d}),
+          TensorView::contiguous(out_->get(), t, {shape_.total_q(), shape_.heads_q, d}), &lse_view,
+          batch, options);
+      synchronize();
+    } else {
+      auto lse_view = TensorView::contiguous(lse_->get(), ScalarType::float32,
+                                             {shape_.batch, shape_.heads_q, shape_.seqlen_q});
+      runtime.forward(view(q.get(), t, shape_.seqlen_q, shape_.heads_q),
+                      view(k.get(), t, shape_.seqlen_k, shape_.heads_kv),
+                      view(v.get(), t, shape_.seqlen_k, shape_.heads_kv),
+                      view(out_->get(), t, shape_.seqlen_q, shape_.heads_q), &lse_view, options);
+      synchronize();
+    }
+    got_out_ = from_layout(out_->download<uint16_t>(), shape_.seqlen_q, shape_.heads_q);
+    got_lse_ = lse_->download<float>();
+  }
+
+  Comparison check_output(Tolerance t) const {
+    Comparison c;
+    const int d = shape_.head_dim;
+    for (size_t i = 0; i < want_out_.size(); ++i) {
+      const size_t row = i / (size_t(shape_.heads_q) * d);
+      const int head = static_cast<int>(i / d % shape_.heads_q), col = static_cast<int>(i % d);
+      compare(c, from_storage(dtype_, got_out_[i]), want_out_[i], t,
+              "out[row " + std::to_string(row) + ", head " + std::to_string(head) + ", dim " +
+                  std::to_string(col) + "]");
+    }
+    return c;
+  }
+
+  Comparison check_lse(Tolerance t) const {
+    Comparison c;
+    for (size_t i = 0; i < want_lse_.size(); ++i)
+      compare(c, got_lse_[i], want_lse_[i], t, "lse[" + std::to_string(i) + "]");
+    return c;
+  }
+
+  const std::vector<uint16_t>& output_bits() const { return got_out_; }
+  const std::vector<float>& lse_values() const { return got_lse_; }
+  std::string describe() const {
+    std::ostringstream s;
+    s << to_string(dtype_) << " b" << shape_.batch << " sq" << shape_.seqlen_q << " sk" << shape_.seqlen_k
+      << " hq" << shape_.heads_q << " hkv" << shape_.heads_kv << " d" << shape_.head_dim
+      << (shape_.causal ? " causal" : "") << " window(" << shape_.window_left << "," << shape_.window_right
+      << ") softcap " << shape_.softcap << (layout_ == Layout::bhsd ? " bhsd" : "")
+      << (shape_.is_varlen() ? " varlen" : "");
+    return s.str();
+  }
+
+ private:
+  // Strides for (batch, seqlen, heads, head_dim) in the chosen memory order.
+  TensorView view(void* data, ScalarType t, int seqlen, int heads) const {
+    const int d = shape_.head_dim;
+    TensorView v = TensorView::contiguous(data, t, {shape_.batch, seqlen, heads, d});
+    if (layout_ == Layout::bhsd) {
+      v.strides[0] = int64_t(heads) * seqlen * d;
+      v.strides[1] = d;
+      v.strides[2] = int64_t(seqlen) * d;
+    }
+    return v;
+  }
+  std::vector<uint16_t> to_layout(const std::vector<uint16_t>& bshd, int seqlen, int heads) const {
+    if (layout_ == Layout::bshd) return bshd;
+    std::vector<uint16_t> out(bshd.size());
+    const int d = shape_.head_dim;
+    for (int b = 0; b < shape_.batch; ++b)
+      for (int s = 0; s < seqlen; ++s)
+        for (int h = 0; h < heads; ++h)
+          for (int c = 0; c < d; ++c)
+            out[((size_t(b) * heads + h) * seqlen + s) * d + c] = bshd[((size_t(b) * seqlen + s) * heads + h) * d + c];
+    return out;
+  }
+  std::vector<uint16_t> from_layout(const std::vector<uint16_t>& mem, int seqlen, int heads) const {
+    if (layout_ == Layout::bshd) return mem;
+    std::vector<uint16_t> out(mem.size());
+    const int d = shape_.head_dim;
+    for (int b = 0; b < shape_.batch; ++b)
+      for (int s = 0; s < seqlen; ++s)
+        for (int h = 0; h < heads; ++h)
+          for (int c = 0; c < d; ++c)
+            out[((size_t(b) * seqlen + s) * heads + h) * d + c] = mem[((size_t(b) * heads + h) * seqlen + s) * d + c];
+    return out;
+  }
+
+  AttentionShape shape_;
+  DType dtype_;
+  Layout layout_;
+  std::vector<uint16_t> q_bits_, k_bits_, v_bits_;
+  std::vector<double> q_, k_, v_, want_out_, want_lse_;
+  std::unique_ptr<DeviceBuffer> out_, lse_;
+  std::vector<uint16_t> got_out_;
+  std::vector<float> got_lse_;
+};
+
+}  // namespace flashjit::test

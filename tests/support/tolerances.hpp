@@ -1,0 +1,27 @@
+// The one tolerance table for numerics tests, with the reasoning behind each row.
+//
+// Every check is |got - want| <= atol + rtol * |want| against the float64 reference computed from
+// the same rounded inputs, so only the kernel's own arithmetic and its output rounding count.
+// Inputs are N(0, 1): outputs are convex combinations of V rows, |O| <~ 3, LSE ~ log(seqlen_k).
+#pragma once
+
+#include "flashjit/codegen/kernel_spec.hpp"
+
+namespace flashjit::test {
+
+struct Tolerance {
+  double atol;
+  double rtol;
+};
+
+// reference_fwd: fp32 math throughout, then one rounding of O to the output type. Rounding costs
+// at most half an ulp: 2^-9 relative for bf16 (8-bit significand), 2^-12 for fp16 (11-bit). fp32
+// accumulation over <= 4k keys adds ~1e-6 absolute; atol covers it and values near zero.
+inline Tolerance reference_output_tolerance(DType dtype) {
+  return dtype == DType::bf16 ? Tolerance{2e-5, 1.0 / 256} : Tolerance{2e-5, 1.0 / 2048};
+}
+
+// LSE is fp32 and never rounded to 16 bits: fp32 sum and log over <= 4k terms.
+inline Tolerance reference_lse_tolerance() { return {2e-5, 2e-6}; }
+
+}  // namespace flashjit::test

@@ -1,0 +1,208 @@
+// The C and C++ APIs on a machine without a GPU: argument errors name the argument, and a valid
+// call fails cleanly with "no CUDA driver" instead of crashing.
+#include <catch2/catch.hpp>
+
+#include <cstring>
+#include <vector>
+
+#include "driver.hpp"
+#include "flashjit/flashjit.h"
+#include "flashjit/flashjit.hpp"
+
+namespace {
+
+// Host buffers stand in for device memory: every check here happens before the driver is asked.
+struct FakeTensors {
+  alignas(16) static inline unsigned char arena[1 << 20];
+
+  static flashjit_tensor tensor(int dtype, std::vector<int64_t> shape, size_t offset = 0) {
+    flashjit_tensor t{};
+    t.data = arena + offset;
+    t.dtype = dtype;
+    t.device = 0;
+    t.rank = static_cast<int32_t>(shape.size());
+    int64_t stride = 1;
+    for (int d = t.rank - 1; d >= 0; --d) {
+      t.shape[d] = shape[d];
+      t.strides[d] = stride;
+      stride *= shape[d];
+    }
+    return t;
+  }
+};
+
+struct Call {
+  flashjit_tensor q = FakeTensors::tensor(FLASHJIT_BFLOAT16, {2, 128, 8, 64});
+  flashjit_tensor k = FakeTensors::tensor(FLASHJIT_BFLOAT16, {2, 96, 2, 64});
+  flashjit_tensor v = FakeTensors::tensor(FLASHJIT_BFLOAT16, {2, 96, 2, 64});
+  flashjit_tensor out = FakeTensors::tensor(FLASHJIT_BFLOAT16, {2, 128, 8, 64});
+  flashjit_tensor lse = FakeTensors::tensor(FLASHJIT_FLOAT32, {2, 8, 128});
+  flashjit_attention_options options{};
+  Call() { flashjit_attention_options_init(&options); }
+
+  flashjit_status run(bool with_lse = true) {
+    return flashjit_forward(&q, &k, &v, &out, with_lse ? &lse : nullptr, &options);
+  }
+};
+
+void expect_invalid(Call& call, const char* message) {
+  INFO(message);
+  CHECK(call.run() == FLASHJIT_ERROR_INVALID_ARGUMENT);
+  CHECK_THAT(flashjit_last_error(), Catch::Contains(message));
+}
+
+}  // namespace
+
+TEST_CASE("options_init sets the documented defaults", "[api]") {
+  flashjit_attention_options o;
+  std::memset(&o, 0x5a, sizeof o);
+  flashjit_attention_options_init(&o);
+  CHECK(o.softmax_scale == 0.f);
+  CHECK(o.causal == 0);
+  CHECK(o.window_left == -1);
+  CHECK(o.window_right == -1);
+  CHECK(o.softcap == 0.f);
+  CHECK(o.backend == FLASHJIT_BACKEND_AUTO);
+  CHECK(o.stream == nullptr);
+}
+
+TEST_CASE("bad arguments are named in the error, nothing is launched", "[api]") {
+  Call c;
+  SECTION("null tensor") {
+    CHECK(flashjit_forward(nullptr, &c.k, &c.v, &c.out, nullptr, &c.options) ==
+          FLASHJIT_ERROR_INVALID_ARGUMENT);
+    CHECK_THAT(flashjit_last_error(), Catch::Contains("q is NULL"));
+  }
+  SECTION("null data") {
+    c.v.data = nullptr;
+    expect_invalid(c, "v: data pointer is null");
+  }
+  SECTION("wrong dtype") {
+    c.q.dtype = c.k.dtype = c.v.dtype = c.out.dtype = FLASHJIT_FLOAT32;
+    expect_invalid(c, "q: expected dtype float16 or bfloat16, got float32");
+  }
+  SECTION("mixed dtypes") {
+    c.k.dtype = FLASHJIT_FLOAT16;
+    expect_invalid(c, "k: dtype float16 differs from q's bfloat16");
+  }
+  SECTION("unknown dtype code") {
+    c.q.dtype = 42;
+    expect_invalid(c, "q: unknown dtype code 42");
+  }
+  SECTION("wrong rank") {
+    c.q = FakeTensors::tensor(FLASHJIT_BFLOAT16, {128, 8, 64});
+    expect_invalid(c, "q: expected 4 dims (batch, seqlen_q, heads_q, head_dim), got 3 dims (128, 8, 64)");
+  }
+  SECTION("k and v disagree") {
+    c.v = FakeTensors::tensor(FLASHJIT_BFLOAT16, {2, 95, 2, 64});
+    expect_invalid(c, "v: expected shape (2, 96, 2, 64)");
+  }
+  SECTION("batch mismatch") {
+    c.k = FakeTensors::tensor(FLASHJIT_BFLOAT16, {3, 96, 2, 64});
+    expect_invalid(c, "k: expected shape (2, 96, 2, 64)");
+  }
+  SECTION("out shape") {
+    c.out = FakeTensors::tensor(FLASHJIT_BFLOAT16, {2, 128, 8, 32});
+    expect_invalid(c, "out: expected shape (2, 128, 8, 64)");
+  }
+  SECTION("heads_q not a multiple of heads_kv") {
+    c.k = FakeTensors::tensor(FLASHJIT_BFLOAT16, {2, 96, 3, 64});
+    c.v = c.k;
+    expect_invalid(c, "heads_kv 3 must divide heads_q 8");
+  }
+  SECTION("head_dim over 256") {
+    for (auto* t : {&c.q, &c.k, &c.v, &c.out}) t->shape[3] = 264;
+    c.q = FakeTensors::tensor(FLASHJIT_BFLOAT16, {2, 128, 8, 264});
+    c.k = c.v = FakeTensors::tensor(FLASHJIT_BFLOAT16, {2, 96, 2, 264});
+    c.out = c.q;
+    expect_invalid(c, "head_dim 264 is not supported (expected a multiple of 8, at most 256)");
+  }
+  SECTION("head_dim not a multiple of 8") {
+    c.q = c.out = FakeTensors::tensor(FLASHJIT_BFLOAT16, {2, 128, 8, 60});
+    c.k = c.v = FakeTensors::tensor(FLASHJIT_BFLOAT16, {2, 96, 2, 60});
+    expect_invalid(c, "head_dim 60 is not supported");
+  }
+  SECTION("non-contiguous last dim") {
+    c.k.strides[3] = 2;
+    expect_invalid(c, "k: the last dim (head_dim) must be contiguous (stride 1), got stride 2");
+  }
+  SECTION("stride not a multiple of 16 bytes") {
+    c.q.strides[1] = 8 * 64 + 4;
+    expect_invalid(c, "q: stride 516 of dim 1 is not a multiple of 8 elements");
+  }
+  SECTION("misaligned pointer") {
+    c.out.data = static_cast<char*>(c.out.data) + 2;
+    expect_invalid(c, "out: data pointer");
+    CHECK_THAT(flashjit_last_error(), Catch::Contains("is not 16-byte aligned"));
+  }
+  SECTION("device mismatch") {
+    c.v.device = 1;
+    expect_invalid(c, "v: on device 1, but q is on device 0");
+  }
+  SECTION("lse dtype and shape") {
+    c.lse.dtype = FLASHJIT_BFLOAT16;
+    expect_invalid(c, "lse: expected dtype float32, got bfloat16");
+    c.lse = FakeTensors::tensor(FLASHJIT_FLOAT32, {2, 128, 8});
+    expect_invalid(c, "lse: expected shape (2, 8, 128) (batch, heads_q, seqlen_q), got (2, 128, 8)");
+  }
+  SECTION("bad options") {
+    c.options.window_left = -5;
+    expect_invalid(c, "window_size (-5, -1)");
+    c.options.window_left = -1;
+    c.options.softcap = -1.f;
+    expect_invalid(c, "softcap must be finite and >= 0");
+    c.options.softcap = 0.f;
+    c.options.backend = 99;
+    expect_invalid(c, "options.backend: unknown backend code 99");
+  }
+}
+
+TEST_CASE("varlen arguments are checked", "[api]") {
+  Call c;
+  c.q = c.out = FakeTensors::tensor(FLASHJIT_BFLOAT16, {300, 8, 64});
+  c.k = c.v = FakeTensors::tensor(FLASHJIT_BFLOAT16, {200, 2, 64});
+  c.lse = FakeTensors::tensor(FLASHJIT_FLOAT32, {8, 300});
+  flashjit_tensor cu_q = FakeTensors::tensor(FLASHJIT_INT32, {4});
+  flashjit_tensor cu_k = FakeTensors::tensor(FLASHJIT_INT32, {4});
+  auto run = [&](int max_q, int max_k) {
+    return flashjit_forward_varlen(&c.q, &c.k, &c.v, &c.out, &c.lse, &cu_q, &cu_k, max_q, max_k, &c.options);
+  };
+  cu_q.dtype = FLASHJIT_FLOAT32;
+  CHECK(run(100, 100) == FLASHJIT_ERROR_INVALID_ARGUMENT);
+  CHECK_THAT(flashjit_last_error(), Catch::Contains("cu_seqlens_q: expected dtype int32"));
+  cu_q.dtype = FLASHJIT_INT32;
+  cu_k = FakeTensors::tensor(FLASHJIT_INT32, {5});
+  CHECK(run(100, 100) == FLASHJIT_ERROR_INVALID_ARGUMENT);
+  CHECK_THAT(flashjit_last_error(), Catch::Contains("cu_seqlens_k: 5 entries, but cu_seqlens_q has 4"));
+  cu_k = FakeTensors::tensor(FLASHJIT_INT32, {4});
+  CHECK(run(400, 100) == FLASHJIT_ERROR_INVALID_ARGUMENT);
+  CHECK_THAT(flashjit_last_error(), Catch::Contains("max_seqlen_q 400 exceeds total_q 300"));
+  c.lse = FakeTensors::tensor(FLASHJIT_FLOAT32, {3, 8, 100});
+  CHECK(run(100, 100) == FLASHJIT_ERROR_INVALID_ARGUMENT);
+  CHECK_THAT(flashjit_last_error(), Catch::Contains("lse: expected shape (8, 300) (heads_q, total_q)"));
+}
+
+TEST_CASE("with no driver a valid call fails with a clear error, not a crash", "[api]") {
+  if (flashjit::detail::driver_available()) {
+    WARN("a CUDA driver is present: the no-driver path is not exercised here");
+    return;
+  }
+  Call c;
+  CHECK(c.run() == FLASHJIT_ERROR_NO_DRIVER);
+  CHECK_THAT(flashjit_last_error(), Catch::Contains("no CUDA driver") || Catch::Contains("libcuda.so.1"));
+  CHECK_THAT(flashjit_last_error(), Catch::Contains("libcuda.so.1"));
+  // The C++ API: a flashjit::Error with the no_driver code, every time.
+  flashjit::Runtime runtime(flashjit::CacheConfig{});
+  for (int attempt = 0; attempt < 2; ++attempt) {
+    try {
+      flashjit::device_count();
+      FAIL("device_count() worked without a driver");
+    } catch (const flashjit::Error& e) {
+      CHECK(e.code() == flashjit::ErrorCode::no_driver);
+    }
+  }
+  uint64_t compiles = 99;
+  CHECK(flashjit_cache_stats(nullptr, nullptr, &compiles) == FLASHJIT_OK);
+  CHECK(compiles == 0);
+  CHECK(std::strlen(flashjit_version()) > 0);
+}

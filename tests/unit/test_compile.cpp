@@ -1,0 +1,121 @@
+// The compile path with real NVRTC: a sweep of every family x arch x representative specs (fails
+// on spills or a register budget overrun), ptxas report parsing, and compile error messages.
+#include <catch2/catch.hpp>
+
+#include <algorithm>
+#include <future>
+#include <mutex>
+#include <thread>
+
+#include "compiler.hpp"
+#include "flashjit/error.hpp"
+#include "flashjit/kernel_cache.hpp"
+
+using namespace flashjit;
+
+namespace {
+
+// Representative specs of each family: every kernel head dim and dtype, with and without the
+// masks and softcap that add code.
+std::vector<KernelSpec> sweep_specs(const Arch& arch) {
+  std::vector<KernelSpec> specs;
+  for (Family f : all_families())
+    for (int d : {32, 64, 96, 128, 160, 192, 224, 256})
+      for (DType t : {DType::fp16, DType::bf16}) {
+        specs.push_back(default_spec(f, arch, t, d, MaskKind::none, false));
+        specs.push_back(default_spec(f, arch, t, d, MaskKind::window, true));
+      }
+  return specs;
+}
+
+}  // namespace
+
+TEST_CASE("compile sweep: every family and arch compiles without spills", "[compile]") {
+  for (const char* arch_name : {"sm_80", "sm_90a"}) {
+    const Arch arch = Arch::parse(arch_name);
+    const auto specs = sweep_specs(arch);
+    KernelCache cache(CacheConfig{});  // memory only: this measures NVRTC, not the disk
+    std::vector<std::future<std::shared_ptr<const CompiledKernel>>> jobs;
+    for (const auto& spec : specs)
+      jobs.push_back(std::async(std::launch::async, [&cache, spec] { return cache.get(spec); }));
+    double slowest_ms = 0;
+    for (size_t i = 0; i < specs.size(); ++i) {
+      auto kernel = jobs[i].get();
+      INFO(specs[i].name() << "\n" << kernel->log);
+      CHECK(kernel->cubin.size() > 1000);
+      CHECK(kernel->cubin.compare(0, 4, "\x7f" "ELF") == 0);
+      REQUIRE(kernel->entries.size() == kernel->entry_names.size());
+      for (const auto& e : kernel->entries) {
+        CHECK(e.registers > 0);
+        CHECK(e.spill_store_bytes == 0);
+        CHECK(e.spill_load_bytes == 0);
+        // The register budget __launch_bounds__ implies: 64K registers over threads x min blocks.
+        const int budget = std::min(255, 65536 / threads_per_block(specs[i]));
+        CHECK(e.registers <= budget);
+      }
+      slowest_ms = std::max(slowest_ms, kernel->compile_ms);
+    }
+    WARN(arch_name << ": " << specs.size() << " specs compiled, slowest " << slowest_ms
+                   << " ms (all at once on " << std::thread::hardware_concurrency() << " cores)");
+  }
+}
+
+TEST_CASE("ptxas reports are parsed per entry", "[compile]") {
+  const char* log =
+      "ptxas info    : 0 bytes gmem\n"
+      "ptxas info    : Compiling entry function 'first' for 'sm_90a'\n"
+      "ptxas info    : Function properties for first\n"
+      "ptxas         .     24 bytes stack frame, 8 bytes spill stores, 12 bytes spill loads\n"
+      "ptxas info    : Used 168 registers, used 1 barriers, 4096 bytes smem, 400 bytes cmem[0]\n"
+      "ptxas info    : Function properties for helper\n"
+      "ptxas         .     99 bytes stack frame, 99 bytes spill stores, 99 bytes spill loads\n"
+      "ptxas info    : Compiling entry function 'second' for 'sm_90a'\n"
+      "ptxas info    : Function properties for second\n"
+      "ptxas         .     0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads\n"
+      "ptxas info    : Used 40 registers, used 0 barriers, 364 bytes cmem[0]\n"
+      "ptxas info    : Compile time = 21.936 ms\n";
+  const auto entries = detail::parse_ptxas_stats(log);
+  REQUIRE(entries.size() == 2);
+  CHECK(entries[0].name == "first");
+  CHECK(entries[0].registers == 168);
+  CHECK(entries[0].barriers == 1);
+  CHECK(entries[0].static_smem_bytes == 4096);
+  CHECK(entries[0].stack_frame_bytes == 24);
+  CHECK(entries[0].spill_store_bytes == 8);
+  CHECK(entries[0].spill_load_bytes == 12);
+  CHECK(entries[1].name == "second");
+  CHECK(entries[1].registers == 40);
+  CHECK(entries[1].static_smem_bytes == 0);
+  CHECK(entries[1].spill_store_bytes == 0);  // the helper's line did not leak into it
+}
+
+TEST_CASE("a compile error quotes the log and numbered source lines", "[compile]") {
+  Source source;
+  source.spec_name = "broken_spec";
+  source.file_name = "broken_spec.cu";
+  source.text =
+      "#include \"common/types.cuh\"\n"
+      "extern \"C\" __global__ void broken(float* x) {\n"
+      "  x[0] = undefined_name;\n"
+      "}\n";
+  source.entry_names = {"broken"};
+  try {
+    detail::compile_source(source, Arch::parse("sm_80"));
+    FAIL("the broken source compiled");
+  } catch (const Error& e) {
+    CHECK(e.code() == ErrorCode::compile_failed);
+    const std::string message = e.what();
+    CHECK_THAT(message, Catch::Contains("broken_spec"));
+    CHECK_THAT(message, Catch::Contains("sm_80"));
+    CHECK_THAT(message, Catch::Contains("identifier \"undefined_name\" is undefined"));
+    CHECK_THAT(message, Catch::Contains(">     3 |   x[0] = undefined_name;"));
+    CHECK_THAT(message, Catch::Contains("      2 | extern \"C\""));
+  }
+}
+
+TEST_CASE("NVRTC knows the archs flashjit targets", "[compile]") {
+  CHECK(nvrtc_supports(Arch::parse("sm_80")));
+  CHECK(nvrtc_supports(Arch::parse("sm_90a")));
+  CHECK_FALSE(nvrtc_supports(Arch::parse("sm_51")));
+  CHECK(nvrtc_version().find('.') != std::string::npos);
+}

@@ -1,0 +1,114 @@
+// Dispatch heuristics on tabulated devices, and the shared-memory check at load time.
+#include <catch2/catch.hpp>
+
+#include "dispatch.hpp"
+#include "flashjit/error.hpp"
+#include "module_cache.hpp"
+#include "problem.hpp"
+
+using namespace flashjit;
+
+namespace {
+
+DeviceProperties device(const char* name, int major, int minor, int sms, int smem_optin) {
+  DeviceProperties d;
+  d.name = name;
+  d.cc_major = major;
+  d.cc_minor = minor;
+  d.sm_count = sms;
+  d.max_smem_per_block_optin = smem_optin;
+  return d;
+}
+
+const DeviceProperties kA100 = device("NVIDIA A100-SXM4-80GB", 8, 0, 108, 166912);
+const DeviceProperties kRtx4090 = device("NVIDIA GeForce RTX 4090", 8, 9, 128, 101376);
+const DeviceProperties kH200 = device("NVIDIA H200", 9, 0, 132, 232448);
+const DeviceProperties kV100 = device("Tesla V100-SXM2-32GB", 7, 0, 80, 98304);
+
+alignas(16) unsigned char arena[1 << 16];
+
+detail::ForwardProblem problem(int head_dim, bool causal = false, ScalarType dtype = ScalarType::bfloat16) {
+  auto q = TensorView::contiguous(arena, dtype, {2, 64, 4, head_dim});
+  auto k = TensorView::contiguous(arena, dtype, {2, 64, 4, head_dim});
+  AttentionOptions options;
+  options.causal = causal;
+  return detail::make_forward_problem(q, k, k, q, nullptr, nullptr, options);
+}
+
+}  // namespace
+
+TEST_CASE("dispatch targets the device's arch", "[dispatch]") {
+  CHECK(kA100.arch().name() == "sm_80");
+  CHECK(kRtx4090.arch().name() == "sm_89");
+  CHECK(kH200.arch().name() == "sm_90a");
+  for (const auto* d : {&kA100, &kRtx4090, &kH200}) {
+    const KernelSpec spec = detail::select_forward_kernel(problem(128), *d);
+    CHECK(spec.arch == d->arch());
+    CHECK_FALSE(spec.validate().has_value());
+  }
+  CHECK_THROWS_WITH(detail::select_forward_kernel(problem(128), kV100),
+                    Catch::Contains("needs sm_80 or newer"));
+}
+
+TEST_CASE("dispatch rounds head dims up and carries mask and dtype", "[dispatch]") {
+  const std::pair<int, int> rounding[] = {{8, 32}, {32, 32}, {40, 64}, {72, 96}, {128, 128},
+                                          {136, 160}, {200, 224}, {248, 256}, {256, 256}};
+  for (auto [given, kernel] : rounding) {
+    INFO("head_dim " << given);
+    CHECK(detail::select_forward_kernel(problem(given), kH200).head_dim == kernel);
+  }
+  const KernelSpec causal = detail::select_forward_kernel(problem(64, true, ScalarType::float16), kA100);
+  CHECK(causal.mask == MaskKind::causal);
+  CHECK(causal.dtype == DType::fp16);
+}
+
+TEST_CASE("options become mask kinds and kernel arguments", "[dispatch]") {
+  auto q = TensorView::contiguous(arena, ScalarType::bfloat16, {1, 10, 2, 64});
+  auto k = TensorView::contiguous(arena, ScalarType::bfloat16, {1, 20, 2, 64});
+  auto make = [&](AttentionOptions o) { return detail::make_forward_problem(q, k, k, q, nullptr, nullptr, o); };
+  AttentionOptions o;
+  CHECK(make(o).mask == MaskKind::none);
+  CHECK(make(o).params.softmax_scale == Approx(0.125f));
+  o.causal = true;
+  auto p = make(o);
+  CHECK(p.mask == MaskKind::causal);
+  CHECK(p.params.window_left == -1);
+  CHECK(p.params.window_right == 0);
+  o.window_left = 5;
+  p = make(o);
+  CHECK(p.mask == MaskKind::window);
+  CHECK(p.params.window_left == 5);
+  CHECK(p.params.window_right == 0);
+  o = {};
+  o.window_right = 3;
+  CHECK(make(o).mask == MaskKind::window);
+  o = {};
+  o.softcap = 30.f;
+  o.softmax_scale = 0.5f;
+  p = make(o);
+  CHECK(p.has_softcap);
+  CHECK(p.params.softcap == 30.f);
+  CHECK(p.params.softmax_scale == 0.5f);
+  CHECK(p.params.q_row_stride == 128);
+  CHECK(p.params.q_head_stride == 64);
+  CHECK(p.params.k_batch_stride == 20 * 128);
+}
+
+TEST_CASE("a kernel needing more shared memory than the device has is refused", "[dispatch]") {
+  CompiledKernel kernel;
+  kernel.spec = default_spec(Family::reference_fwd, Arch::parse("sm_80"), DType::bf16, 256);
+  EntryStats stats;
+  stats.name = "flashjit_reference_fwd";
+  stats.static_smem_bytes = 4096;
+  kernel.entries = {stats};
+  const DeviceProperties small = device("Tiny GPU", 8, 0, 1, 48 * 1024);
+  CHECK_NOTHROW(detail::check_shared_memory(kernel, 40 * 1024, small));
+  try {
+    detail::check_shared_memory(kernel, 48 * 1024, small);
+    FAIL("accepted 52 KB on a 48 KB device");
+  } catch (const Error& e) {
+    CHECK(e.code() == ErrorCode::out_of_resources);
+    CHECK_THAT(e.what(), Catch::Contains("needs 53248 bytes of shared memory per block (4096 static + "
+                                         "49152 dynamic)") && Catch::Contains("allows 49152"));
+  }
+}

@@ -1,0 +1,145 @@
+// KernelSpec: accept/reject tables, names, JSON round trip, hashing.
+#include <catch2/catch.hpp>
+#include <nlohmann/json.hpp>
+
+#include <unordered_set>
+
+#include "flashjit/codegen/kernel_spec.hpp"
+#include "flashjit/error.hpp"
+
+using namespace flashjit;
+using nlohmann::json;
+
+namespace {
+
+KernelSpec reference(int head_dim = 128, const char* arch = "sm_80") {
+  return default_spec(Family::reference_fwd, Arch::parse(arch), DType::bf16, head_dim);
+}
+
+}  // namespace
+
+TEST_CASE("Arch parses and prints CUDA arch names", "[spec]") {
+  CHECK(Arch::parse("sm_80").sm == 80);
+  CHECK_FALSE(Arch::parse("sm_80").arch_specific);
+  CHECK(Arch::parse("sm_90a").arch_specific);
+  CHECK(Arch::parse("sm_90a").name() == "sm_90a");
+  CHECK(Arch::parse("sm_100a").sm == 100);
+  for (const char* bad : {"", "sm_", "sm_9", "90a", "sm_90b", "compute_90", "sm_x0", "sm_1000"})
+    CHECK_THROWS_AS(Arch::parse(bad), Error);
+  CHECK_THROWS_WITH(Arch::parse("compute_90"), Catch::Contains("sm_80 or sm_90a"));
+}
+
+TEST_CASE("default specs of every family and head dim are legal", "[spec]") {
+  for (Family f : all_families())
+    for (int d : {32, 64, 96, 128, 160, 192, 224, 256})
+      for (const char* arch : {"sm_80", "sm_86", "sm_89", "sm_90a"})
+        for (DType t : {DType::fp16, DType::bf16})
+          for (MaskKind m : {MaskKind::none, MaskKind::causal, MaskKind::window}) {
+            KernelSpec s = default_spec(f, Arch::parse(arch), t, d, m, true);
+            INFO(s.name());
+            CHECK_FALSE(s.validate().has_value());
+          }
+}
+
+TEST_CASE("illegal specs are rejected with the reason", "[spec]") {
+  struct Case {
+    const char* what;
+    KernelSpec spec;
+    const char* reason;
+  };
+  auto with = [](auto change) {
+    KernelSpec s = reference();
+    change(s);
+    return s;
+  };
+  const Case cases[] = {
+      {"old arch", with([](KernelSpec& s) { s.arch = Arch::parse("sm_75"); }), "needs sm_80"},
+      {"head dim 48", with([](KernelSpec& s) { s.head_dim = 48; }), "no kernel for head_dim 48"},
+      {"head dim 512", with([](KernelSpec& s) { s.head_dim = 512; }), "no kernel for head_dim 512"},
+      {"3 warps", with([](KernelSpec& s) { s.num_warps = 3; s.block_m = 3; }), "num_warps must be"},
+      {"block_m != warps", with([](KernelSpec& s) { s.block_m = 8; }), "block_m must equal"},
+      {"block_n 64", with([](KernelSpec& s) { s.block_n = 64; }), "block_n must be 32"},
+      {"2 stages", with([](KernelSpec& s) { s.num_stages = 2; }), "num_stages must be 1"},
+      {"zero warps", with([](KernelSpec& s) { s.num_warps = 0; }), "must be positive"},
+  };
+  for (const auto& c : cases) {
+    INFO(c.what);
+    auto reason = c.spec.validate();
+    REQUIRE(reason.has_value());
+    CHECK_THAT(*reason, Catch::Contains(c.reason));
+  }
+}
+
+TEST_CASE("spec names are readable and stable", "[spec]") {
+  // Names are part of cache paths and tuning DBs: changing them orphans users' caches.
+  CHECK(reference().name() == "reference_fwd_bf16_d128_m4n32w4s1_sm80");
+  KernelSpec s = default_spec(Family::reference_fwd, Arch::parse("sm_90a"), DType::fp16, 64,
+                              MaskKind::causal, true);
+  CHECK(s.name() == "reference_fwd_fp16_d64_m4n32w4s1_causal_softcap_sm90a");
+  s.mask = MaskKind::window;
+  s.has_softcap = false;
+  CHECK(s.name() == "reference_fwd_fp16_d64_m4n32w4s1_window_sm90a");
+}
+
+TEST_CASE("names and hashes tell specs apart", "[spec]") {
+  std::unordered_set<std::string> names;
+  std::unordered_set<KernelSpec, KernelSpecHash> specs;
+  int count = 0;
+  for (int d : {32, 64, 96, 128, 160, 192, 224, 256})
+    for (DType t : {DType::fp16, DType::bf16})
+      for (MaskKind m : {MaskKind::none, MaskKind::causal, MaskKind::window})
+        for (bool softcap : {false, true})
+          for (const char* arch : {"sm_80", "sm_90", "sm_90a"})
+            for (int warps : {1, 2, 4, 8}) {
+              KernelSpec s = default_spec(Family::reference_fwd, Arch::parse(arch), t, d, m, softcap);
+              s.num_warps = s.block_m = warps;
+              names.insert(s.name());
+              specs.insert(s);
+              ++count;
+            }
+  CHECK(static_cast<int>(names.size()) == count);
+  CHECK(static_cast<int>(specs.size()) == count);
+}
+
+TEST_CASE("JSON round trip preserves every field", "[spec]") {
+  KernelSpec s = default_spec(Family::reference_fwd, Arch::parse("sm_90a"), DType::fp16, 96,
+                              MaskKind::window, true);
+  s.num_warps = s.block_m = 8;
+  const json j = s.to_json();
+  CHECK(j.at("arch") == "sm_90a");
+  CHECK(j.at("mask") == "window");
+  const KernelSpec back = KernelSpec::from_json(j);
+  CHECK(back == s);
+  CHECK(back.name() == s.name());
+  CHECK(KernelSpec::from_json(json::parse(j.dump())) == s);
+}
+
+TEST_CASE("JSON with unknown, missing or mistyped fields is rejected", "[spec]") {
+  const json good = reference().to_json();
+  auto rejects = [&](json j, const char* message) {
+    INFO(j.dump());
+    CHECK_THROWS_WITH(KernelSpec::from_json(j), Catch::Contains(message));
+  };
+  json j = good;
+  j["block_k"] = 32;
+  rejects(j, "unknown field 'block_k'");
+  j = good;
+  j.erase("head_dim");
+  rejects(j, "missing field 'head_dim'");
+  j = good;
+  j["head_dim"] = "128";
+  rejects(j, "'head_dim' must be an integer");
+  j = good;
+  j["head_dim"] = -4;
+  rejects(j, "out of range");
+  j = good;
+  j["dtype"] = "fp32";
+  rejects(j, "unknown dtype 'fp32'");
+  j = good;
+  j["family"] = "fa9";
+  rejects(j, "unknown family 'fa9'");
+  j = good;
+  j["softcap"] = 1;
+  rejects(j, "'softcap' must be true or false");
+  rejects(json::array(), "must be a JSON object");
+}

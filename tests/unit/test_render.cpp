@@ -1,0 +1,84 @@
+// render(): golden output, structure shared by all variants, and the embedded template bundle.
+#include <catch2/catch.hpp>
+
+#include <fstream>
+#include <sstream>
+
+#include "flashjit/codegen/render.hpp"
+#include "flashjit/error.hpp"
+
+using namespace flashjit;
+
+namespace {
+
+std::string read_text(const std::string& path) {
+  std::ifstream in(path);
+  std::stringstream buffer;
+  buffer << in.rdbuf();
+  return buffer.str();
+}
+
+// Set UPDATE_GOLDENS=1 to rewrite a golden after an intended change (then review the diff).
+void check_golden(const std::string& name, const std::string& text) {
+  const std::string path = std::string(FLASHJIT_GOLDEN_DIR) + "/" + name;
+  if (const char* update = std::getenv("UPDATE_GOLDENS"); update && std::string(update) == "1")
+    std::ofstream(path) << text;
+  INFO("golden file " << path << " (UPDATE_GOLDENS=1 rewrites it)");
+  CHECK(read_text(path) == text);
+}
+
+std::string prefix_before_config(const std::string& text) { return text.substr(0, text.find("struct Config")); }
+
+}  // namespace
+
+TEST_CASE("render output matches the golden", "[render]") {
+  KernelSpec s = default_spec(Family::reference_fwd, Arch::parse("sm_80"), DType::bf16, 128,
+                              MaskKind::causal);
+  const Source source = render(s);
+  CHECK(source.spec_name == s.name());
+  CHECK(source.file_name == s.name() + ".cu");
+  REQUIRE(source.entry_names == std::vector<std::string>{"flashjit_reference_fwd"});
+  check_golden("reference_fwd_bf16_d128_causal_sm80.cu", source.text);
+}
+
+TEST_CASE("variants differ only after the fixed include block", "[render]") {
+  // Same includes, then constexpr values: keeps NVRTC's precompiled-header path open.
+  const auto a = render(default_spec(Family::reference_fwd, Arch::parse("sm_80"), DType::bf16, 64));
+  const auto b = render(default_spec(Family::reference_fwd, Arch::parse("sm_90a"), DType::fp16,
+                                     256, MaskKind::window, true));
+  auto strip_first_line = [](const std::string& t) { return t.substr(t.find('\n') + 1); };
+  CHECK(prefix_before_config(strip_first_line(a.text)) == prefix_before_config(strip_first_line(b.text)));
+  CHECK_THAT(b.text, Catch::Contains("kHeadDim = 256;"));
+  CHECK_THAT(b.text, Catch::Contains("using Element = flashjit::kernels::half_t;"));
+  CHECK_THAT(b.text, Catch::Contains("kMask = flashjit::kernels::MaskKind::kWindow;"));
+  CHECK_THAT(b.text, Catch::Contains("kHasSoftcap = true;"));
+}
+
+TEST_CASE("render refuses an illegal spec and says why", "[render]") {
+  KernelSpec s = default_spec(Family::reference_fwd, Arch::parse("sm_80"), DType::bf16, 128);
+  s.head_dim = 100;
+  CHECK_THROWS_WITH(render(s), Catch::Contains("illegal kernel spec") &&
+                                   Catch::Contains("no kernel for head_dim 100"));
+}
+
+TEST_CASE("resource formulas", "[render]") {
+  KernelSpec s = default_spec(Family::reference_fwd, Arch::parse("sm_80"), DType::bf16, 128);
+  s.num_warps = s.block_m = 8;
+  CHECK(threads_per_block(s) == 256);
+  CHECK(dynamic_smem_bytes(s) == 0);
+}
+
+TEST_CASE("the template bundle holds every template with a content hash", "[render]") {
+  const TemplateBundle& bundle = template_bundle();
+  CHECK(bundle.hash.size() == 32);
+  std::vector<std::string> paths;
+  for (const auto& f : bundle.files) {
+    paths.emplace_back(f.path);
+    CHECK_FALSE(f.text.empty());
+    CHECK(f.text.data()[f.text.size()] == '\0');  // handed to NVRTC as C strings
+    // The bundle is the build-time copy of templates/: it must equal the checkout.
+    CHECK(read_text(std::string(FLASHJIT_TEMPLATE_DIR) + "/" + std::string(f.path)) == f.text);
+  }
+  CHECK(std::find(paths.begin(), paths.end(), "reference_fwd.cuh") != paths.end());
+  CHECK(std::find(paths.begin(), paths.end(), "common/params.cuh") != paths.end());
+}

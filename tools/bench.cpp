@@ -1,0 +1,219 @@
+// flashjit-bench: time flashjit's forward attention on the standard grid of DESIGN.md (B*S tokens,
+// H*D hidden), optionally checking every row against the reference kernel.
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <random>
+
+#include <nlohmann/json.hpp>
+
+#include "cli_common.hpp"
+#include "driver.hpp"
+#include "flashjit/flashjit.hpp"
+#include "module_cache.hpp"
+
+using namespace flashjit;
+using nlohmann::json;
+
+namespace {
+
+constexpr const char* kTool = "flashjit-bench";
+
+struct Options {
+  std::vector<int> head_dims{64, 128, 256};
+  std::vector<int> seqlens{512, 1024, 2048, 4096, 8192, 16384};
+  std::vector<std::string> causal{"off", "on"};
+  int tokens = 16384;
+  int hidden = 2048;
+  std::string dtype = "bf16";
+  std::string backend = "auto";
+  int warmup = 3;
+  int iters = 20;
+  bool check = false;
+  bool json_output = false;
+  int device = 0;
+};
+
+class DeviceMemory {
+ public:
+  explicit DeviceMemory(size_t bytes) { FLASHJIT_CU(cuMemAlloc, &ptr_, std::max<size_t>(bytes, 16)); }
+  ~DeviceMemory() { detail::driver().cuMemFree(ptr_); }
+  DeviceMemory(const DeviceMemory&) = delete;
+  DeviceMemory& operator=(const DeviceMemory&) = delete;
+  void* get() const { return reinterpret_cast<void*>(ptr_); }
+
+ private:
+  CUdeviceptr ptr_ = 0;
+};
+
+// N(0,1)-ish values as 16-bit floats (random data: zeros would hide bugs and run fast).
+std::vector<uint16_t> random_half(size_t n, DType dtype, uint64_t seed) {
+  std::vector<uint16_t> bits(n);
+  std::mt19937_64 rng(seed);
+  std::normal_distribution<float> normal(0.f, 1.f);
+  for (auto& b : bits) {
+    float f = normal(rng);
+    uint32_t u;
+    std::memcpy(&u, &f, 4);
+    if (dtype == DType::bf16) {
+      b = static_cast<uint16_t>((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+    } else {
+      _Float16 h = static_cast<_Float16>(f);
+      std::memcpy(&b, &h, 2);
+    }
+  }
+  return bits;
+}
+
+float to_float(uint16_t bits, DType dtype) {
+  if (dtype == DType::bf16) {
+    uint32_t u = static_cast<uint32_t>(bits) << 16;
+    float f;
+    std::memcpy(&f, &u, 4);
+    return f;
+  }
+  _Float16 h;
+  std::memcpy(&h, &bits, 2);
+  return static_cast<float>(h);
+}
+
+struct Row {
+  int head_dim, seqlen, batch, heads;
+  bool causal;
+  double median_ms = 0, tflops = 0, max_abs_err = -1, rel_l2_err = -1;
+  bool passed = true;
+};
+
+int run(const Options& o) {
+  const DType dtype = parse_dtype(o.dtype);
+  const ScalarType scalar = dtype == DType::bf16 ? ScalarType::bfloat16 : ScalarType::float16;
+  Backend backend = Backend::automatic;
+  if (o.backend == "reference") backend = Backend::reference;
+  else if (o.backend != "auto")
+    throw Error(ErrorCode::invalid_argument, "--backend", fmt::format("unknown backend '{}' (auto, reference)", o.backend));
+  const DeviceProperties& device = device_properties(o.device);
+  detail::make_context_current(o.device);
+  Runtime& runtime = Runtime::global();
+
+  std::vector<Row> rows;
+  for (int d : o.head_dims)
+    for (int s : o.seqlens)
+      for (const auto& c : o.causal) {
+        if (c != "on" && c != "off")
+          throw Error(ErrorCode::invalid_argument, "--causal", fmt::format("'{}' is not on or off", c));
+        if (o.tokens % s != 0 || o.hidden % d != 0)
+          throw Error(ErrorCode::invalid_argument, "--seqlens",
+                      fmt::format("seqlen {} must divide --tokens {} and head dim {} --hidden {}", s, o.tokens, d, o.hidden));
+        rows.push_back(Row{d, s, o.tokens / s, o.hidden / d, c == "on"});
+      }
+
+  if (!o.json_output)
+    fmt::print("{} on {} (sm_{}{}, {} SMs), {} tokens x {} hidden, {}\n", kTool, device.name, device.cc_major,
+               device.cc_minor, device.sm_count, o.tokens, o.hidden, o.dtype);
+  bool all_passed = true;
+  CUevent start, stop;
+  FLASHJIT_CU(cuEventCreate, &start, CU_EVENT_DEFAULT);
+  FLASHJIT_CU(cuEventCreate, &stop, CU_EVENT_DEFAULT);
+  for (Row& r : rows) {
+    const size_t n = size_t(r.batch) * r.seqlen * r.heads * r.head_dim;
+    // One q/k/v set is 3 x 64 MB at 16k tokens x 2048: every call streams past the 60 MB L2.
+    DeviceMemory q(n * 2), k(n * 2), v(n * 2), out(n * 2), lse(size_t(r.batch) * r.heads * r.seqlen * 4);
+    for (auto [mem, seed] : {std::pair{&q, 1}, {&k, 2}, {&v, 3}}) {
+      auto host = random_half(n, dtype, seed * 1000 + r.seqlen + r.head_dim);
+      FLASHJIT_CU(cuMemcpyHtoD, reinterpret_cast<CUdeviceptr>(mem->get()), host.data(), n * 2);
+    }
+    auto view = [&](const DeviceMemory& m) {
+      return TensorView::contiguous(m.get(), scalar, {r.batch, r.seqlen, r.heads, r.head_dim}, o.device);
+    };
+    auto lse_view = TensorView::contiguous(lse.get(), ScalarType::float32, {r.batch, r.heads, r.seqlen}, o.device);
+    AttentionOptions options;
+    options.causal = r.causal;
+    options.backend = backend;
+    auto call = [&] { runtime.forward(view(q), view(k), view(v), view(out), &lse_view, options); };
+    for (int i = 0; i < o.warmup; ++i) call();  // compile / load / lazy-load outside the timing
+    FLASHJIT_CU(cuCtxSynchronize);
+    std::vector<float> times;
+    for (int i = 0; i < o.iters; ++i) {
+      FLASHJIT_CU(cuEventRecord, start, nullptr);
+      call();
+      FLASHJIT_CU(cuEventRecord, stop, nullptr);
+      FLASHJIT_CU(cuEventSynchronize, stop);
+      float ms = 0;
+      FLASHJIT_CU(cuEventElapsedTime, &ms, start, stop);
+      times.push_back(ms);
+    }
+    std::sort(times.begin(), times.end());
+    r.median_ms = times[times.size() / 2];
+    const double flops = 4.0 * r.batch * r.heads * double(r.seqlen) * r.seqlen * r.head_dim / (r.causal ? 2 : 1);
+    r.tflops = flops / (r.median_ms * 1e-3) / 1e12;
+
+    if (o.check) {
+      DeviceMemory expected(n * 2);
+      AttentionOptions reference = options;
+      reference.backend = Backend::reference;
+      runtime.forward(view(q), view(k), view(v), view(expected), nullptr, reference);
+      std::vector<uint16_t> got(n), want(n);
+      FLASHJIT_CU(cuMemcpyDtoH, got.data(), reinterpret_cast<CUdeviceptr>(out.get()), n * 2);
+      FLASHJIT_CU(cuMemcpyDtoH, want.data(), reinterpret_cast<CUdeviceptr>(expected.get()), n * 2);
+      double err2 = 0, ref2 = 0, max_abs = 0;
+      for (size_t i = 0; i < n; ++i) {
+        const double g = to_float(got[i], dtype), w = to_float(want[i], dtype);
+        const double e = std::fabs(g - w);
+        if (!(e <= 1e30)) max_abs = INFINITY;  // NaN
+        else max_abs = std::max(max_abs, e);
+        err2 += e * e;
+        ref2 += w * w;
+      }
+      r.max_abs_err = max_abs;
+      r.rel_l2_err = std::sqrt(err2 / std::max(ref2, 1e-30));
+      // Against the fp32 reference kernel: a 16-bit output differs by rounding, ~1e-3 relative.
+      r.passed = std::isfinite(max_abs) && r.rel_l2_err < 1e-2;
+      all_passed = all_passed && r.passed;
+    }
+    if (!o.json_output) {
+      fmt::print("d{:<4} s{:<6} b{:<3} h{:<3} {:<7} {:9.3f} ms {:8.1f} TFLOP/s", r.head_dim, r.seqlen, r.batch,
+                 r.heads, r.causal ? "causal" : "full", r.median_ms, r.tflops);
+      if (o.check) fmt::print("  rel err {:.2e} {}", r.rel_l2_err, r.passed ? "ok" : "FAILED");
+      fmt::print("\n");
+      std::fflush(stdout);
+    }
+  }
+  detail::driver().cuEventDestroy(start);
+  detail::driver().cuEventDestroy(stop);
+  if (o.json_output) {
+    json j{{"device", device.name}, {"dtype", o.dtype}, {"tokens", o.tokens}, {"hidden", o.hidden}, {"rows", json::array()}};
+    for (const Row& r : rows)
+      j["rows"].push_back({{"head_dim", r.head_dim}, {"seqlen", r.seqlen}, {"batch", r.batch}, {"heads", r.heads},
+                           {"causal", r.causal}, {"median_ms", r.median_ms}, {"tflops", r.tflops},
+                           {"rel_l2_err", r.rel_l2_err}, {"passed", r.passed}});
+    fmt::print("{}\n", j.dump(2));
+  }
+  return all_passed ? cli::kExitOk : cli::kExitFailed;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  Options o;
+  CLI::App app{"Time flashjit's forward attention on the standard grid", kTool};
+  app.footer(
+      "Rows: for each head dim D and seqlen S, batch = tokens / S and heads = hidden / D.\n"
+      "FLOPs: 4 * B * H * S * S * D, halved when causal.\n"
+      "Examples:\n"
+      "  flashjit-bench --head-dims 128 --seqlens 1024,8192\n"
+      "  flashjit-bench --check --json > rows.json\n"
+      "\nExit status: 0 ok, 1 a checked row disagreed with the reference, 2 bad arguments.");
+  app.add_option("--head-dims", o.head_dims, "Head dims")->delimiter(',');
+  app.add_option("--seqlens", o.seqlens, "Sequence lengths")->delimiter(',');
+  app.add_option("--causal", o.causal, "off, on, or both (off,on)")->delimiter(',');
+  app.add_option("--tokens", o.tokens, "batch x seqlen per row");
+  app.add_option("--hidden", o.hidden, "heads x head_dim per row");
+  app.add_option("--dtype", o.dtype, "bf16 or fp16");
+  app.add_option("--backend", o.backend, "auto or reference");
+  app.add_option("--warmup", o.warmup, "Untimed calls first");
+  app.add_option("--iters", o.iters, "Timed calls (median reported)");
+  app.add_option("--device", o.device, "CUDA device ordinal");
+  app.add_flag("--check", o.check, "Compare each row with the reference kernel");
+  app.add_flag("--json", o.json_output, "Print JSON");
+  return cli::run_tool(kTool, app, argc, argv, [&] { return run(o); });
+}

@@ -1,0 +1,56 @@
+#!/usr/bin/env bash
+# flashjit's one entry point for a fresh machine (Debian/Ubuntu, CUDA toolkit installed):
+#   tools/dev.sh main    set up, build, then with a GPU run attention (checked against the
+#                        reference) and time it; with none, warm the cache for sm_90a and list it
+#   tools/dev.sh test    set up, build, run the test suite (GPU tests skip without a GPU)
+#   tools/dev.sh deps | build
+set -euo pipefail
+
+root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+build=${FLASHJIT_BUILD_DIR:-$root/build}
+packages=(cmake ninja-build g++ libfmt-dev nlohmann-json3-dev catch2 libcli11-dev libxxhash-dev)
+
+deps() {
+  local missing=()
+  for p in "${packages[@]}"; do
+    dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "ok installed" || missing+=("$p")
+  done
+  if ((${#missing[@]})); then
+    echo "dev.sh: installing ${missing[*]}"
+    local sudo=""
+    [[ $(id -u) -eq 0 ]] || sudo=sudo
+    $sudo apt-get update -q
+    DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -q "${missing[@]}"
+  fi
+  if ! command -v nvcc >/dev/null && [[ ! -x /usr/local/cuda/bin/nvcc ]]; then
+    echo "dev.sh: the CUDA toolkit (NVRTC and headers) is missing; install it first" >&2
+    exit 1
+  fi
+}
+
+configure_and_build() {
+  export PATH=$PATH:/usr/local/cuda/bin
+  cmake -S "$root" -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release >/dev/null
+  cmake --build "$build" -j "$(nproc)"
+}
+
+has_gpu() {
+  command -v nvidia-smi >/dev/null && nvidia-smi -L >/dev/null 2>&1
+}
+
+main_job() {
+  if has_gpu; then
+    "$build/tools/flashjit-bench" --check
+  else
+    echo "dev.sh: no GPU here: warming the kernel cache for sm_90a"
+    "$build/tools/flashjit-warm" --arch sm_90a --preset default
+  fi
+}
+
+case "${1:-}" in
+  deps) deps ;;
+  build) deps && configure_and_build ;;
+  main) deps && configure_and_build && main_job ;;
+  test) deps && configure_and_build && ctest --test-dir "$build" --output-on-failure -j "$(nproc)" ;;
+  *) echo "usage: tools/dev.sh main|test|deps|build" >&2; exit 2 ;;
+esac

@@ -1,0 +1,217 @@
+// flashjit-warm: compile kernels into a cache directory ahead of time, with no GPU needed.
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <fstream>
+#include <mutex>
+#include <sstream>
+#include <thread>
+
+#include <nlohmann/json.hpp>
+
+#include "cli_common.hpp"
+#include "flashjit/dispatch.hpp"
+#include "flashjit/kernel_cache.hpp"
+
+using namespace flashjit;
+using nlohmann::json;
+
+namespace {
+
+constexpr const char* kTool = "flashjit-warm";
+
+struct Options {
+  std::vector<std::string> archs;
+  std::string preset;
+  std::vector<int> head_dims{64, 128, 256};
+  std::vector<std::string> dtypes{"bf16", "fp16"};
+  std::vector<std::string> masks{"none", "causal"};
+  std::string specs_file;
+  std::string cache_dir;
+  int jobs = 0;
+  bool check = false;
+  bool json_output = false;
+};
+
+std::vector<KernelSpec> read_spec_file(const std::string& path) {
+  std::ifstream in(path);
+  if (!in) throw Error(ErrorCode::invalid_argument, "--specs", fmt::format("cannot read {}", path));
+  json j;
+  try {
+    j = json::parse(in);
+  } catch (const json::parse_error& e) {
+    throw Error(ErrorCode::invalid_argument, "--specs", fmt::format("{} is not valid JSON: {}", path, e.what()));
+  }
+  if (j.is_object() && j.contains("specs")) j = j.at("specs");
+  if (!j.is_array())
+    throw Error(ErrorCode::invalid_argument, "--specs",
+                fmt::format("{}: expected a JSON array of kernel specs (or {{\"specs\": [...]}})", path));
+  std::vector<KernelSpec> specs;
+  for (size_t i = 0; i < j.size(); ++i) {
+    try {
+      specs.push_back(KernelSpec::from_json(j[i]));
+    } catch (const Error& e) {
+      throw Error(ErrorCode::invalid_argument, "--specs", fmt::format("{}: spec #{}: {}", path, i, e.message()));
+    }
+  }
+  return specs;
+}
+
+std::vector<KernelSpec> gather_specs(const Options& o) {
+  const std::vector<Arch> archs = cli::parse_archs(o.archs);
+  for (const Arch& arch : archs)
+    if (!nvrtc_supports(arch))
+      throw Error(ErrorCode::invalid_argument, "--arch",
+                  fmt::format("NVRTC {} cannot compile for {}", nvrtc_version(), arch.name()));
+  std::vector<KernelSpec> specs;
+  if (!o.specs_file.empty()) {
+    for (KernelSpec s : read_spec_file(o.specs_file)) {
+      if (archs.empty()) {
+        specs.push_back(s);
+        continue;
+      }
+      for (const Arch& arch : archs) {  // retarget each spec to every requested arch
+        s.arch = arch;
+        specs.push_back(s);
+      }
+    }
+  }
+  if (!o.preset.empty()) {
+    if (o.preset != "default")
+      throw Error(ErrorCode::invalid_argument, "--preset",
+                  fmt::format("unknown preset '{}' (known: default)", o.preset));
+    if (archs.empty()) throw Error(ErrorCode::invalid_argument, "--preset", "needs at least one --arch");
+    for (const Arch& arch : archs)
+      for (DType dtype : cli::parse_dtypes(o.dtypes))
+        for (int head_dim : o.head_dims)
+          for (MaskKind mask : cli::parse_masks(o.masks))
+            specs.push_back(heuristic_forward_spec(arch, dtype, head_dim, mask));
+  }
+  // Drop duplicates (head dims that round to the same kernel), keep the order.
+  std::vector<KernelSpec> unique;
+  for (const auto& s : specs)
+    if (std::find(unique.begin(), unique.end(), s) == unique.end()) unique.push_back(s);
+  for (const auto& s : unique)
+    if (auto reason = s.validate())
+      throw Error(ErrorCode::invalid_argument, "spec", fmt::format("{}: {}", s.name(), *reason));
+  return unique;
+}
+
+struct Outcome {
+  KernelSpec spec;
+  std::string status;  // compiled, cached, failed, ok, missing, damaged
+  std::string message;
+  double compile_ms = 0;
+  int registers = 0;
+  int spill_bytes = 0;
+};
+
+int run(const Options& o) {
+  const std::vector<KernelSpec> specs = gather_specs(o);
+  if (specs.empty())
+    throw Error(ErrorCode::invalid_argument, "arguments", "nothing to do: give --preset or --specs");
+  CacheConfig config = CacheConfig::from_environment();
+  if (!o.cache_dir.empty()) config.directory = o.cache_dir;
+  if (config.directory.empty())
+    throw Error(ErrorCode::invalid_argument, "--cache-dir",
+                "the disk cache is disabled (FLASHJIT_DISABLE_DISK_CACHE): give --cache-dir");
+  KernelCache cache(config);
+
+  std::vector<Outcome> outcomes(specs.size());
+  std::atomic<size_t> next{0};
+  std::atomic<size_t> done{0};
+  std::mutex print_mutex;
+  const bool progress = !o.json_output;
+  auto work = [&] {
+    for (size_t i; (i = next++) < specs.size();) {
+      Outcome& out = outcomes[i];
+      out.spec = specs[i];
+      try {
+        if (o.check) {
+          const uint64_t quarantined = cache.stats().quarantined;
+          auto found = cache.find_on_disk(specs[i]);
+          out.status = found ? "ok" : cache.stats().quarantined > quarantined ? "damaged" : "missing";
+        } else {
+          auto kernel = cache.get(specs[i]);
+          out.status = kernel->from_disk ? "cached" : "compiled";
+          out.compile_ms = kernel->compile_ms;
+          for (const auto& e : kernel->entries) {
+            out.registers = std::max(out.registers, e.registers);
+            out.spill_bytes += e.spill_store_bytes + e.spill_load_bytes;
+          }
+        }
+      } catch (const Error& e) {
+        out.status = "failed";
+        out.message = e.message();
+      }
+      if (progress) {
+        std::lock_guard<std::mutex> lock(print_mutex);
+        const size_t n = ++done;
+        std::string detail = out.status == "compiled" || out.status == "cached"
+                                 ? fmt::format("{:6.0f} ms  {:3} regs  {} spill bytes", out.compile_ms,
+                                               out.registers, out.spill_bytes)
+                                 : out.message;
+        fmt::print("[{:>{}}/{}] {:<9} {:<52} {}\n", n, std::to_string(specs.size()).size(),
+                   specs.size(), out.status, out.spec.name(), detail);
+        std::fflush(stdout);
+      }
+    }
+  };
+  const int jobs = o.jobs > 0 ? o.jobs : std::max(1u, std::thread::hardware_concurrency());
+  std::vector<std::thread> pool;
+  for (int t = 0; t < jobs; ++t) pool.emplace_back(work);
+  for (auto& t : pool) t.join();
+
+  std::map<std::string, int> counts;
+  for (const auto& out : outcomes) ++counts[out.status];
+  const bool failed = counts["failed"] + counts["missing"] + counts["damaged"] > 0;
+  if (o.json_output) {
+    json j{{"cache_dir", config.directory}, {"counts", counts}, {"kernels", json::array()}};
+    for (const auto& out : outcomes)
+      j["kernels"].push_back({{"spec", out.spec.to_json()},
+                              {"name", out.spec.name()},
+                              {"status", out.status},
+                              {"message", out.message},
+                              {"compile_ms", out.compile_ms},
+                              {"registers", out.registers},
+                              {"spill_bytes", out.spill_bytes}});
+    fmt::print("{}\n", j.dump(2));
+  } else if (o.check) {
+    fmt::print("{}: {} ok, {} missing, {} damaged in {}\n", kTool, counts["ok"], counts["missing"],
+               counts["damaged"], config.directory);
+  } else {
+    fmt::print("{}: {} compiled, {} already cached, {} failed in {}\n", kTool, counts["compiled"],
+               counts["cached"], counts["failed"], config.directory);
+  }
+  return failed ? cli::kExitFailed : cli::kExitOk;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  Options o;
+  CLI::App app{"Compile flashjit kernels into the disk cache ahead of time (no GPU needed)", kTool};
+  app.footer(
+      "Examples:\n"
+      "  flashjit-warm --arch sm_90a --preset default\n"
+      "      the kernels dispatch picks by default for head dims 64/128/256, bf16 and fp16\n"
+      "  flashjit-warm --arch sm_80 --arch sm_90a --preset default --head-dims 128 --dtypes bf16\n"
+      "  flashjit-warm --specs specs.json --cache-dir /opt/app/flashjit-cache\n"
+      "  flashjit-warm --arch sm_90a --preset default --check     verify, compile nothing\n"
+      "\nExit status: 0 all good, 1 a compile or check failed, 2 bad arguments or input.");
+  app.add_option("--arch", o.archs, "Target arch, repeatable (sm_80, sm_86, sm_89, sm_90a, ...)");
+  app.add_option("--preset", o.preset, "Named spec set: 'default' = dispatch's heuristic choices");
+  app.add_option("--head-dims", o.head_dims, "Head dims for the preset")->delimiter(',');
+  app.add_option("--dtypes", o.dtypes, "Dtypes for the preset (bf16, fp16)")->delimiter(',');
+  app.add_option("--masks", o.masks, "Mask kinds for the preset (none, causal, window)")->delimiter(',');
+  app.add_option("--specs", o.specs_file, "JSON file: an array of kernel specs");
+  app.add_option("--cache-dir", o.cache_dir, "Cache directory (default: FLASHJIT_CACHE_DIR or ~/.cache/flashjit)");
+  app.add_option("-j,--jobs", o.jobs, "Parallel compiles (default: one per core)");
+  app.add_flag("--check", o.check, "Verify that every spec is in the cache; compile nothing");
+  app.add_flag("--json", o.json_output, "Print a JSON report instead of progress lines");
+  return cli::run_tool(kTool, app, argc, argv, [&] {
+    if (o.preset.empty() && o.specs_file.empty()) o.preset = "default";
+    return run(o);
+  });
+}
