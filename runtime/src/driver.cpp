@@ -38,7 +38,7 @@ LoadResult load_driver() {
     return result;
   }
   DriverApi& api = result.api;
-  // cuDriverGetVersion first: entry points are then requested at min(header, driver) version.
+  // cuDriverGetVersion first, to refuse drivers older than the cuLibrary API (CUDA 12.0).
   void* pointer = nullptr;
   CUdriverProcAddressQueryResult status;
   if (get_proc("cuDriverGetVersion", &pointer, 12000, CU_GET_PROC_ADDRESS_DEFAULT, &status) !=
@@ -47,9 +47,13 @@ LoadResult load_driver() {
     return result;
   }
   reinterpret_cast<decltype(&::cuDriverGetVersion)>(pointer)(&api.driver_version);
-  const int version = std::min(CUDA_VERSION, api.driver_version);
+  if (api.driver_version < 12000) {
+    result.failure = fmt::format("the CUDA driver is version {}; flashjit needs 12.0 or newer",
+                                 api.driver_version);
+    return result;
+  }
 
-#define FLASHJIT_LOAD_POINTER(name)                                                          \
+#define FLASHJIT_LOAD_POINTER(name, version)                                                 \
   pointer = nullptr;                                                                         \
   if (get_proc(#name, &pointer, version, CU_GET_PROC_ADDRESS_DEFAULT, &status) !=            \
           CUDA_SUCCESS || pointer == nullptr) {                                              \

@@ -4,54 +4,57 @@
 #pragma once
 
 #include <cuda.h>
+#include <cudaTypedefs.h>
 
 #include <string_view>
 
 namespace flashjit::detail {
 
-// X(name): every driver function flashjit calls. decltype(&name) gives the pointer type declared by
-// the toolkit's cuda.h (versioned names such as cuMemAlloc -> cuMemAlloc_v2 are resolved by its
-// macros, and cuGetProcAddress is asked for the base name at the header's CUDA_VERSION).
-#define FLASHJIT_DRIVER_FUNCTIONS(X) \
-  X(cuGetErrorName)                  \
-  X(cuGetErrorString)                \
-  X(cuInit)                          \
-  X(cuDriverGetVersion)              \
-  X(cuDeviceGetCount)                \
-  X(cuDeviceGet)                     \
-  X(cuDeviceGetName)                 \
-  X(cuDeviceGetAttribute)            \
-  X(cuDeviceTotalMem)                \
-  X(cuDevicePrimaryCtxRetain)        \
-  X(cuCtxGetCurrent)                 \
-  X(cuCtxSetCurrent)                 \
-  X(cuCtxGetDevice)                  \
-  X(cuCtxSynchronize)                \
-  X(cuLibraryLoadData)               \
-  X(cuLibraryUnload)                 \
-  X(cuLibraryGetKernel)              \
-  X(cuKernelSetAttribute)            \
-  X(cuKernelGetAttribute)            \
-  X(cuLaunchKernelEx)                \
-  X(cuMemAlloc)                      \
-  X(cuMemFree)                       \
-  X(cuMemcpyHtoD)                    \
-  X(cuMemcpyDtoH)                    \
-  X(cuMemcpyDtoHAsync)               \
-  X(cuMemsetD8)                      \
-  X(cuStreamCreate)                  \
-  X(cuStreamDestroy)                 \
-  X(cuStreamSynchronize)             \
-  X(cuEventCreate)                   \
-  X(cuEventDestroy)                  \
-  X(cuEventRecord)                   \
-  X(cuEventSynchronize)              \
-  X(cuEventElapsedTime)              \
-  X(cuPointerGetAttribute)           \
-  X(cuTensorMapEncodeTiled)
+// X(name, version): every driver function flashjit calls, pinned to one ABI version. The pointer
+// type is cudaTypedefs.h's PFN_<name>_v<version> and cuGetProcAddress is asked for exactly that
+// version, so a driver or header that adds a new variant (CUDA 13 changed cuCtxGetDevice's
+// signature under the same name) cannot hand us a function of another shape. Member names follow
+// cuda.h's macros (cuMemAlloc is the member cuMemAlloc_v2), so calls read like plain driver calls.
+#define FLASHJIT_DRIVER_FUNCTIONS(X)    \
+  X(cuGetErrorName, 6000)               \
+  X(cuGetErrorString, 6000)             \
+  X(cuInit, 2000)                       \
+  X(cuDriverGetVersion, 2020)           \
+  X(cuDeviceGetCount, 2000)             \
+  X(cuDeviceGet, 2000)                  \
+  X(cuDeviceGetName, 2000)              \
+  X(cuDeviceGetAttribute, 2000)         \
+  X(cuDeviceTotalMem, 3020)             \
+  X(cuDevicePrimaryCtxRetain, 7000)     \
+  X(cuCtxGetCurrent, 4000)              \
+  X(cuCtxSetCurrent, 4000)              \
+  X(cuCtxGetDevice, 2000)               \
+  X(cuCtxSynchronize, 2000)             \
+  X(cuLibraryLoadData, 12000)           \
+  X(cuLibraryUnload, 12000)             \
+  X(cuLibraryGetKernel, 12000)          \
+  X(cuKernelSetAttribute, 12000)        \
+  X(cuKernelGetAttribute, 12000)        \
+  X(cuLaunchKernelEx, 11060)            \
+  X(cuMemAlloc, 3020)                   \
+  X(cuMemFree, 3020)                    \
+  X(cuMemcpyHtoD, 3020)                 \
+  X(cuMemcpyDtoH, 3020)                 \
+  X(cuMemcpyDtoHAsync, 3020)            \
+  X(cuMemsetD8, 3020)                   \
+  X(cuStreamCreate, 2000)               \
+  X(cuStreamDestroy, 4000)              \
+  X(cuStreamSynchronize, 2000)          \
+  X(cuEventCreate, 2000)                \
+  X(cuEventDestroy, 4000)               \
+  X(cuEventRecord, 2000)                \
+  X(cuEventSynchronize, 2000)           \
+  X(cuEventElapsedTime, 2000)           \
+  X(cuPointerGetAttribute, 4000)        \
+  X(cuTensorMapEncodeTiled, 12000)
 
 struct DriverApi {
-#define FLASHJIT_DECLARE_POINTER(name) decltype(&::name) name = nullptr;
+#define FLASHJIT_DECLARE_POINTER(name, version) PFN_##name##_v##version name = nullptr;
   FLASHJIT_DRIVER_FUNCTIONS(FLASHJIT_DECLARE_POINTER)
 #undef FLASHJIT_DECLARE_POINTER
   int driver_version = 0;  // e.g. 13000

@@ -1,9 +1,13 @@
 #include "problem.hpp"
 
 #include <cmath>
+#include <map>
+#include <mutex>
+#include <optional>
 #include <string>
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 
 #include "driver.hpp"
 
@@ -115,15 +119,85 @@ int to_int(int64_t value, const char* what) {
 
 }  // namespace
 
+namespace {
+
+// Allocations already seen, by address range. One cuPointerGetAttribute costs about a microsecond,
+// and a call checks up to seven tensors; frameworks reuse their allocations, so after the first
+// call a check is a map lookup. Bounded: cleared when it grows past kMaxRanges.
+class AllocationRanges {
+ public:
+  struct Range {
+    uintptr_t begin = 0, end = 0;
+    int device = -1;
+  };
+
+  std::optional<Range> find(uintptr_t address) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    auto it = ranges_.upper_bound(address);
+    if (it == ranges_.begin()) return std::nullopt;
+    --it;
+    if (address >= it->second.end) return std::nullopt;
+    return it->second;
+  }
+
+  void add(const Range& r) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (ranges_.size() >= kMaxRanges) ranges_.clear();
+    ranges_[r.begin] = r;
+  }
+
+ private:
+  static constexpr size_t kMaxRanges = 4096;
+  std::mutex mutex_;
+  std::map<uintptr_t, Range> ranges_;
+};
+
+AllocationRanges& allocation_ranges() {
+  static AllocationRanges ranges;
+  return ranges;
+}
+
+// Bytes from data to one past the last element the view can address.
+uint64_t view_extent_bytes(const TensorView& view) {
+  uint64_t last = 0;
+  for (int d = 0; d < view.rank; ++d) {
+    if (view.shape[d] == 0) return 0;
+    last += static_cast<uint64_t>(view.shape[d] - 1) * static_cast<uint64_t>(view.strides[d]);
+  }
+  return (last + 1) * element_size(view.dtype);
+}
+
+}  // namespace
+
 void check_device_pointer(const TensorView& view, const char* name) {
+  const auto address = reinterpret_cast<uintptr_t>(view.data);
+  const uint64_t extent = view_extent_bytes(view);
+  auto fits = [&](const AllocationRanges::Range& r) {
+    return r.device == view.device && extent <= r.end - address;
+  };
+  // A remembered range that fits is trusted; one that does not may be stale (freed and
+  // reallocated differently), so the driver is asked again before anything is reported.
+  if (auto cached = allocation_ranges().find(address); cached && fits(*cached)) return;
+
+  const DriverApi& api = driver();
+  CUdeviceptr base = 0;
+  size_t size = 0;
   int ordinal = -1;
-  CUresult r = driver().cuPointerGetAttribute(&ordinal, CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL,
-                                              reinterpret_cast<CUdeviceptr>(view.data));
-  if (r != CUDA_SUCCESS)
+  const auto pointer = static_cast<CUdeviceptr>(address);
+  if (api.cuPointerGetAttribute(&ordinal, CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL, pointer) != CUDA_SUCCESS ||
+      api.cuPointerGetAttribute(&base, CU_POINTER_ATTRIBUTE_RANGE_START_ADDR, pointer) != CUDA_SUCCESS ||
+      api.cuPointerGetAttribute(&size, CU_POINTER_ATTRIBUTE_RANGE_SIZE, pointer) != CUDA_SUCCESS)
     throw bad(fmt::format("{}: {} is not CUDA device memory", name, view.data));
-  if (ordinal != view.device)
-    throw bad(fmt::format("{}: memory is on device {}, but the view says device {}", name, ordinal,
-                          view.device));
+  const AllocationRanges::Range range{static_cast<uintptr_t>(base), static_cast<uintptr_t>(base) + size, ordinal};
+  allocation_ranges().add(range);
+  if (range.device != view.device)
+    throw bad(fmt::format("{}: memory is on device {}, but the view says device {}", name,
+                          range.device, view.device));
+  if (!fits(range))
+    throw bad(fmt::format("{}: shape {} with strides ({}) reaches {} bytes past the end of its "
+                          "allocation", name, shape_text(view),
+                          fmt::join(view.strides, view.strides + view.rank, ", "),
+                          extent - (range.end - address)));
 }
 
 ForwardProblem make_forward_problem(const TensorView& q, const TensorView& k, const TensorView& v,

@@ -201,3 +201,18 @@ TEST_CASE("pipeline costs: cold compile, disk hit, launch overhead", "[reference
         << "{\"cold_compile_ms\": " << compiled->compile_ms << ", \"disk_hit_ms\": " << disk_hit_ms
         << ", \"launch_overhead_us\": " << per_call_us << "}\n";
 }
+
+TEST_CASE("memory that is not the GPU's, or too small for the view, is refused", "[reference]") {
+  DeviceBuffer q(64 * 128 * 2), small(32 * 128 * 2);
+  auto qv = TensorView::contiguous(q.get(), ScalarType::bfloat16, {1, 64, 1, 128});
+  auto run = [&](const TensorView& out) { shared_runtime().forward(qv, qv, qv, out, nullptr); };
+  CHECK_THROWS_WITH(run(TensorView::contiguous(small.get(), ScalarType::bfloat16, {1, 64, 1, 128})),
+                    Catch::Contains("out: shape (1, 64, 1, 128)") && Catch::Contains("past the end of its allocation"));
+  alignas(16) static unsigned char host[64 * 128 * 2];
+  CHECK_THROWS_WITH(run(TensorView::contiguous(host, ScalarType::bfloat16, {1, 64, 1, 128})),
+                    Catch::Contains("out:") && Catch::Contains("is not CUDA device memory"));
+  auto wrong_device = TensorView::contiguous(q.get(), ScalarType::bfloat16, {1, 64, 1, 128}, 0);
+  wrong_device.device = 0;
+  CHECK_NOTHROW(run(wrong_device));
+  synchronize();
+}
