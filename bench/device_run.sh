@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # One device call: GPU tests and timings over a build tree made on the development machine and
 # carried along (the device has no -dev packages; binaries built here run there).
-#   bench/device_run.sh [build-dir] [what...]   what: tests bench peers (default: tests)
+#   bench/device_run.sh [build-dir] [what...]
+#   what: tests | sweep | grid | peers | peers-quick (default: tests); FLASHJIT_BENCH_ARGS adds
+#   arguments to the flashjit-bench steps, PEERS_ARGS to the peers steps.
 set -uo pipefail
 build=${1:-build}
 shift || true
@@ -18,9 +20,23 @@ for step in $what; do
     tests)
       GPU_TEST_REPORT=$out/pipeline_costs.jsonl "$build/tests/flashjit_gpu_tests" --durations yes 2>&1 | tee "$out/gpu_tests.log" | grep -vE '^[0-9.]+ s: ' | tail -40
       [[ ${PIPESTATUS[0]} -eq 0 ]] || status=1 ;;
-    bench)
-      "$build/tools/flashjit-bench" --check --json > "$out/bench.json" || status=1
-      tail -c 3000 "$out/bench.json" ;;
+    sweep)
+      "$build/tools/flashjit-bench" --sweep --seqlens 4096 ${FLASHJIT_BENCH_ARGS:-} --json > "$out/sweep.json" || status=1
+      python3 -c "
+import json; r = json.load(open('$out/sweep.json'))
+for row in r['rows']:
+    best = sorted(row['sweep'], key=lambda x: x[1])[:4]
+    print(row['head_dim'], row['seqlen'], 'causal' if row['causal'] else 'full', round(row['tflops'], 1), 'TFLOP/s', [(n.split('_')[3], round(ms, 3)) for n, ms in best])
+" ;;
+    grid)
+      "$build/tools/flashjit-bench" ${FLASHJIT_BENCH_ARGS:-} --json > "$out/grid.json" || status=1
+      python3 -c "
+import json; r = json.load(open('$out/grid.json'))
+for row in r['rows']: print(row['head_dim'], row['seqlen'], 'causal' if row['causal'] else 'full', round(row['tflops'], 1), row['spec'])
+" ;;
+    peers)
+      python3 bench/peers.py ${PEERS_ARGS:-} > "$out/peers.json" 2> "$out/peers.log" || status=1
+      tail -n 40 "$out/peers.log" ;;
     *) echo "unknown step $step"; status=2 ;;
   esac
 done

@@ -18,7 +18,7 @@ using nlohmann::json;
 
 namespace {
 
-constexpr std::string_view kFamilyNames[] = {"reference_fwd"};
+constexpr std::string_view kFamilyNames[] = {"reference_fwd", "fa2_fwd"};
 constexpr std::string_view kDTypeNames[] = {"fp16", "bf16"};
 constexpr std::string_view kMaskNames[] = {"none", "causal", "window"};
 
@@ -41,7 +41,7 @@ DType parse_dtype(std::string_view t) { return parse_enum<DType>(t, kDTypeNames,
 MaskKind parse_mask(std::string_view t) { return parse_enum<MaskKind>(t, kMaskNames, "mask"); }
 
 const std::vector<Family>& all_families() {
-  static const std::vector<Family> families{Family::reference_fwd};
+  static const std::vector<Family> families{Family::reference_fwd, Family::fa2_fwd};
   return families;
 }
 

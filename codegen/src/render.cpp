@@ -80,13 +80,23 @@ int dynamic_smem_bytes(const KernelSpec& spec) {
   return family_rules(spec.family).dynamic_smem_bytes(spec);
 }
 
+int max_smem_per_block(const Arch& arch) {
+  switch (arch.sm) {
+    case 80: case 87: return 163 * 1024;
+    case 90: case 100: case 103: return 227 * 1024;
+    default: return 99 * 1024;  // sm_86, sm_89, sm_120 and anything not known to have more
+  }
+}
+
 namespace codegen_detail {
 
 extern const FamilyRules kReferenceFwdRules;
+extern const FamilyRules kFa2FwdRules;
 
 const FamilyRules& family_rules(Family family) {
   switch (family) {
     case Family::reference_fwd: return kReferenceFwdRules;
+    case Family::fa2_fwd: return kFa2FwdRules;
   }
   throw Error(ErrorCode::internal, "codegen", "family without rules");
 }

@@ -65,6 +65,7 @@ flashjit::AttentionOptions options_of(const flashjit_attention_options* o) {
   switch (o->backend) {
     case FLASHJIT_BACKEND_AUTO: options.backend = flashjit::Backend::automatic; break;
     case FLASHJIT_BACKEND_REFERENCE: options.backend = flashjit::Backend::reference; break;
+    case FLASHJIT_BACKEND_FA2: options.backend = flashjit::Backend::fa2; break;
     default: throw invalid(fmt::format("options.backend: unknown backend code {}", o->backend));
   }
   options.stream = o->stream;

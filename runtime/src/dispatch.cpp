@@ -19,13 +19,36 @@ int kernel_head_dim(Family family, int head_dim) {
 namespace {
 
 KernelSpec select_for_arch(const ForwardProblem& problem, const Arch& arch) {
-  Family family = Family::reference_fwd;  // the only forward family so far
+  Family family = Family::fa2_fwd;
   switch (problem.backend) {
     case Backend::automatic: break;
     case Backend::reference: family = Family::reference_fwd; break;
+    case Backend::fa2: family = Family::fa2_fwd; break;
   }
   return default_spec(family, arch, problem.dtype, kernel_head_dim(family, problem.head_dim),
                       problem.mask, problem.has_softcap);
+}
+
+// A caller's forced spec must compute this problem on this device.
+void check_forced_kernel(const KernelSpec& spec, const ForwardProblem& problem, const Arch& arch) {
+  auto bad = [&](const std::string& what) {
+    return Error(ErrorCode::invalid_argument, "forward",
+                 fmt::format("options.kernel {} does not fit the problem: {}", spec.name(), what));
+  };
+  if (spec.family != Family::reference_fwd && spec.family != Family::fa2_fwd)
+    throw bad(fmt::format("family {} is not a forward family", to_string(spec.family)));
+  if (spec.dtype != problem.dtype)
+    throw bad(fmt::format("dtype {} but the tensors are {}", to_string(spec.dtype), to_string(problem.dtype)));
+  if (spec.mask != problem.mask)
+    throw bad(fmt::format("mask {} but the options ask for {}", to_string(spec.mask), to_string(problem.mask)));
+  if (spec.has_softcap != problem.has_softcap)
+    throw bad(spec.has_softcap ? "it applies a softcap and the options have none"
+                               : "the options ask for a softcap and it has none");
+  if (spec.head_dim < problem.head_dim)
+    throw bad(fmt::format("head_dim {} is smaller than the problem's {}", spec.head_dim, problem.head_dim));
+  if (spec.arch != arch)
+    throw bad(fmt::format("arch {} but the device is {}", spec.arch.name(), arch.name()));
+  if (auto reason = spec.validate()) throw bad(*reason);
 }
 
 }  // namespace
@@ -36,6 +59,10 @@ KernelSpec select_forward_kernel(const ForwardProblem& problem, const DeviceProp
     throw Error(ErrorCode::unsupported, "dispatch",
                 fmt::format("device {} ({}) is sm_{}; flashjit needs sm_80 or newer", device.ordinal,
                             device.name, arch.sm));
+  if (problem.forced_kernel) {
+    check_forced_kernel(*problem.forced_kernel, problem, arch);
+    return *problem.forced_kernel;
+  }
   return select_for_arch(problem, arch);
 }
 

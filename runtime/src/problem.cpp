@@ -320,6 +320,7 @@ ForwardProblem make_forward_problem(const TensorView& q, const TensorView& k, co
     p.mask = window_left < 0 && window_right == 0 ? MaskKind::causal : MaskKind::window;
   p.has_softcap = options.softcap > 0.f;
   p.backend = options.backend;
+  p.forced_kernel = options.kernel;
   p.stream = options.stream;
 
   a.q = q.data;

@@ -21,6 +21,7 @@ struct ForwardProblem {
   MaskKind mask = MaskKind::none;
   bool has_softcap = false;
   Backend backend = Backend::automatic;
+  std::optional<KernelSpec> forced_kernel;
   void* stream = nullptr;
   AttentionFwdParams params{};
 

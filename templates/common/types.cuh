@@ -8,6 +8,15 @@ namespace flashjit::kernels {
 
 enum class MaskKind { kNone, kCausal, kWindow };
 
+template <class A, class B>
+struct is_same {
+  static constexpr bool value = false;
+};
+template <class A>
+struct is_same<A, A> {
+  static constexpr bool value = true;
+};
+
 struct half_t {
   unsigned short bits;
 };

@@ -41,10 +41,15 @@ inline void compare(Comparison& c, double got, double want, Tolerance t, const s
   if (std::isfinite(err)) c.max_abs = std::max(c.max_abs, err);
 }
 
+// Where the expected values come from: the float64 CPU reference, or, for shapes too large for
+// it, the GPU reference kernel (fp32 math) run on the same device inputs.
+enum class Oracle { cpu_float64, gpu_reference };
+
 class AttentionCase {
  public:
-  AttentionCase(const AttentionShape& shape, DType dtype, uint64_t seed, Layout layout = Layout::bshd)
-      : shape_(shape), dtype_(dtype), layout_(shape.is_varlen() ? Layout::bshd : layout) {
+  AttentionCase(const AttentionShape& shape, DType dtype, uint64_t seed, Layout layout = Layout::bshd,
+                Oracle oracle = Oracle::cpu_float64)
+      : shape_(shape), dtype_(dtype), layout_(shape.is_varlen() ? Layout::bshd : layout), oracle_(oracle) {
     std::mt19937_64 rng(seed);
     std::normal_distribution<float> normal(0.f, 1.f);
     auto fill = [&](std::vector<uint16_t>& bits, std::vector<double>& values, size_t n) {
@@ -59,11 +64,38 @@ class AttentionCase {
     fill(q_bits_, q_, size_t(shape.total_q()) * shape.heads_q * d);
     fill(k_bits_, k_, size_t(shape.total_k()) * shape.heads_kv * d);
     fill(v_bits_, v_, size_t(shape.total_k()) * shape.heads_kv * d);
-    reference_attention(shape, q_, k_, v_, want_out_, want_lse_);
+    if (oracle == Oracle::cpu_float64) {
+      reference_attention(shape, q_, k_, v_, want_out_, want_lse_);
+    } else {
+      want_out_.assign(q_.size(), 0.0);
+      want_lse_.assign(size_t(shape.total_q()) * shape.heads_q, 0.0);
+    }
   }
 
-  // Poisons the outputs, runs `runtime.forward` (or forward_varlen), synchronizes.
+  // Poisons the outputs, runs `runtime.forward` (or forward_varlen), synchronizes. With the GPU
+  // oracle, the reference kernel first computes the expected values from the same inputs.
   void run(Runtime& runtime, AttentionOptions options) {
+    if (oracle_ == Oracle::gpu_reference && !oracle_done_) {
+      AttentionOptions reference = options;
+      reference.backend = Backend::reference;
+      reference.kernel.reset();
+      launch(runtime, reference);
+      for (size_t i = 0; i < got_out_.size(); ++i) want_out_[i] = from_storage(dtype_, got_out_[i]);
+      for (size_t i = 0; i < got_lse_.size(); ++i) want_lse_[i] = got_lse_[i];
+      oracle_done_ = true;
+    }
+    launch(runtime, options);
+  }
+
+  // The expected output comes rounded to 16 bits from the GPU oracle: widen the tolerance by that
+  // rounding (half an ulp).
+  Tolerance oracle_adjusted(Tolerance t) const {
+    if (oracle_ == Oracle::gpu_reference) t.rtol += dtype_ == DType::bf16 ? 1.0 / 512 : 1.0 / 4096;
+    return t;
+  }
+
+ private:
+  void launch(Runtime& runtime, AttentionOptions options) {
     const int d = shape_.head_dim;
     DeviceBuffer q(q_bits_.size() * 2), k(k_bits_.size() * 2), v(v_bits_.size() * 2);
     out_ = std::make_unique<DeviceBuffer>(q_bits_.size() * 2);
@@ -116,7 +148,9 @@ class AttentionCase {
     got_lse_ = lse_->download<float>();
   }
 
+ public:
   Comparison check_output(Tolerance t) const {
+    t = oracle_adjusted(t);
     Comparison c;
     const int d = shape_.head_dim;
     for (size_t i = 0; i < want_out_.size(); ++i) {
@@ -186,6 +220,8 @@ class AttentionCase {
   AttentionShape shape_;
   DType dtype_;
   Layout layout_;
+  Oracle oracle_;
+  bool oracle_done_ = false;
   std::vector<uint16_t> q_bits_, k_bits_, v_bits_;
   std::vector<double> q_, k_, v_, want_out_, want_lse_;
   std::unique_ptr<DeviceBuffer> out_, lse_;

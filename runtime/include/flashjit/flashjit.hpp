@@ -40,7 +40,7 @@ struct TensorView {
 
 // Which kernel family serves a call. `automatic` is the dispatcher's choice; the others force a
 // family (tests, benchmarks) and fail with Error(unsupported) where it cannot serve the problem.
-enum class Backend { automatic, reference };
+enum class Backend { automatic, reference, fa2 };
 
 struct AttentionOptions {
   std::optional<float> softmax_scale;  // default 1 / sqrt(head_dim)
@@ -49,6 +49,10 @@ struct AttentionOptions {
   int window_right = -1;
   float softcap = 0.f;                 // > 0: scores = softcap * tanh(scores / softcap)
   Backend backend = Backend::automatic;
+  // Run exactly this kernel (tuning, tests, benchmarks). It must fit the problem: a forward
+  // family, the problem's dtype, mask kind and softcap, a head dim at least the problem's, and the
+  // device's arch; Error(invalid_argument) says which field does not.
+  std::optional<KernelSpec> kernel;
   void* stream = nullptr;              // CUstream; nullptr = the legacy default stream
 };
 

@@ -16,6 +16,7 @@ namespace flashjit {
 // One template file in templates/ per family.
 enum class Family {
   reference_fwd,  // fp32-math oracle: one query row per warp, for shapes too big for the CPU
+  fa2_fwd,        // FlashAttention-2 forward, mma.sync, sm_80+
 };
 
 enum class DType { fp16, bf16 };

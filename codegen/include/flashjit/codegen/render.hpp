@@ -39,4 +39,7 @@ Source render(const KernelSpec& spec);
 int threads_per_block(const KernelSpec& spec);
 int dynamic_smem_bytes(const KernelSpec& spec);
 
+// The most shared memory one block may use on an arch (after raising its dynamic limit).
+int max_smem_per_block(const Arch& arch);
+
 }  // namespace flashjit

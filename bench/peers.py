@@ -1,0 +1,89 @@
+#!/usr/bin/env python3
+"""Time flashjit's peers on the standard grid of DESIGN.md, with the same method as flashjit-bench
+(batched calls between CUDA events, median of samples): PyTorch SDPA with the FLASH
+(FlashAttention-2) and CUDNN backends, and FlexAttention. Prints one JSON document."""
+import argparse
+import json
+import math
+import sys
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+
+def median_ms(fn, warmup=3, iters=20):
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+
+    def timed(calls):
+        start.record()
+        for _ in range(calls):
+            fn()
+        stop.record()
+        stop.synchronize()
+        return start.elapsed_time(stop)
+
+    calls = max(1, min(50, int(1.0 / max(timed(1), 1e-3))))
+    samples = sorted(timed(calls) / calls for _ in range(iters))
+    return samples[len(samples) // 2]
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--head-dims", default="64,128,256")
+    ap.add_argument("--seqlens", default="512,1024,2048,4096,8192,16384")
+    ap.add_argument("--causal", default="off,on")
+    ap.add_argument("--tokens", type=int, default=16384)
+    ap.add_argument("--hidden", type=int, default=2048)
+    ap.add_argument("--backends", default="flash,cudnn,flex")
+    ap.add_argument("--flex-head-dims", default="64,128,256", help="FlexAttention compiles per shape: limit it")
+    ap.add_argument("--iters", type=int, default=20)
+    args = ap.parse_args()
+
+    backends = args.backends.split(",")
+    flex = None
+    if "flex" in backends:
+        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+        import torch._dynamo
+        torch._dynamo.config.cache_size_limit = 256
+        flex = torch.compile(flex_attention, dynamic=False)
+
+    rows = []
+    torch.manual_seed(0)
+    for d in map(int, args.head_dims.split(",")):
+        for s in map(int, args.seqlens.split(",")):
+            for c in args.causal.split(","):
+                causal = c == "on"
+                b, h = args.tokens // s, args.hidden // d
+                q, k, v = (torch.randn(b, h, s, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+                flops = 4.0 * b * h * s * s * d / (2 if causal else 1)
+                for name in backends:
+                    ms = None
+                    try:
+                        if name in ("flash", "cudnn"):
+                            backend = SDPBackend.FLASH_ATTENTION if name == "flash" else SDPBackend.CUDNN_ATTENTION
+                            def fn():
+                                with sdpa_kernel(backend):
+                                    return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+                            ms = median_ms(fn, iters=args.iters)
+                        elif name == "flex" and str(d) in args.flex_head_dims.split(","):
+                            mask = None
+                            if causal:
+                                mask = create_block_mask(lambda b_, h_, qi, ki: qi >= ki, None, None, s, s, device="cuda")
+                            ms = median_ms(lambda: flex(q, k, v, block_mask=mask), iters=args.iters)
+                    except Exception as e:  # a backend that cannot run a shape is recorded, not fatal
+                        print(f"{name} d{d} s{s} causal={causal}: {type(e).__name__}: {e}", file=sys.stderr)
+                    if ms is not None:
+                        rows.append(dict(backend=name, head_dim=d, seqlen=s, batch=b, heads=h, causal=causal,
+                                         median_ms=ms, tflops=flops / (ms * 1e-3) / 1e12))
+                        print(f"{name:6} d{d:<4} s{s:<6} {'causal' if causal else 'full':7} {ms:9.3f} ms "
+                              f"{rows[-1]['tflops']:7.1f} TFLOP/s", file=sys.stderr, flush=True)
+    json.dump(dict(device=torch.cuda.get_device_name(), torch=torch.__version__,
+                   cudnn=torch.backends.cudnn.version(), rows=rows), sys.stdout, indent=1)
+
+
+if __name__ == "__main__":
+    main()

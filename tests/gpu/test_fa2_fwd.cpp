@@ -1,0 +1,204 @@
+// fa2_fwd against the float64 reference (and the GPU reference kernel for large shapes) over the
+// awkward-shape set: seqlen pairs, batch 1 and 3, GQA 1/4/8, every head dim, causal, window,
+// softcap, varlen with empty and long sequences, strided layouts, and bitwise reruns.
+#include <catch2/catch.hpp>
+
+#include <cstring>
+
+#include "support/attention_case.hpp"
+
+using namespace flashjit;
+using namespace flashjit::test;
+
+namespace {
+
+Runtime& runtime() {
+  static Runtime rt(CacheConfig::from_environment());
+  return rt;
+}
+
+struct Run {
+  AttentionShape shape;
+  DType dtype = DType::bf16;
+  Layout layout = Layout::bshd;
+  Oracle oracle = Oracle::cpu_float64;
+  std::optional<KernelSpec> kernel;  // forced spec; default: dispatch's fa2 choice
+};
+
+void check(const Run& r, uint64_t seed) {
+  AttentionCase c(r.shape, r.dtype, seed, r.layout, r.oracle);
+  AttentionOptions options;
+  options.backend = Backend::fa2;
+  options.kernel = r.kernel;
+  c.run(runtime(), options);
+  INFO(c.describe() << (r.kernel ? " kernel " + r.kernel->name() : std::string(" default kernel")));
+  const Comparison out = c.check_output(tensor_core_output_tolerance(r.dtype));
+  INFO("out: " << out.bad << " of " << out.checked << " outside tolerance; first " << out.first_bad
+               << "; max abs error " << out.max_abs);
+  CHECK(out.ok());
+  const Comparison lse = c.check_lse(tensor_core_lse_tolerance());
+  INFO("lse: " << lse.bad << " of " << lse.checked << " bad; first " << lse.first_bad);
+  CHECK(lse.ok());
+}
+
+AttentionShape shape(int batch, int sq, int sk, int hq, int hkv, int d) {
+  AttentionShape s;
+  s.batch = batch;
+  s.seqlen_q = sq;
+  s.seqlen_k = sk;
+  s.heads_q = hq;
+  s.heads_kv = hkv;
+  s.head_dim = d;
+  return s;
+}
+
+}  // namespace
+
+TEST_CASE("fa2_fwd: every head dim, kernel or rounded up", "[fa2]") {
+  uint64_t seed = 1000;
+  for (int d : {8, 32, 40, 64, 72, 96, 128, 136, 160, 192, 200, 224, 256})
+    for (bool causal : {false, true}) {
+      Run r;
+      r.shape = shape(3, 113, 203, 8, 2, d);
+      r.shape.causal = causal;
+      r.dtype = d % 16 == 0 ? DType::bf16 : DType::fp16;
+      check(r, seed++);
+    }
+}
+
+TEST_CASE("fa2_fwd: awkward seqlen pairs, batch 1 and 3, GQA 1/4/8", "[fa2]") {
+  const std::pair<int, int> pairs[] = {{1, 1}, {1, 4096}, {239, 1}, {113, 203}, {1023, 1024}};
+  uint64_t seed = 2000;
+  for (auto [sq, sk] : pairs)
+    for (int group : {1, 4, 8})
+      for (bool causal : {false, true}) {
+        Run r;
+        r.shape = shape(group == 4 ? 1 : 3, sq, sk, 8, 8 / group, 128);
+        r.shape.causal = causal;
+        check(r, seed++);
+      }
+}
+
+TEST_CASE("fa2_fwd: 4224 x 4224 against the GPU reference kernel", "[fa2]") {
+  uint64_t seed = 3000;
+  for (int d : {64, 128, 256})
+    for (bool causal : {false, true}) {
+      Run r;
+      r.shape = shape(1, 4224, 4224, 4, 2, d);
+      r.shape.causal = causal;
+      r.oracle = Oracle::gpu_reference;
+      check(r, seed++);
+    }
+}
+
+TEST_CASE("fa2_fwd: sliding windows and softcap", "[fa2]") {
+  uint64_t seed = 4000;
+  struct Window {
+    int left, right;
+    bool causal;
+  };
+  for (Window w : {Window{0, 0, false}, Window{16, -1, false}, Window{-1, 7, false}, Window{100, 50, false},
+                   Window{64, 0, true}, Window{1000, 1000, false}})
+    for (float softcap : {0.f, 30.f, 2.f}) {
+      Run r;
+      r.shape = shape(2, 300, 517, 8, 2, 64);
+      r.shape.window_left = w.left;
+      r.shape.window_right = w.causal ? -1 : w.right;
+      r.shape.causal = w.causal;
+      r.shape.softcap = softcap;
+      r.dtype = softcap == 2.f ? DType::fp16 : DType::bf16;
+      check(r, seed++);
+    }
+  Run r;  // seqlen_q > seqlen_k under causal: the top rows see nothing (O = 0, LSE = +inf)
+  r.shape = shape(1, 400, 130, 4, 4, 96);
+  r.shape.causal = true;
+  r.shape.softcap = 15.f;
+  check(r, seed++);
+}
+
+TEST_CASE("fa2_fwd: varlen batches with empty, single and long sequences", "[fa2]") {
+  uint64_t seed = 5000;
+  for (bool causal : {false, true})
+    for (int d : {64, 128}) {
+      Run r;
+      r.shape = shape(6, 0, 0, 8, 2, d);
+      r.shape.seqlens_q = {0, 1, 2049, 37, 1, 200};
+      r.shape.seqlens_k = {7, 0, 2049, 300, 1, 129};
+      r.shape.causal = causal;
+      check(r, seed++);
+    }
+  Run r;
+  r.shape = shape(3, 0, 0, 4, 4, 128);
+  r.shape.seqlens_q = {2049, 0, 64};
+  r.shape.seqlens_k = {2049, 64, 0};
+  r.shape.window_left = 100;
+  r.shape.window_right = 20;
+  check(r, seed++);
+}
+
+TEST_CASE("fa2_fwd: head-major (BHSD) strides", "[fa2]") {
+  Run r;
+  r.shape = shape(3, 257, 300, 4, 2, 128);
+  r.layout = Layout::bhsd;
+  check(r, 6000);
+  r.shape.causal = true;
+  r.shape.head_dim = 64;
+  check(r, 6001);
+}
+
+TEST_CASE("fa2_fwd: tile shapes, warps and pipeline depths", "[fa2]") {
+  // The autotuner's candidates must all be right, not only the defaults.
+  const Arch arch = device_properties(0).arch();
+  uint64_t seed = 7000;
+  struct Tiles {
+    int d, block_m, block_n, warps, stages;
+  };
+  for (Tiles t : {Tiles{64, 64, 32, 4, 1}, Tiles{64, 128, 128, 8, 3}, Tiles{64, 256, 64, 8, 2},
+                  Tiles{128, 64, 64, 4, 3}, Tiles{128, 128, 32, 4, 1}, Tiles{128, 128, 64, 8, 2},
+                  Tiles{128, 64, 128, 4, 2}, Tiles{256, 64, 32, 4, 3}, Tiles{256, 128, 64, 8, 1},
+                  Tiles{96, 128, 64, 8, 2}, Tiles{160, 64, 64, 4, 2}, Tiles{224, 128, 32, 8, 1}})
+    for (MaskKind mask : {MaskKind::none, MaskKind::causal}) {
+      Run r;
+      r.shape = shape(2, 333, 590, 4, 2, t.d);
+      r.shape.causal = mask == MaskKind::causal;
+      KernelSpec spec = default_spec(Family::fa2_fwd, arch, DType::bf16, t.d, mask);
+      spec.block_m = t.block_m;
+      spec.block_n = t.block_n;
+      spec.num_warps = t.warps;
+      spec.num_stages = t.stages;
+      if (auto reason = spec.validate()) {
+        WARN(spec.name() << " is not legal here: " << *reason);
+        continue;
+      }
+      r.kernel = spec;
+      check(r, seed++);
+    }
+}
+
+TEST_CASE("fa2_fwd: reruns are bitwise identical", "[fa2]") {
+  AttentionShape s = shape(2, 1000, 1500, 8, 2, 128);
+  s.causal = true;
+  AttentionCase c(s, DType::bf16, 8000);
+  AttentionOptions options;
+  options.backend = Backend::fa2;
+  c.run(runtime(), options);
+  const auto out = c.output_bits();
+  const auto lse = c.lse_values();
+  for (int i = 0; i < 3; ++i) {
+    c.run(runtime(), options);
+    CHECK(c.output_bits() == out);
+    CHECK(std::memcmp(c.lse_values().data(), lse.data(), lse.size() * 4) == 0);
+  }
+}
+
+TEST_CASE("fa2_fwd: a forced kernel that does not fit the problem is refused", "[fa2]") {
+  AttentionShape s = shape(1, 64, 64, 2, 2, 128);
+  AttentionCase c(s, DType::bf16, 9000);
+  AttentionOptions options;
+  options.kernel = default_spec(Family::fa2_fwd, device_properties(0).arch(), DType::fp16, 128);
+  CHECK_THROWS_WITH(c.run(runtime(), options), Catch::Contains("dtype fp16 but the tensors are bf16"));
+  options.kernel = default_spec(Family::fa2_fwd, device_properties(0).arch(), DType::bf16, 64);
+  CHECK_THROWS_WITH(c.run(runtime(), options), Catch::Contains("head_dim 64 is smaller than the problem's 128"));
+  options.kernel = default_spec(Family::fa2_fwd, device_properties(0).arch(), DType::bf16, 128, MaskKind::causal);
+  CHECK_THROWS_WITH(c.run(runtime(), options), Catch::Contains("mask causal but the options ask for none"));
+}
