@@ -8,6 +8,7 @@ import math
 import sys
 
 import torch
+import torch._dynamo
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -47,7 +48,6 @@ def main():
     flex = None
     if "flex" in backends:
         from torch.nn.attention.flex_attention import create_block_mask, flex_attention
-        import torch._dynamo
         torch._dynamo.config.cache_size_limit = 256
         flex = torch.compile(flex_attention, dynamic=False)
 

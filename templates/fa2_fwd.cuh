@@ -166,10 +166,14 @@ __device__ __forceinline__ void mask_tile(float (&s)[Shape::kMFrags][Shape::kSFr
 }
 
 // Online softmax over one tile: new running max, rescale O and the sums, S becomes P (fp32).
+// Once the running max has settled (most tiles after the first few), no row of the warp changes
+// and the O rescale (kOFrags * 4 multiplies per row pair) is skipped with one warp vote.
 template <class Shape>
 __device__ __forceinline__ void online_softmax(Fa2FwdWarpState<Shape>& st,
                                                float (&s)[Shape::kMFrags][Shape::kSFrags][4],
                                                float scale_log2) {
+  float rescale[Shape::kMFrags][2];
+  bool max_moved = false;
 #pragma unroll
   for (int mi = 0; mi < Shape::kMFrags; ++mi)
 #pragma unroll
@@ -182,7 +186,8 @@ __device__ __forceinline__ void online_softmax(Fa2FwdWarpState<Shape>& st,
       tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 2));
       // A row with no visible key so far keeps max -inf; subtracting 0 then keeps exp2 at 0.
       const float max_scaled = tile_max == -positive_infinity() ? 0.f : tile_max * scale_log2;
-      const float rescale = exp2_approx(st.row_max[mi][h] * scale_log2 - max_scaled);
+      max_moved = max_moved || tile_max != st.row_max[mi][h];
+      rescale[mi][h] = exp2_approx(st.row_max[mi][h] * scale_log2 - max_scaled);
       st.row_max[mi][h] = tile_max;
       float sum = 0.f;
 #pragma unroll
@@ -192,13 +197,16 @@ __device__ __forceinline__ void online_softmax(Fa2FwdWarpState<Shape>& st,
           s[mi][ni][e] = exp2_approx(fmaf(s[mi][ni][e], scale_log2, -max_scaled));
           sum += s[mi][ni][e];
         }
-      st.row_sum[mi][h] = fmaf(st.row_sum[mi][h], rescale, sum);
-#pragma unroll
-      for (int nd = 0; nd < Shape::kOFrags; ++nd) {
-        st.o[mi][nd][2 * h] *= rescale;
-        st.o[mi][nd][2 * h + 1] *= rescale;
-      }
+      st.row_sum[mi][h] = fmaf(st.row_sum[mi][h], rescale[mi][h], sum);
     }
+  if (__any_sync(0xffffffffu, max_moved)) {
+#pragma unroll
+    for (int mi = 0; mi < Shape::kMFrags; ++mi)
+#pragma unroll
+      for (int nd = 0; nd < Shape::kOFrags; ++nd)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) st.o[mi][nd][e] *= rescale[mi][e / 2];
+  }
 }
 
 template <class Config>
