@@ -34,6 +34,18 @@ for row in r['rows']:
 import json; r = json.load(open('$out/grid.json'))
 for row in r['rows']: print(row['head_dim'], row['seqlen'], 'causal' if row['causal'] else 'full', round(row['tflops'], 1), row['spec'])
 " ;;
+    python)
+      tests/python/run_tests.sh "$build/runtime/libflashjit.so" 2>&1 | tail -15
+      [[ ${PIPESTATUS[0]} -eq 0 ]] || status=1 ;;
+    profile)
+      # Nsight Compute on the default kernels at one shape per head dim (FLASHJIT_PROFILE_DIMS).
+      for d in ${FLASHJIT_PROFILE_DIMS:-64 128 256}; do
+        ncu --clock-control none -k regex:flashjit_fa2 -c 1 --section SpeedOfLight --section WarpStateStats \
+            --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis_Tables --section Occupancy \
+            "$build/tools/flashjit-bench" --head-dims $d --seqlens 4096 --causal off --iters 1 --warmup 1 \
+            > "$out/ncu_d$d.txt" 2>&1 || status=1
+        grep -E "Duration|Throughput|Pipe|Stall|Bank|Occupancy|Registers|Issued|Eligible|No Eligible" "$out/ncu_d$d.txt" | head -40
+      done ;;
     peers)
       python3 bench/peers.py ${PEERS_ARGS:-} > "$out/peers.json" 2> "$out/peers.log" || status=1
       tail -n 40 "$out/peers.log" ;;

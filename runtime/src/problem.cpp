@@ -2,6 +2,7 @@
 
 #include <cmath>
 #include <map>
+#include <vector>
 #include <mutex>
 #include <optional>
 #include <string>
@@ -198,6 +199,35 @@ void check_device_pointer(const TensorView& view, const char* name) {
                           "allocation", name, shape_text(view),
                           fmt::join(view.strides, view.strides + view.rank, ", "),
                           extent - (range.end - address)));
+}
+
+void check_cu_seqlens(const ForwardProblem& problem, const VarlenBatch& batch, int64_t total_q,
+                      int64_t total_k) {
+  const auto stream = static_cast<CUstream>(problem.stream);
+  auto read_back = [&](const TensorView& view) {
+    std::vector<int> host(static_cast<size_t>(view.shape[0]));
+    FLASHJIT_CU(cuMemcpyDtoHAsync, host.data(), reinterpret_cast<CUdeviceptr>(view.data),
+                host.size() * sizeof(int), stream);
+    return host;
+  };
+  const std::vector<int> cu_q = read_back(batch.cu_seqlens_q), cu_k = read_back(batch.cu_seqlens_k);
+  FLASHJIT_CU(cuStreamSynchronize, stream);
+  auto check = [&](const std::vector<int>& cu, const char* name, int64_t total, int max_seqlen,
+                   const char* max_name) {
+    if (cu[0] != 0) throw bad(fmt::format("{}[0] is {}, expected 0", name, cu[0]));
+    for (size_t b = 1; b < cu.size(); ++b) {
+      const int64_t length = int64_t(cu[b]) - cu[b - 1];
+      if (length < 0)
+        throw bad(fmt::format("{} is not monotone: entry {} is {} after {}", name, b, cu[b], cu[b - 1]));
+      if (length > max_seqlen)
+        throw bad(fmt::format("{}: sequence {} has {} rows, more than {} = {}", name, b - 1, length,
+                              max_name, max_seqlen));
+    }
+    if (cu.back() > total)
+      throw bad(fmt::format("{} ends at {}, past the {} packed rows", name, cu.back(), total));
+  };
+  check(cu_q, "cu_seqlens_q", total_q, batch.max_seqlen_q, "max_seqlen_q");
+  check(cu_k, "cu_seqlens_k", total_k, batch.max_seqlen_k, "max_seqlen_k");
 }
 
 ForwardProblem make_forward_problem(const TensorView& q, const TensorView& k, const TensorView& v,

@@ -33,6 +33,11 @@ ForwardProblem make_forward_problem(const TensorView& q, const TensorView& k, co
                                     const TensorView& out, const TensorView* lse,
                                     const VarlenBatch* varlen, const AttentionOptions& options);
 
+// Reads cu_seqlens_q/k back on the problem's stream and throws Error(invalid_argument) unless they
+// start at 0, never decrease, stay within the packed tensors and respect max_seqlen_q/k.
+void check_cu_seqlens(const ForwardProblem& problem, const VarlenBatch& batch, int64_t total_q,
+                      int64_t total_k);
+
 // Checks that `view.data` is device memory on `view.device` (a host pointer would fault the kernel
 // and poison the context). Needs the driver.
 void check_device_pointer(const TensorView& view, const char* name);

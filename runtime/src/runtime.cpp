@@ -35,15 +35,19 @@ struct Runtime::Impl {
 
   explicit Impl(CacheConfig config) : kernels(std::move(config)) {}
 
-  void run_forward(const ForwardProblem& problem, std::initializer_list<NamedTensor> tensors) {
+  // `check_on_device` runs once the pointers are known to be device memory, before dispatch.
+  template <class DeviceCheck>
+  void run_forward(const ForwardProblem& problem, DeviceCheck&& check_on_device,
+                   std::initializer_list<NamedTensor> tensors) {
     driver();  // a clear "no CUDA driver" error before anything else needs the GPU
     const DeviceProperties& device = device_properties(problem.device);
     for (const auto& [view, name] : tensors)
       if (view != nullptr) check_device_pointer(*view, name);
+    make_context_current(problem.device);
+    check_on_device();
     if (problem.is_empty()) return;
 
     const KernelSpec spec = select_forward_kernel(problem, device);
-    make_context_current(problem.device);
     const LoadedKernel& kernel = modules.get(spec, device);
     const Grid grid = forward_grid(spec, problem);
 
@@ -73,14 +77,16 @@ Runtime& Runtime::global() {
 void Runtime::forward(const TensorView& q, const TensorView& k, const TensorView& v,
                       const TensorView& out, const TensorView* lse, const AttentionOptions& options) {
   const ForwardProblem problem = make_forward_problem(q, k, v, out, lse, nullptr, options);
-  impl_->run_forward(problem, {{&q, "q"}, {&k, "k"}, {&v, "v"}, {&out, "out"}, {lse, "lse"}});
+  impl_->run_forward(problem, [] {}, {{&q, "q"}, {&k, "k"}, {&v, "v"}, {&out, "out"}, {lse, "lse"}});
 }
 
 void Runtime::forward_varlen(const TensorView& q, const TensorView& k, const TensorView& v,
                              const TensorView& out, const TensorView* lse, const VarlenBatch& batch,
                              const AttentionOptions& options) {
   const ForwardProblem problem = make_forward_problem(q, k, v, out, lse, &batch, options);
-  impl_->run_forward(problem, {{&q, "q"},
+  impl_->run_forward(problem, [&] {
+    if (batch.check_cu_seqlens) check_cu_seqlens(problem, batch, q.shape[0], k.shape[0]);
+  }, {{&q, "q"},
                                {&k, "k"},
                                {&v, "v"},
                                {&out, "out"},

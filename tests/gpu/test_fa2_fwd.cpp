@@ -202,3 +202,25 @@ TEST_CASE("fa2_fwd: a forced kernel that does not fit the problem is refused", "
   options.kernel = default_spec(Family::fa2_fwd, device_properties(0).arch(), DType::bf16, 128, MaskKind::causal);
   CHECK_THROWS_WITH(c.run(runtime(), options), Catch::Contains("mask causal but the options ask for none"));
 }
+
+TEST_CASE("fa2_fwd: bad cu_seqlens are refused before anything runs", "[fa2]") {
+  DeviceBuffer q(300 * 4 * 64 * 2), cu_q(4 * 4), cu_k(4 * 4);
+  auto qv = TensorView::contiguous(q.get(), ScalarType::bfloat16, {300, 4, 64});
+  auto run = [&](std::vector<int> q_offsets, std::vector<int> k_offsets, int max_q, int max_k) {
+    cu_q.upload(q_offsets);
+    cu_k.upload(k_offsets);
+    VarlenBatch batch{TensorView::contiguous(cu_q.get(), ScalarType::int32, {4}),
+                      TensorView::contiguous(cu_k.get(), ScalarType::int32, {4}), max_q, max_k};
+    runtime().forward_varlen(qv, qv, qv, qv, nullptr, batch);
+  };
+  CHECK_NOTHROW(run({0, 100, 200, 300}, {0, 50, 250, 300}, 100, 200));
+  CHECK_THROWS_WITH(run({0, 100, 90, 300}, {0, 50, 250, 300}, 210, 200),
+                    Catch::Contains("cu_seqlens_q is not monotone: entry 2 is 90 after 100"));
+  CHECK_THROWS_WITH(run({0, 100, 200, 300}, {0, 50, 250, 301}, 100, 200),
+                    Catch::Contains("cu_seqlens_k ends at 301, past the 300 packed rows"));
+  CHECK_THROWS_WITH(run({0, 100, 200, 300}, {0, 50, 250, 300}, 99, 200),
+                    Catch::Contains("cu_seqlens_q: sequence 0 has 100 rows, more than max_seqlen_q = 99"));
+  CHECK_THROWS_WITH(run({5, 100, 200, 300}, {0, 50, 250, 300}, 100, 200),
+                    Catch::Contains("cu_seqlens_q[0] is 5, expected 0"));
+  synchronize();
+}

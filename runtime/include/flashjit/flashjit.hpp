@@ -62,6 +62,10 @@ struct VarlenBatch {
   TensorView cu_seqlens_k;
   int max_seqlen_q = 0;
   int max_seqlen_k = 0;
+  // Read cu_seqlens back (a small copy and a wait on the stream) and refuse a batch whose offsets
+  // decrease, overrun the tensors or exceed max_seqlen, since the kernels would silently skip
+  // rows. Callers that build cu_seqlens themselves may turn it off.
+  bool check_cu_seqlens = true;
 };
 
 class Runtime {

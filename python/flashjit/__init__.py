@@ -1,0 +1,156 @@
+"""flashjit: FlashAttention kernels compiled just in time (NVRTC), for PyTorch tensors.
+
+    from flashjit import flash_attn_func
+    out = flash_attn_func(q, k, v, causal=True)            # q, k, v: (batch, seqlen, heads, head_dim)
+    out, lse = flash_attn_func(q, k, v, return_lse=True)
+
+The argument names follow the flash-attn package. Calls run on the current torch stream of the
+tensors' device; the first call for a new kernel compiles it (or loads it from the disk cache).
+"""
+import ctypes
+import math
+
+from . import _capi
+
+__all__ = ["flash_attn_func", "flash_attn_varlen_func", "FlashJitError", "cache_stats", "__version__"]
+
+_lib = _capi.load()
+__version__ = _lib.flashjit_version().decode()
+
+
+class FlashJitError(RuntimeError):
+    """A failure reported by the flashjit runtime; `status` names its kind."""
+
+    def __init__(self, status, message):
+        super().__init__(message)
+        self.status = _capi.STATUS_NAMES.get(status, str(status))
+
+
+def _check(status):
+    if status != 0:
+        message = _lib.flashjit_last_error().decode(errors="replace")
+        if status == 1:
+            raise ValueError(message)
+        raise FlashJitError(status, message)
+
+
+def _torch():
+    import torch  # imported lazily: the package loads without torch for the C API alone
+    return torch
+
+
+def _dtype_code(tensor, name):
+    torch = _torch()
+    codes = {torch.float16: _capi.FLOAT16, torch.bfloat16: _capi.BFLOAT16, torch.float32: _capi.FLOAT32,
+             torch.int32: _capi.INT32}
+    if tensor.dtype not in codes:
+        raise ValueError(f"{name}: dtype {tensor.dtype} is not supported (expected torch.float16 or torch.bfloat16)")
+    return codes[tensor.dtype]
+
+
+def _view(tensor, name):
+    if not tensor.is_cuda:
+        raise ValueError(f"{name}: expected a CUDA tensor, got one on {tensor.device}")
+    if tensor.dim() > 4:
+        raise ValueError(f"{name}: expected at most 4 dims, got {tensor.dim()}")
+    t = _capi.Tensor()
+    t.data = tensor.data_ptr()
+    t.dtype = _dtype_code(tensor, name)
+    t.device = tensor.device.index
+    t.rank = tensor.dim()
+    for i, (extent, stride) in enumerate(zip(tensor.shape, tensor.stride())):
+        t.shape[i] = extent
+        t.strides[i] = stride
+    return t
+
+
+def _options(tensor, softmax_scale, causal, window_size, softcap, backend):
+    o = _capi.AttentionOptions()
+    _lib.flashjit_attention_options_init(ctypes.byref(o))
+    if softmax_scale is not None:
+        if not (softmax_scale > 0 and math.isfinite(softmax_scale)):
+            raise ValueError(f"softmax_scale must be a positive finite number, got {softmax_scale}")
+        o.softmax_scale = softmax_scale
+    o.causal = bool(causal)
+    if len(window_size) != 2:
+        raise ValueError(f"window_size must be a (left, right) pair, got {window_size}")
+    o.window_left, o.window_right = (int(w) for w in window_size)
+    o.softcap = float(softcap)
+    if backend not in _capi.BACKENDS:
+        raise ValueError(f"backend must be one of {sorted(_capi.BACKENDS)}, got {backend!r}")
+    o.backend = _capi.BACKENDS[backend]
+    o.stream = _torch().cuda.current_stream(tensor.device).cuda_stream
+    return o
+
+
+def _unsupported(dropout_p, alibi_slopes, return_attn_probs):
+    if dropout_p:
+        raise NotImplementedError("flashjit: dropout is not supported (dropout_p must be 0)")
+    if alibi_slopes is not None:
+        raise NotImplementedError("flashjit: ALiBi is not supported (alibi_slopes must be None)")
+    if return_attn_probs:
+        raise NotImplementedError("flashjit: return_attn_probs is not supported; use return_lse=True")
+
+
+def _same_device(tensors):
+    devices = {t.device for t in tensors}
+    if len(devices) != 1:
+        raise ValueError(f"q, k, v must be on one device, got {sorted(str(d) for d in devices)}")
+
+
+def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
+                    softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False,
+                    return_lse=False, backend="auto"):
+    """softmax(q k^T * scale + mask) v.
+
+    q: (batch, seqlen_q, heads_q, head_dim); k, v: (batch, seqlen_k, heads_kv, head_dim), fp16 or bf16,
+    heads_q a multiple of heads_kv (GQA/MQA), head_dim a multiple of 8 up to 256, last dim contiguous.
+    causal is bottom-right aligned; window_size=(left, right) with -1 for unbounded. Returns out
+    (like q), and with return_lse=True also the float32 logsumexp (batch, heads_q, seqlen_q).
+    """
+    torch = _torch()
+    _unsupported(dropout_p, alibi_slopes, return_attn_probs)
+    for t, name in ((q, "q"), (k, "k"), (v, "v")):
+        if t.dim() != 4:
+            raise ValueError(f"{name}: expected 4 dims (batch, seqlen, heads, head_dim), got shape {tuple(t.shape)}")
+    _same_device((q, k, v))
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    lse = torch.empty((q.shape[0], q.shape[2], q.shape[1]), dtype=torch.float32, device=q.device)
+    with torch.cuda.device(q.device):
+        options = _options(q, softmax_scale, causal, window_size, softcap, backend)
+        _check(_lib.flashjit_forward(ctypes.byref(_view(q, "q")), ctypes.byref(_view(k, "k")),
+                                     ctypes.byref(_view(v, "v")), ctypes.byref(_view(out, "out")),
+                                     ctypes.byref(_view(lse, "lse")), ctypes.byref(options)))
+    return (out, lse) if return_lse else out
+
+
+def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
+                           softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
+                           alibi_slopes=None, deterministic=False, return_attn_probs=False, return_lse=False,
+                           backend="auto"):
+    """Variable-length batch, packed: q (total_q, heads_q, head_dim), k and v (total_k, heads_kv,
+    head_dim); sequence b is rows cu_seqlens[b]:cu_seqlens[b+1] (int32, on the device). Returns out,
+    and with return_lse=True the float32 logsumexp (heads_q, total_q)."""
+    torch = _torch()
+    _unsupported(dropout_p, alibi_slopes, return_attn_probs)
+    for t, name in ((q, "q"), (k, "k"), (v, "v")):
+        if t.dim() != 3:
+            raise ValueError(f"{name}: expected 3 dims (total, heads, head_dim), got shape {tuple(t.shape)}")
+    _same_device((q, k, v, cu_seqlens_q, cu_seqlens_k))
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    lse = torch.empty((q.shape[1], q.shape[0]), dtype=torch.float32, device=q.device)
+    with torch.cuda.device(q.device):
+        options = _options(q, softmax_scale, causal, window_size, softcap, backend)
+        _check(_lib.flashjit_forward_varlen(
+            ctypes.byref(_view(q, "q")), ctypes.byref(_view(k, "k")), ctypes.byref(_view(v, "v")),
+            ctypes.byref(_view(out, "out")), ctypes.byref(_view(lse, "lse")),
+            ctypes.byref(_view(cu_seqlens_q, "cu_seqlens_q")), ctypes.byref(_view(cu_seqlens_k, "cu_seqlens_k")),
+            int(max_seqlen_q), int(max_seqlen_k), ctypes.byref(options)))
+    return (out, lse) if return_lse else out
+
+
+def cache_stats():
+    """Counters of the process' kernel cache: {"memory_hits", "disk_hits", "compiles"}."""
+    values = [ctypes.c_uint64() for _ in range(3)]
+    _check(_lib.flashjit_cache_stats(*(ctypes.byref(v) for v in values)))
+    return dict(zip(("memory_hits", "disk_hits", "compiles"), (v.value for v in values)))

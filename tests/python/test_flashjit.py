@@ -1,0 +1,135 @@
+"""The Python package on a GPU: flash_attn_func / flash_attn_varlen_func against an fp32 PyTorch
+reference, LSE, streams, strided inputs, and argument errors."""
+import math
+import os
+import sys
+
+import pytest
+
+torch = pytest.importorskip("torch")
+if not torch.cuda.is_available():
+    pytest.skip("no CUDA device", allow_module_level=True)
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "python"))
+import flashjit  # noqa: E402
+from flashjit import flash_attn_func, flash_attn_varlen_func  # noqa: E402
+
+
+def reference(q, k, v, causal=False, window=(-1, -1), softcap=0.0, scale=None):
+    """fp32 attention over (batch, seqlen, heads, head_dim) inputs; bottom-right aligned masks."""
+    b, sq, hq, d = q.shape
+    sk, hkv = k.shape[1], k.shape[2]
+    qf, kf, vf = (t.float().transpose(1, 2) for t in (q, k, v))
+    kf = kf.repeat_interleave(hq // hkv, dim=1)
+    vf = vf.repeat_interleave(hq // hkv, dim=1)
+    scale = scale or 1.0 / math.sqrt(d)
+    s = qf @ kf.transpose(-1, -2) * scale
+    if softcap:
+        s = softcap * torch.tanh(s / softcap)
+    i = torch.arange(sq, device=q.device)[:, None]
+    j = torch.arange(sk, device=q.device)[None, :]
+    diag = i + sk - sq
+    visible = torch.ones(sq, sk, dtype=torch.bool, device=q.device)
+    right = 0 if causal else window[1]
+    if right >= 0:
+        visible &= j <= diag + right
+    if window[0] >= 0:
+        visible &= j >= diag - window[0]
+    s = s.masked_fill(~visible, float("-inf"))
+    lse = torch.logsumexp(s, dim=-1)
+    p = torch.softmax(s, dim=-1).nan_to_num(0.0)
+    return (p @ vf).transpose(1, 2), lse
+
+
+def assert_close(out, want, dtype):
+    tol = 4 / 512 if dtype == torch.bfloat16 else 4 / 4096
+    err = (out.float() - want).abs()
+    assert torch.isfinite(out.float()).all()
+    assert (err <= tol + tol / 2 * want.abs()).all(), f"max error {err.max().item()}"
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("shape", [(2, 113, 203, 8, 2, 64), (1, 1024, 1024, 4, 4, 128), (3, 239, 1, 8, 1, 96),
+                                   (1, 77, 300, 4, 4, 256)])
+def test_matches_fp32_reference(dtype, causal, shape):
+    b, sq, sk, hq, hkv, d = shape
+    torch.manual_seed(sq * d)
+    q = torch.randn(b, sq, hq, d, device="cuda", dtype=dtype)
+    k = torch.randn(b, sk, hkv, d, device="cuda", dtype=dtype)
+    v = torch.randn(b, sk, hkv, d, device="cuda", dtype=dtype)
+    out, lse = flash_attn_func(q, k, v, causal=causal, return_lse=True)
+    want, want_lse = reference(q, k, v, causal=causal)
+    assert out.shape == q.shape and out.dtype == dtype
+    assert_close(out, want, dtype)
+    finite = torch.isfinite(want_lse)
+    assert torch.allclose(lse[finite], want_lse[finite], atol=1e-3, rtol=1e-4)
+    assert torch.isinf(lse[~finite]).all()
+
+
+@pytest.mark.parametrize("window,softcap", [((32, 0), 0.0), ((16, 16), 30.0), ((-1, -1), 5.0)])
+def test_window_and_softcap(window, softcap):
+    q = torch.randn(2, 300, 4, 64, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(2, 400, 2, 64, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn(2, 400, 2, 64, device="cuda", dtype=torch.bfloat16)
+    out = flash_attn_func(q, k, v, window_size=window, softcap=softcap, softmax_scale=0.2)
+    want, _ = reference(q, k, v, window=window, softcap=softcap, scale=0.2)
+    assert_close(out, want, torch.bfloat16)
+
+
+def test_head_major_strides_and_side_stream():
+    x = torch.randn(3, 3, 8, 512, 128, device="cuda", dtype=torch.bfloat16)  # (qkv, b, h, s, d)
+    q, k, v = (t.transpose(1, 2) for t in x)  # (b, s, h, d) views with head-major strides
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        out = flash_attn_func(q, k, v, causal=True)
+    stream.synchronize()
+    want, _ = reference(q, k, v, causal=True)
+    assert_close(out, want, torch.bfloat16)
+
+
+def test_varlen_matches_per_sequence_reference():
+    lens_q, lens_k = [0, 1, 2049, 37], [5, 0, 2049, 300]
+    hq, hkv, d = 8, 2, 128
+    q = torch.randn(sum(lens_q), hq, d, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(sum(lens_k), hkv, d, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn(sum(lens_k), hkv, d, device="cuda", dtype=torch.bfloat16)
+    cu = lambda lens: torch.tensor([0] + list(torch.tensor(lens).cumsum(0)), device="cuda", dtype=torch.int32)
+    out, lse = flash_attn_varlen_func(q, k, v, cu(lens_q), cu(lens_k), max(lens_q), max(lens_k), causal=True,
+                                      return_lse=True)
+    assert lse.shape == (hq, sum(lens_q))
+    qs = ks = 0
+    for lq, lk in zip(lens_q, lens_k):
+        if lq:
+            want, want_lse = reference(q[None, qs:qs + lq], k[None, ks:ks + lk], v[None, ks:ks + lk], causal=True)
+            assert_close(out[qs:qs + lq], want[0], torch.bfloat16)
+        qs, ks = qs + lq, ks + lk
+
+
+def test_argument_errors_name_the_argument():
+    q = torch.randn(1, 64, 4, 64, device="cuda", dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="dtype torch.float32"):
+        flash_attn_func(q.float(), q.float(), q.float())
+    with pytest.raises(ValueError, match="expected a CUDA tensor"):
+        flash_attn_func(q.cpu(), q.cpu(), q.cpu())
+    with pytest.raises(ValueError, match="heads_kv 3 must divide heads_q 4"):
+        k = torch.randn(1, 64, 3, 64, device="cuda", dtype=torch.bfloat16)
+        flash_attn_func(q, k, k)
+    with pytest.raises(ValueError, match="head_dim 260 is not supported"):
+        big = torch.randn(1, 8, 1, 260, device="cuda", dtype=torch.bfloat16)
+        flash_attn_func(big, big, big)
+    with pytest.raises(ValueError, match="last dim"):
+        strided = torch.randn(1, 64, 4, 128, device="cuda", dtype=torch.bfloat16)[..., ::2]
+        flash_attn_func(strided, strided, strided)
+    with pytest.raises(NotImplementedError, match="dropout"):
+        flash_attn_func(q, q, q, dropout_p=0.1)
+    with pytest.raises(ValueError, match="cu_seqlens_q is not monotone"):
+        packed = q[0]
+        bad = torch.tensor([0, 40, 30, 64], device="cuda", dtype=torch.int32)
+        good = torch.tensor([0, 20, 40, 64], device="cuda", dtype=torch.int32)
+        flash_attn_varlen_func(packed, packed, packed, bad, good, 64, 64)
+
+
+def test_cache_counters():
+    stats = flashjit.cache_stats()
+    assert stats["compiles"] + stats["disk_hits"] >= 1
