@@ -92,7 +92,10 @@ def _unsupported(dropout_p, alibi_slopes, return_attn_probs):
         raise NotImplementedError("flashjit: return_attn_probs is not supported; use return_lse=True")
 
 
-def _same_device(tensors):
+def _same_device(tensors, names):
+    for t, name in zip(tensors, names):
+        if not t.is_cuda:
+            raise ValueError(f"{name}: expected a CUDA tensor, got one on {t.device}")
     devices = {t.device for t in tensors}
     if len(devices) != 1:
         raise ValueError(f"q, k, v must be on one device, got {sorted(str(d) for d in devices)}")
@@ -113,7 +116,7 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
     for t, name in ((q, "q"), (k, "k"), (v, "v")):
         if t.dim() != 4:
             raise ValueError(f"{name}: expected 4 dims (batch, seqlen, heads, head_dim), got shape {tuple(t.shape)}")
-    _same_device((q, k, v))
+    _same_device((q, k, v), ("q", "k", "v"))
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     lse = torch.empty((q.shape[0], q.shape[2], q.shape[1]), dtype=torch.float32, device=q.device)
     with torch.cuda.device(q.device):
@@ -136,7 +139,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     for t, name in ((q, "q"), (k, "k"), (v, "v")):
         if t.dim() != 3:
             raise ValueError(f"{name}: expected 3 dims (total, heads, head_dim), got shape {tuple(t.shape)}")
-    _same_device((q, k, v, cu_seqlens_q, cu_seqlens_k))
+    _same_device((q, k, v, cu_seqlens_q, cu_seqlens_k), ("q", "k", "v", "cu_seqlens_q", "cu_seqlens_k"))
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     lse = torch.empty((q.shape[1], q.shape[0]), dtype=torch.float32, device=q.device)
     with torch.cuda.device(q.device):

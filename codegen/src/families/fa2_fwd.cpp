@@ -46,7 +46,6 @@ void set_default_tiles(KernelSpec& s) {
   // 99 KB archs get the same shapes cut to fit, and to stay spill-free there.
   const int smem = max_smem_per_block(s.arch);
   const bool hopper_smem = smem >= 200 * 1024, small_smem = smem < 160 * 1024;
-  const bool masked = s.mask != MaskKind::none;
   auto set = [&](int block_m, int block_n, int warps, int stages) {
     s.block_m = block_m;
     s.block_n = block_n;
@@ -54,14 +53,13 @@ void set_default_tiles(KernelSpec& s) {
     s.num_stages = stages;
   };
   if (s.head_dim <= 96) {
-    set(128, 64, 4, 2);
+    set(128, 64, 4, 1);
   } else if (s.head_dim <= 128) {
-    if (hopper_smem) masked ? set(128, 32, 4, 1) : set(128, 64, 4, 2);
-    else set(128, 32, 4, 2);
+    hopper_smem ? set(128, 64, 4, 2) : set(128, 32, 4, 2);
   } else if (s.head_dim <= 192) {
     small_smem ? set(64, 32, 4, 1) : set(128, 64, 8, 1);
   } else if (hopper_smem) {
-    masked ? set(64, 64, 4, 1) : set(128, 64, 8, 2);
+    set(64, 64, 4, 1);
   } else {
     small_smem ? set(64, 32, 4, 1) : set(128, 64, 8, 1);
   }

@@ -1,0 +1,64 @@
+#!/usr/bin/env python3
+"""Merge one device call's flashjit-bench grid (--json) and peers.py output into
+bench/results/<name>.json, with each row's ratio to the peers, and print the table.
+
+    bench/report.py grid.json peers.json --name fa2_fwd_h200 [--sweep sweep.json] [--note "..."]
+"""
+import argparse
+import datetime
+import json
+import math
+import pathlib
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("grid")
+    ap.add_argument("peers")
+    ap.add_argument("--name", required=True)
+    ap.add_argument("--sweep", help="flashjit-bench --sweep output of the same call, kept alongside")
+    ap.add_argument("--note", default="")
+    args = ap.parse_args()
+
+    grid, peers = json.load(open(args.grid)), json.load(open(args.peers))
+    peer = {(r["backend"], r["head_dim"], r["seqlen"], r["causal"]): r["tflops"] for r in peers["rows"]}
+    rows, ratios = [], {"flash": [], "cudnn": [], "flex": []}
+    print(f"{'d':>4} {'S':>6} {'mask':7} {'flashjit':>8} {'FA2':>7} {'cuDNN':>7} {'Flex':>7} {'/FA2':>6} {'/cuDNN':>7}  spec")
+    for r in grid["rows"]:
+        key = (r["head_dim"], r["seqlen"], r["causal"])
+        row = dict(head_dim=r["head_dim"], seqlen=r["seqlen"], batch=r["batch"], heads=r["heads"],
+                   causal=r["causal"], flashjit_tflops=r["tflops"], flashjit_ms=r["median_ms"], spec=r["spec"])
+        for name in ratios:
+            tf = peer.get((name,) + key)
+            row[f"{name}_tflops"] = tf
+            row[f"ratio_vs_{name}"] = r["tflops"] / tf if tf else None
+            if tf and r["seqlen"] >= 1024:
+                ratios[name].append(r["tflops"] / tf)
+        rows.append(row)
+        fmt = lambda x: f"{x:7.1f}" if x else "      -"
+        print(f"{r['head_dim']:>4} {r['seqlen']:>6} {'causal' if r['causal'] else 'full':7} {r['tflops']:8.1f} "
+              f"{fmt(row['flash_tflops'])} {fmt(row['cudnn_tflops'])} {fmt(row['flex_tflops'])} "
+              f"{row['ratio_vs_flash'] or 0:6.3f} {row['ratio_vs_cudnn'] or 0:7.3f}  {r['spec']}")
+    summary = {}
+    for name, values in ratios.items():
+        if values:
+            summary[name] = dict(geomean_ratio=math.exp(sum(map(math.log, values)) / len(values)),
+                                 min_ratio=min(values), rows=len(values))
+            print(f"vs {name} (rows with S >= 1k): geomean {summary[name]['geomean_ratio']:.3f}, "
+                  f"min {summary[name]['min_ratio']:.3f} over {len(values)} rows")
+    result = dict(name=args.name, date=datetime.date.today().isoformat(), device=grid["device"],
+                  torch=peers.get("torch"), cudnn=peers.get("cudnn"), dtype=grid["dtype"],
+                  tokens=grid["tokens"], hidden=grid["hidden"],
+                  flop_convention="4*B*H*S*S*D, halved when causal", method=(
+                      "median of 20 samples, each a batch of back-to-back calls between CUDA events, "
+                      "after warm-up; flashjit and peers in one device call"),
+                  note=args.note, summary=summary, rows=rows)
+    if args.sweep:
+        result["sweep"] = json.load(open(args.sweep))["rows"]
+    out = pathlib.Path(__file__).parent / "results" / f"{args.name}.json"
+    out.write_text(json.dumps(result, indent=1) + "\n")
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
