@@ -12,11 +12,6 @@ using namespace flashjit::test;
 
 namespace {
 
-Runtime& runtime() {
-  static Runtime rt(CacheConfig::from_environment());
-  return rt;
-}
-
 struct Run {
   AttentionShape shape;
   DType dtype = DType::bf16;
@@ -30,7 +25,7 @@ void check(const Run& r, uint64_t seed) {
   AttentionOptions options;
   options.backend = Backend::fa2;
   options.kernel = r.kernel;
-  c.run(runtime(), options);
+  c.run(test_runtime(), options);
   INFO(c.describe() << (r.kernel ? " kernel " + r.kernel->name() : std::string(" default kernel")));
   const Comparison out = c.check_output(tensor_core_output_tolerance(r.dtype));
   INFO("out: " << out.bad << " of " << out.checked << " outside tolerance; first " << out.first_bad
@@ -41,17 +36,6 @@ void check(const Run& r, uint64_t seed) {
   CHECK(lse.ok());
 }
 
-AttentionShape shape(int batch, int sq, int sk, int hq, int hkv, int d) {
-  AttentionShape s;
-  s.batch = batch;
-  s.seqlen_q = sq;
-  s.seqlen_k = sk;
-  s.heads_q = hq;
-  s.heads_kv = hkv;
-  s.head_dim = d;
-  return s;
-}
-
 }  // namespace
 
 TEST_CASE("fa2_fwd: every head dim, kernel or rounded up", "[fa2]") {
@@ -59,7 +43,7 @@ TEST_CASE("fa2_fwd: every head dim, kernel or rounded up", "[fa2]") {
   for (int d : {8, 32, 40, 64, 72, 96, 128, 136, 160, 192, 200, 224, 256})
     for (bool causal : {false, true}) {
       Run r;
-      r.shape = shape(3, 113, 203, 8, 2, d);
+      r.shape = AttentionShape::make(3, 113, 203, 8, 2, d);
       r.shape.causal = causal;
       r.dtype = d % 16 == 0 ? DType::bf16 : DType::fp16;
       check(r, seed++);
@@ -73,7 +57,7 @@ TEST_CASE("fa2_fwd: awkward seqlen pairs, batch 1 and 3, GQA 1/4/8", "[fa2]") {
     for (int group : {1, 4, 8})
       for (bool causal : {false, true}) {
         Run r;
-        r.shape = shape(group == 4 ? 1 : 3, sq, sk, 8, 8 / group, 128);
+        r.shape = AttentionShape::make(group == 4 ? 1 : 3, sq, sk, 8, 8 / group, 128);
         r.shape.causal = causal;
         check(r, seed++);
       }
@@ -84,7 +68,7 @@ TEST_CASE("fa2_fwd: 4224 x 4224 against the GPU reference kernel", "[fa2]") {
   for (int d : {64, 128, 256})
     for (bool causal : {false, true}) {
       Run r;
-      r.shape = shape(1, 4224, 4224, 4, 2, d);
+      r.shape = AttentionShape::make(1, 4224, 4224, 4, 2, d);
       r.shape.causal = causal;
       r.oracle = Oracle::gpu_reference;
       check(r, seed++);
@@ -101,7 +85,7 @@ TEST_CASE("fa2_fwd: sliding windows and softcap", "[fa2]") {
                    Window{64, 0, true}, Window{1000, 1000, false}})
     for (float softcap : {0.f, 30.f, 2.f}) {
       Run r;
-      r.shape = shape(2, 300, 517, 8, 2, 64);
+      r.shape = AttentionShape::make(2, 300, 517, 8, 2, 64);
       r.shape.window_left = w.left;
       r.shape.window_right = w.causal ? -1 : w.right;
       r.shape.causal = w.causal;
@@ -110,7 +94,7 @@ TEST_CASE("fa2_fwd: sliding windows and softcap", "[fa2]") {
       check(r, seed++);
     }
   Run r;  // seqlen_q > seqlen_k under causal: the top rows see nothing (O = 0, LSE = +inf)
-  r.shape = shape(1, 400, 130, 4, 4, 96);
+  r.shape = AttentionShape::make(1, 400, 130, 4, 4, 96);
   r.shape.causal = true;
   r.shape.softcap = 15.f;
   check(r, seed++);
@@ -121,14 +105,14 @@ TEST_CASE("fa2_fwd: varlen batches with empty, single and long sequences", "[fa2
   for (bool causal : {false, true})
     for (int d : {64, 128}) {
       Run r;
-      r.shape = shape(6, 0, 0, 8, 2, d);
+      r.shape = AttentionShape::make(6, 0, 0, 8, 2, d);
       r.shape.seqlens_q = {0, 1, 2049, 37, 1, 200};
       r.shape.seqlens_k = {7, 0, 2049, 300, 1, 129};
       r.shape.causal = causal;
       check(r, seed++);
     }
   Run r;
-  r.shape = shape(3, 0, 0, 4, 4, 128);
+  r.shape = AttentionShape::make(3, 0, 0, 4, 4, 128);
   r.shape.seqlens_q = {2049, 0, 64};
   r.shape.seqlens_k = {2049, 64, 0};
   r.shape.window_left = 100;
@@ -138,7 +122,7 @@ TEST_CASE("fa2_fwd: varlen batches with empty, single and long sequences", "[fa2
 
 TEST_CASE("fa2_fwd: head-major (BHSD) strides", "[fa2]") {
   Run r;
-  r.shape = shape(3, 257, 300, 4, 2, 128);
+  r.shape = AttentionShape::make(3, 257, 300, 4, 2, 128);
   r.layout = Layout::bhsd;
   check(r, 6000);
   r.shape.causal = true;
@@ -159,7 +143,7 @@ TEST_CASE("fa2_fwd: tile shapes, warps and pipeline depths", "[fa2]") {
                   Tiles{96, 128, 64, 8, 2}, Tiles{160, 64, 64, 4, 2}, Tiles{224, 128, 32, 8, 1}})
     for (MaskKind mask : {MaskKind::none, MaskKind::causal}) {
       Run r;
-      r.shape = shape(2, 333, 590, 4, 2, t.d);
+      r.shape = AttentionShape::make(2, 333, 590, 4, 2, t.d);
       r.shape.causal = mask == MaskKind::causal;
       KernelSpec spec = default_spec(Family::fa2_fwd, arch, DType::bf16, t.d, mask);
       spec.block_m = t.block_m;
@@ -176,31 +160,31 @@ TEST_CASE("fa2_fwd: tile shapes, warps and pipeline depths", "[fa2]") {
 }
 
 TEST_CASE("fa2_fwd: reruns are bitwise identical", "[fa2]") {
-  AttentionShape s = shape(2, 1000, 1500, 8, 2, 128);
+  AttentionShape s = AttentionShape::make(2, 1000, 1500, 8, 2, 128);
   s.causal = true;
   AttentionCase c(s, DType::bf16, 8000);
   AttentionOptions options;
   options.backend = Backend::fa2;
-  c.run(runtime(), options);
+  c.run(test_runtime(), options);
   const auto out = c.output_bits();
   const auto lse = c.lse_values();
   for (int i = 0; i < 3; ++i) {
-    c.run(runtime(), options);
+    c.run(test_runtime(), options);
     CHECK(c.output_bits() == out);
     CHECK(std::memcmp(c.lse_values().data(), lse.data(), lse.size() * 4) == 0);
   }
 }
 
 TEST_CASE("fa2_fwd: a forced kernel that does not fit the problem is refused", "[fa2]") {
-  AttentionShape s = shape(1, 64, 64, 2, 2, 128);
+  AttentionShape s = AttentionShape::make(1, 64, 64, 2, 2, 128);
   AttentionCase c(s, DType::bf16, 9000);
   AttentionOptions options;
   options.kernel = default_spec(Family::fa2_fwd, device_properties(0).arch(), DType::fp16, 128);
-  CHECK_THROWS_WITH(c.run(runtime(), options), Catch::Contains("dtype fp16 but the tensors are bf16"));
+  CHECK_THROWS_WITH(c.run(test_runtime(), options), Catch::Contains("dtype fp16 but the tensors are bf16"));
   options.kernel = default_spec(Family::fa2_fwd, device_properties(0).arch(), DType::bf16, 64);
-  CHECK_THROWS_WITH(c.run(runtime(), options), Catch::Contains("head_dim 64 is smaller than the problem's 128"));
+  CHECK_THROWS_WITH(c.run(test_runtime(), options), Catch::Contains("head_dim 64 is smaller than the problem's 128"));
   options.kernel = default_spec(Family::fa2_fwd, device_properties(0).arch(), DType::bf16, 128, MaskKind::causal);
-  CHECK_THROWS_WITH(c.run(runtime(), options), Catch::Contains("mask causal but the options ask for none"));
+  CHECK_THROWS_WITH(c.run(test_runtime(), options), Catch::Contains("mask causal but the options ask for none"));
 }
 
 TEST_CASE("fa2_fwd: bad cu_seqlens are refused before anything runs", "[fa2]") {
@@ -211,7 +195,7 @@ TEST_CASE("fa2_fwd: bad cu_seqlens are refused before anything runs", "[fa2]") {
     cu_k.upload(k_offsets);
     VarlenBatch batch{TensorView::contiguous(cu_q.get(), ScalarType::int32, {4}),
                       TensorView::contiguous(cu_k.get(), ScalarType::int32, {4}), max_q, max_k};
-    runtime().forward_varlen(qv, qv, qv, qv, nullptr, batch);
+    test_runtime().forward_varlen(qv, qv, qv, qv, nullptr, batch);
   };
   CHECK_NOTHROW(run({0, 100, 200, 300}, {0, 50, 250, 300}, 100, 200));
   CHECK_THROWS_WITH(run({0, 100, 90, 300}, {0, 50, 250, 300}, 210, 200),

@@ -16,16 +16,11 @@ using namespace flashjit::test;
 
 namespace {
 
-Runtime& shared_runtime() {
-  static Runtime runtime(CacheConfig::from_environment());
-  return runtime;
-}
-
 void check_case(const AttentionShape& shape, DType dtype, uint64_t seed, Layout layout = Layout::bshd) {
   AttentionCase c(shape, dtype, seed, layout);
   AttentionOptions options;
   options.backend = Backend::reference;
-  c.run(shared_runtime(), options);
+  c.run(test_runtime(), options);
   INFO(c.describe());
   const Comparison out = c.check_output(reference_output_tolerance(dtype));
   INFO("out: " << out.bad << " of " << out.checked << " outside tolerance; " << out.first_bad
@@ -48,26 +43,14 @@ TEST_CASE("reference_fwd matches float64 on awkward shapes", "[reference]") {
   for (auto [sq, sk] : seqlens)
     for (int d : {64, 128, 256})
       for (bool causal : {false, true}) {
-        AttentionShape s;
-        s.batch = sq > 1000 ? 1 : 3;
-        s.seqlen_q = sq;
-        s.seqlen_k = sk;
-        s.heads_q = 4;
-        s.heads_kv = 2;
-        s.head_dim = d;
+        AttentionShape s = AttentionShape::make(sq > 1000 ? 1 : 3, sq, sk, 4, 2, d);
         s.causal = causal;
         check_case(s, DType::bf16, seed++);
       }
 }
 
 TEST_CASE("reference_fwd covers fp16, GQA, windows, softcap, strides and varlen", "[reference]") {
-  AttentionShape s;
-  s.batch = 2;
-  s.seqlen_q = 239;
-  s.seqlen_k = 1;
-  s.heads_q = 8;
-  s.heads_kv = 1;
-  s.head_dim = 96;
+  AttentionShape s = AttentionShape::make(2, 239, 1, 8, 1, 96);
   check_case(s, DType::fp16, 101);  // MQA, seqlen_k 1
   s.seqlen_q = 77;
   s.seqlen_k = 300;
@@ -81,41 +64,25 @@ TEST_CASE("reference_fwd covers fp16, GQA, windows, softcap, strides and varlen"
   s.window_right = 25;
   s.softcap = 5.f;
   check_case(s, DType::fp16, 103);
-  s = AttentionShape{};
-  s.batch = 3;
-  s.seqlen_q = 300;  // causal with seqlen_q > seqlen_k: the first rows see no key (O = 0, LSE = inf)
-  s.seqlen_k = 100;
-  s.heads_q = 2;
-  s.heads_kv = 2;
-  s.head_dim = 128;
+  // Causal with seqlen_q > seqlen_k: the first rows see no key (O = 0, LSE = inf).
+  s = AttentionShape::make(3, 300, 100, 2, 2, 128);
   s.causal = true;
   check_case(s, DType::bf16, 104, Layout::bhsd);
-  s = AttentionShape{};
-  s.batch = 4;
+  s = AttentionShape::make(4, 0, 0, 4, 4, 64);
   s.seqlens_q = {0, 1, 2049, 17};
   s.seqlens_k = {5, 0, 2049, 40};
-  s.heads_q = 4;
-  s.heads_kv = 4;
-  s.head_dim = 64;
   s.causal = true;
   check_case(s, DType::bf16, 105);
 }
 
 TEST_CASE("reference_fwd is deterministic", "[reference]") {
-  AttentionShape s;
-  s.batch = 2;
-  s.seqlen_q = 500;
-  s.seqlen_k = 700;
-  s.heads_q = 4;
-  s.heads_kv = 4;
-  s.head_dim = 128;
-  AttentionCase c(s, DType::bf16, 7);
+  AttentionCase c(AttentionShape::make(2, 500, 700, 4, 4, 128), DType::bf16, 7);
   AttentionOptions options;
   options.backend = Backend::reference;
-  c.run(shared_runtime(), options);
+  c.run(test_runtime(), options);
   const auto first_out = c.output_bits();
   const auto first_lse = c.lse_values();
-  c.run(shared_runtime(), options);
+  c.run(test_runtime(), options);
   CHECK(c.output_bits() == first_out);
   CHECK(std::memcmp(c.lse_values().data(), first_lse.data(), first_lse.size() * 4) == 0);
 }
@@ -220,13 +187,13 @@ TEST_CASE("memory that is not the GPU's, or too small for the view, is refused",
   constexpr int64_t kRows = 40960;  // x 128 bf16 = 10 MB
   DeviceBuffer q(kRows * 128 * 2), small(8 << 20);
   auto qv = TensorView::contiguous(q.get(), ScalarType::bfloat16, {1, kRows, 1, 128});
-  auto run = [&](const TensorView& out) { shared_runtime().forward(qv, qv, qv, out, nullptr); };
+  auto run = [&](const TensorView& out) { test_runtime().forward(qv, qv, qv, out, nullptr); };
   CHECK_THROWS_WITH(run(TensorView::contiguous(small.get(), ScalarType::bfloat16, {1, kRows, 1, 128})),
                     Catch::Contains("out: shape (1, 40960, 1, 128)") &&
                         Catch::Contains("past the end of its allocation"));
   alignas(16) static unsigned char host[64 * 128 * 2];
   auto small_q = TensorView::contiguous(q.get(), ScalarType::bfloat16, {1, 64, 1, 128});
-  CHECK_THROWS_WITH(shared_runtime().forward(small_q, small_q, small_q,
+  CHECK_THROWS_WITH(test_runtime().forward(small_q, small_q, small_q,
                                              TensorView::contiguous(host, ScalarType::bfloat16, {1, 64, 1, 128}),
                                              nullptr),
                     Catch::Contains("out:") && Catch::Contains("is not CUDA device memory"));

@@ -17,6 +17,12 @@
 
 namespace flashjit::test {
 
+// One runtime for a whole test executable, configured from FLASHJIT_* like an application's.
+inline Runtime& test_runtime() {
+  static Runtime runtime(CacheConfig::from_environment());
+  return runtime;
+}
+
 enum class Layout { bshd, bhsd };  // memory order of q/k/v/out (ignored for varlen: packed)
 
 struct Comparison {

@@ -23,6 +23,17 @@ struct AttentionShape {
   std::vector<int> seqlens_q;   // varlen when non-empty (then batch == size)
   std::vector<int> seqlens_k;
 
+  static AttentionShape make(int batch, int seqlen_q, int seqlen_k, int heads_q, int heads_kv, int head_dim) {
+    AttentionShape s;
+    s.batch = batch;
+    s.seqlen_q = seqlen_q;
+    s.seqlen_k = seqlen_k;
+    s.heads_q = heads_q;
+    s.heads_kv = heads_kv;
+    s.head_dim = head_dim;
+    return s;
+  }
+
   bool is_varlen() const { return !seqlens_q.empty(); }
   int len_q(int b) const { return is_varlen() ? seqlens_q[b] : seqlen_q; }
   int len_k(int b) const { return is_varlen() ? seqlens_k[b] : seqlen_k; }

@@ -40,10 +40,11 @@ std::optional<std::string> validate_tiles(const KernelSpec& s) {
 
 void set_default_tiles(KernelSpec& s) {
   // Before tuning: the fastest shapes of a sweep on an H200 at seqlen 4096 among those that compile
-  // without spills for every mask and softcap (bench/results/fa2_sweep_h200.json). Four warps of
-  // 32 query rows beat eight warps of 16 rows by 10-30%: each warp re-reads the whole K/V tile
-  // from shared memory, so more rows per warp means fewer bytes per FLOP. sm_80 (163 KB) and the
-  // 99 KB archs get the same shapes cut to fit, and to stay spill-free there.
+  // without spills for every mask and softcap (bench/results/fa2_sweep_h200.json). Up to head dim
+  // 128, four warps of 32 query rows beat eight warps of 16 rows by 10-30%: each warp re-reads the
+  // whole K/V tile from shared memory, so more rows per warp means fewer bytes per FLOP. At 256,
+  // 64-row tiles win: two CTAs fit per SM and hide each other's softmax. sm_80 (163 KB) and the
+  // 99 KB archs get shapes cut to fit, and to stay spill-free there.
   const int smem = max_smem_per_block(s.arch);
   const bool hopper_smem = smem >= 200 * 1024, small_smem = smem < 160 * 1024;
   auto set = [&](int block_m, int block_n, int warps, int stages) {
