@@ -5,7 +5,7 @@
 
 #include <cstring>
 
-#include "support/attention_case.hpp"
+#include "support/attention_checks.hpp"
 
 using namespace flashjit;
 using namespace flashjit::test;
@@ -27,13 +27,7 @@ void check(const Run& r, uint64_t seed) {
   options.kernel = r.kernel;
   c.run(test_runtime(), options);
   INFO(c.describe() << (r.kernel ? " kernel " + r.kernel->name() : std::string(" default kernel")));
-  const Comparison out = c.check_output(tensor_core_output_tolerance(r.dtype));
-  INFO("out: " << out.bad << " of " << out.checked << " outside tolerance; first " << out.first_bad
-               << "; max abs error " << out.max_abs);
-  CHECK(out.ok());
-  const Comparison lse = c.check_lse(tensor_core_lse_tolerance());
-  INFO("lse: " << lse.bad << " of " << lse.checked << " bad; first " << lse.first_bad);
-  CHECK(lse.ok());
+  check_against_oracle(c, tensor_core_output_tolerance(r.dtype), tensor_core_lse_tolerance());
 }
 
 }  // namespace

@@ -7,7 +7,7 @@
 #include <cstdlib>
 #include <fstream>
 
-#include "support/attention_case.hpp"
+#include "support/attention_checks.hpp"
 #include "support/subprocess.hpp"
 #include "support/temp_dir.hpp"
 
@@ -22,13 +22,7 @@ void check_case(const AttentionShape& shape, DType dtype, uint64_t seed, Layout 
   options.backend = Backend::reference;
   c.run(test_runtime(), options);
   INFO(c.describe());
-  const Comparison out = c.check_output(reference_output_tolerance(dtype));
-  INFO("out: " << out.bad << " of " << out.checked << " outside tolerance; " << out.first_bad
-               << "; max abs error " << out.max_abs);
-  CHECK(out.ok());
-  const Comparison lse = c.check_lse(reference_lse_tolerance());
-  INFO("lse: " << lse.bad << " of " << lse.checked << " bad; " << lse.first_bad);
-  CHECK(lse.ok());
+  check_against_oracle(c, reference_output_tolerance(dtype), reference_lse_tolerance());
 }
 
 double ms_since(std::chrono::steady_clock::time_point start) {

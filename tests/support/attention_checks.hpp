@@ -1,0 +1,21 @@
+// Catch2 assertions over an AttentionCase that has run: output and LSE within tolerance, with the
+// first bad element and the largest error in the failure message.
+#pragma once
+
+#include <catch2/catch.hpp>
+
+#include "support/attention_case.hpp"
+
+namespace flashjit::test {
+
+inline void check_against_oracle(const AttentionCase& c, Tolerance out_tolerance, Tolerance lse_tolerance) {
+  const Comparison out = c.check_output(out_tolerance);
+  INFO("out: " << out.bad << " of " << out.checked << " outside tolerance; first " << out.first_bad
+               << "; max abs error " << out.max_abs);
+  CHECK(out.ok());
+  const Comparison lse = c.check_lse(lse_tolerance);
+  INFO("lse: " << lse.bad << " of " << lse.checked << " bad; first " << lse.first_bad);
+  CHECK(lse.ok());
+}
+
+}  // namespace flashjit::test
