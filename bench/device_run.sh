@@ -2,8 +2,8 @@
 # One device call: GPU tests and timings over a build tree made on the development machine and
 # carried along (the device has no -dev packages; binaries built here run there).
 #   bench/device_run.sh [build-dir] [what...]
-#   what: tests | sweep | grid | peers | peers-quick (default: tests); FLASHJIT_BENCH_ARGS adds
-#   arguments to the flashjit-bench steps, PEERS_ARGS to the peers steps.
+#   what: tests | python | sweep | grid | peers | fwdbwd | profile (default: tests); FLASHJIT_BENCH_ARGS adds
+#   arguments to the flashjit-bench steps, PEERS_ARGS to the peers step, FWDBWD_ARGS to fwdbwd.
 set -uo pipefail
 build=${1:-build}
 shift || true
@@ -49,6 +49,11 @@ for row in r['rows']: print(row['head_dim'], row['seqlen'], 'causal' if row['cau
     peers)
       python3 bench/peers.py ${PEERS_ARGS:-} > "$out/peers.json" 2> "$out/peers.log" || status=1
       tail -n 40 "$out/peers.log" ;;
+    fwdbwd)
+      # Forward + backward: flashjit (Python package) beside SDPA FLASH and CUDNN, one process.
+      FLASHJIT_LIBRARY=$build/runtime/libflashjit.so python3 bench/peers.py --mode fwdbwd \
+          --backends flashjit,flash,cudnn ${FWDBWD_ARGS:-} > "$out/fwdbwd.json" 2> "$out/fwdbwd.log" || status=1
+      tail -n 60 "$out/fwdbwd.log" ;;
     *) echo "unknown step $step"; status=2 ;;
   esac
 done

@@ -1,10 +1,15 @@
 #!/usr/bin/env python3
 """Time flashjit's peers on the standard grid of DESIGN.md, with the same method as flashjit-bench
 (batched calls between CUDA events, median of samples): PyTorch SDPA with the FLASH
-(FlashAttention-2) and CUDNN backends, and FlexAttention. Prints one JSON document."""
+(FlashAttention-2) and CUDNN backends, and FlexAttention. Prints one JSON document.
+
+--mode fwdbwd times forward + backward (autograd over q, k, v with a random dout), where the
+"flashjit" backend (the Python package, on the same head-major tensors) runs beside the peers.
+FLOPs: forward 4*B*H*S*S*D (halved when causal); forward + backward 3.5x that."""
 import argparse
 import json
 import math
+import pathlib
 import sys
 
 import torch
@@ -42,7 +47,9 @@ def main():
     ap.add_argument("--backends", default="flash,cudnn,flex")
     ap.add_argument("--flex-head-dims", default="64,128,256", help="FlexAttention compiles per shape: limit it")
     ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--mode", choices=("fwd", "fwdbwd"), default="fwd")
     args = ap.parse_args()
+    backward = args.mode == "fwdbwd"
 
     backends = args.backends.split(",")
     flex = None
@@ -50,6 +57,9 @@ def main():
         from torch.nn.attention.flex_attention import create_block_mask, flex_attention
         torch._dynamo.config.cache_size_limit = 256
         flex = torch.compile(flex_attention, dynamic=False)
+    if "flashjit" in backends:
+        sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "python"))
+        import flashjit
 
     rows = []
     torch.manual_seed(0)
@@ -58,8 +68,17 @@ def main():
             for c in args.causal.split(","):
                 causal = c == "on"
                 b, h = args.tokens // s, args.hidden // d
-                q, k, v = (torch.randn(b, h, s, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
-                flops = 4.0 * b * h * s * s * d / (2 if causal else 1)
+                q, k, v = (torch.randn(b, h, s, d, device="cuda", dtype=torch.bfloat16, requires_grad=backward)
+                           for _ in range(3))
+                dout = torch.randn(b, h, s, d, device="cuda", dtype=torch.bfloat16)
+                flops = 4.0 * b * h * s * s * d / (2 if causal else 1) * (3.5 if backward else 1.0)
+
+                def timed_ms(attention):
+                    if backward:
+                        return median_ms(lambda: torch.autograd.grad(attention(), (q, k, v), dout), iters=args.iters)
+                    with torch.no_grad():
+                        return median_ms(attention, iters=args.iters)
+
                 for name in backends:
                     ms = None
                     try:
@@ -68,12 +87,15 @@ def main():
                             def fn():
                                 with sdpa_kernel(backend):
                                     return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
-                            ms = median_ms(fn, iters=args.iters)
+                            ms = timed_ms(fn)
+                        elif name == "flashjit":  # (b, s, h, d) views of the same head-major tensors
+                            ms = timed_ms(lambda: flashjit.flash_attn_func(
+                                q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=causal).transpose(1, 2))
                         elif name == "flex" and str(d) in args.flex_head_dims.split(","):
                             mask = None
                             if causal:
                                 mask = create_block_mask(lambda b_, h_, qi, ki: qi >= ki, None, None, s, s, device="cuda")
-                            ms = median_ms(lambda: flex(q, k, v, block_mask=mask), iters=args.iters)
+                            ms = timed_ms(lambda: flex(q, k, v, block_mask=mask))
                     except Exception as e:  # a backend that cannot run a shape is recorded, not fatal
                         print(f"{name} d{d} s{s} causal={causal}: {type(e).__name__}: {e}", file=sys.stderr)
                     if ms is not None:
@@ -81,7 +103,7 @@ def main():
                                          median_ms=ms, tflops=flops / (ms * 1e-3) / 1e12))
                         print(f"{name:6} d{d:<4} s{s:<6} {'causal' if causal else 'full':7} {ms:9.3f} ms "
                               f"{rows[-1]['tflops']:7.1f} TFLOP/s", file=sys.stderr, flush=True)
-    json.dump(dict(device=torch.cuda.get_device_name(), torch=torch.__version__,
+    json.dump(dict(device=torch.cuda.get_device_name(), torch=torch.__version__, mode=args.mode,
                    cudnn=torch.backends.cudnn.version(), rows=rows), sys.stdout, indent=1)
 
 

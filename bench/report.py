@@ -3,6 +3,8 @@
 bench/results/<name>.json, with each row's ratio to the peers, and print the table.
 
     bench/report.py grid.json peers.json --name fa2_fwd_h200 [--sweep sweep.json] [--note "..."]
+    bench/report.py peers.json --name fa2_fwdbwd_h200     flashjit rows from peers.py's "flashjit"
+                                                         backend (peers.py --mode fwdbwd)
 """
 import argparse
 import datetime
@@ -13,14 +15,24 @@ import pathlib
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("grid")
-    ap.add_argument("peers")
+    ap.add_argument("sources", nargs="+", metavar="grid.json peers.json | peers.json")
     ap.add_argument("--name", required=True)
     ap.add_argument("--sweep", help="flashjit-bench --sweep output of the same call, kept alongside")
     ap.add_argument("--note", default="")
     args = ap.parse_args()
 
-    grid, peers = json.load(open(args.grid)), json.load(open(args.peers))
+    if len(args.sources) > 2:
+        ap.error("give grid.json and peers.json, or peers.json alone")
+    peers = json.load(open(args.sources[-1]))
+    if len(args.sources) == 2:
+        grid = json.load(open(args.sources[0]))
+    else:  # flashjit timed by peers.py itself, through the Python package
+        own = [dict(r, spec="(dispatch default)") for r in peers["rows"] if r["backend"] == "flashjit"]
+        grid = dict(device=peers["device"], dtype="bf16", tokens=None, hidden=None, rows=own)
+        if own:
+            grid["tokens"] = own[0]["batch"] * own[0]["seqlen"]
+            grid["hidden"] = own[0]["heads"] * own[0]["head_dim"]
+    mode = peers.get("mode", "fwd")
     peer = {(r["backend"], r["head_dim"], r["seqlen"], r["causal"]): r["tflops"] for r in peers["rows"]}
     rows, ratios = [], {"flash": [], "cudnn": [], "flex": []}
     print(f"{'d':>4} {'S':>6} {'mask':7} {'flashjit':>8} {'FA2':>7} {'cuDNN':>7} {'Flex':>7} {'/FA2':>6} {'/cuDNN':>7}  spec")
@@ -49,7 +61,8 @@ def main():
     result = dict(name=args.name, date=datetime.date.today().isoformat(), device=grid["device"],
                   torch=peers.get("torch"), cudnn=peers.get("cudnn"), dtype=grid["dtype"],
                   tokens=grid["tokens"], hidden=grid["hidden"],
-                  flop_convention="4*B*H*S*S*D, halved when causal", method=(
+                  mode=mode, flop_convention="4*B*H*S*S*D, halved when causal" + (
+                      "; forward + backward = 3.5x" if mode == "fwdbwd" else ""), method=(
                       "median of 20 samples, each a batch of back-to-back calls between CUDA events, "
                       "after warm-up; flashjit and peers in one device call"),
                   note=args.note, summary=summary, rows=rows)

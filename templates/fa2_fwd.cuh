@@ -16,7 +16,7 @@
 //   pointers and row/head/batch strides multiple of 8 elements (checked on the host).
 #pragma once
 
-#include "common/mma_sm80.cuh"
+#include "common/tile_sm80.cuh"
 
 namespace flashjit::kernels {
 
@@ -44,32 +44,6 @@ struct Fa2FwdShape {
   static_assert(kBlockN % 16 == 0, "PV consumes keys 16 at a time");
   static_assert(kHeadDim % 16 == 0, "QK^T consumes head dims 16 at a time");
 };
-
-// Rows [0, kRows) of a global (rows x head_dim) tile into a padded shared tile; rows at or past
-// valid_rows and columns at or past head_dim are zero-filled (garbage there could be NaN, and
-// 0 * NaN would reach the output). Each thread owns one 16-byte column chunk and walks down the
-// rows; the row stride is made opaque to the optimiser so the row addresses are recomputed at each
-// use instead of being hoisted out of the key loop into a dozen 64-bit registers (which spilled).
-template <class Shape, int kRows>
-__device__ __forceinline__ void load_tile_async(unsigned smem, const typename Shape::Element* gmem,
-                                                long long row_stride, int valid_rows, int head_dim,
-                                                int tid) {
-  constexpr int kThreadsPerRow = Shape::kLoadThreadsPerRow;
-  constexpr int kRowsPerPass = Shape::kThreads / kThreadsPerRow;
-  const int chunk = tid % kThreadsPerRow, row0 = tid / kThreadsPerRow;
-  if (kThreadsPerRow != Shape::kChunks && chunk >= Shape::kChunks) return;
-  asm volatile("" : "+l"(row_stride));
-  const bool column_valid = chunk * 8 < head_dim;
-#pragma unroll
-  for (int pass = 0; pass < (kRows + kRowsPerPass - 1) / kRowsPerPass; ++pass) {
-    const int row = row0 + pass * kRowsPerPass;
-    if (kRows % kRowsPerPass == 0 || row < kRows) {
-      const bool valid = column_valid && row < valid_rows;
-      const auto* src = valid ? gmem + row * row_stride + chunk * 8 : gmem;
-      cp_async_16(smem + (row * Shape::kRowStride + chunk * 8) * 2, src, valid);
-    }
-  }
-}
 
 template <class Shape>
 struct Fa2FwdWarpState {

@@ -1,5 +1,6 @@
-// flashjit-bench: time flashjit's forward attention on the standard grid of DESIGN.md (B*S tokens,
-// H*D hidden), optionally checking every row against the reference kernel.
+// flashjit-bench: time flashjit's forward attention (or, with --backward, its backward) on the
+// standard grid of DESIGN.md (B*S tokens, H*D hidden), optionally checking every forward row
+// against the reference kernel.
 #include <algorithm>
 #include <chrono>
 #include <cmath>
@@ -34,6 +35,8 @@ struct Options {
   int iters = 20;
   bool check = false;
   bool sweep = false;
+  bool backward = false;
+  bool deterministic = false;
   bool json_output = false;
   int device = 0;
 };
@@ -123,6 +126,9 @@ int run(const Options& o) {
   else if (o.backend != "auto")
     throw Error(ErrorCode::invalid_argument, "--backend",
                 fmt::format("unknown backend '{}' (auto, reference, fa2)", o.backend));
+  if (o.check && o.backward)
+    throw Error(ErrorCode::invalid_argument, "--check",
+                "checks forward rows against the reference kernel; the backward is checked by the GPU tests");
   const DeviceProperties& device = device_properties(o.device);
   detail::make_context_current(o.device);
   Runtime& runtime = Runtime::global();
@@ -150,6 +156,12 @@ int run(const Options& o) {
     const size_t n = size_t(r.batch) * r.seqlen * r.heads * r.head_dim;
     // One q/k/v set is 3 x 64 MB at 16k tokens x 2048: every call streams past the 60 MB L2.
     DeviceMemory q(n * 2), k(n * 2), v(n * 2), out(n * 2), lse(size_t(r.batch) * r.heads * r.seqlen * 4);
+    std::optional<DeviceMemory> dout, dq, dk, dv;  // --backward
+    if (o.backward) {
+      dout.emplace(n * 2), dq.emplace(n * 2), dk.emplace(n * 2), dv.emplace(n * 2);
+      auto host = random_half(n, dtype, 4000 + r.seqlen + r.head_dim);
+      FLASHJIT_CU(cuMemcpyHtoD, reinterpret_cast<CUdeviceptr>(dout->get()), host.data(), n * 2);
+    }
     for (auto [mem, seed] : {std::pair{&q, 1}, {&k, 2}, {&v, 3}}) {
       auto host = random_half(n, dtype, seed * 1000 + r.seqlen + r.head_dim);
       FLASHJIT_CU(cuMemcpyHtoD, reinterpret_cast<CUdeviceptr>(mem->get()), host.data(), n * 2);
@@ -161,12 +173,24 @@ int run(const Options& o) {
     AttentionOptions options;
     options.causal = r.causal;
     options.backend = backend;
-    auto call = [&] { runtime.forward(view(q), view(k), view(v), view(out), &lse_view, options); };
+    options.deterministic = o.deterministic;
+    auto call = [&] {
+      if (o.backward)
+        runtime.backward(view(q), view(k), view(v), view(out), view(*dout), &lse_view, view(*dq), view(*dk),
+                         view(*dv), options);
+      else
+        runtime.forward(view(q), view(k), view(v), view(out), &lse_view, options);
+    };
+    if (o.backward) {  // the backward reads the forward's out and lse
+      AttentionOptions forward_options = options;
+      runtime.forward(view(q), view(k), view(v), view(out), &lse_view, forward_options);
+    }
     if (o.sweep) {
       // Every legal candidate that compiles without spills, timed; the fastest is kept in options.
-      const auto candidates = forward_candidates(Family::fa2_fwd, device.arch(), dtype,
-                                                 detail::kernel_head_dim(Family::fa2_fwd, r.head_dim),
-                                                 r.causal ? MaskKind::causal : MaskKind::none, false);
+      const Family family = o.backward ? Family::fa2_bwd : Family::fa2_fwd;
+      const auto candidates = candidate_specs(family, device.arch(), dtype,
+                                              detail::kernel_head_dim(family, r.head_dim),
+                                              r.causal ? MaskKind::causal : MaskKind::none, false);
       std::vector<std::thread> compilers;
       std::atomic<size_t> next{0};
       for (unsigned t = 0; t < std::max(2u, std::thread::hardware_concurrency()); ++t)
@@ -189,13 +213,16 @@ int run(const Options& o) {
       options.kernel = winner;
     }
     r.median_ms = median_ms(call, o.warmup, o.iters, start, stop);
+    const detail::ForwardProblem problem =
+        detail::make_forward_problem(view(q), view(k), view(v), view(out), &lse_view, nullptr, options);
     r.spec = options.kernel ? options.kernel->name()
-                            : detail::select_forward_kernel(detail::make_forward_problem(
-                                  view(q), view(k), view(v), view(out), &lse_view, nullptr, options), device).name();
-    const double flops = 4.0 * r.batch * r.heads * double(r.seqlen) * r.seqlen * r.head_dim / (r.causal ? 2 : 1);
+             : o.backward   ? detail::select_backward_kernel(problem, device).name()
+                            : detail::select_forward_kernel(problem, device).name();
+    const double flops = 4.0 * r.batch * r.heads * double(r.seqlen) * r.seqlen * r.head_dim /
+                         (r.causal ? 2 : 1) * (o.backward ? 2.5 : 1.0);
     r.tflops = flops / (r.median_ms * 1e-3) / 1e12;
 
-    if (o.check) {
+    if (o.check && !o.backward) {
       DeviceMemory expected(n * 2);
       AttentionOptions reference = options;
       reference.backend = Backend::reference;
@@ -230,7 +257,7 @@ int run(const Options& o) {
   detail::driver().cuEventDestroy(start);
   detail::driver().cuEventDestroy(stop);
   if (o.json_output) {
-    json j{{"device", device.name}, {"dtype", o.dtype}, {"tokens", o.tokens}, {"hidden", o.hidden}, {"rows", json::array()}};
+    json j{{"device", device.name}, {"mode", o.backward ? (o.deterministic ? "bwd_deterministic" : "bwd") : "fwd"}, {"dtype", o.dtype}, {"tokens", o.tokens}, {"hidden", o.hidden}, {"rows", json::array()}};
     for (const Row& r : rows)
       j["rows"].push_back({{"head_dim", r.head_dim}, {"seqlen", r.seqlen}, {"batch", r.batch}, {"heads", r.heads},
                            {"causal", r.causal}, {"median_ms", r.median_ms}, {"tflops", r.tflops},
@@ -245,13 +272,14 @@ int run(const Options& o) {
 
 int main(int argc, char** argv) {
   Options o;
-  CLI::App app{"Time flashjit's forward attention on the standard grid", kTool};
+  CLI::App app{"Time flashjit's forward (or backward) attention on the standard grid", kTool};
   app.footer(
       "Rows: for each head dim D and seqlen S, batch = tokens / S and heads = hidden / D.\n"
-      "FLOPs: 4 * B * H * S * S * D, halved when causal.\n"
+      "FLOPs: 4 * B * H * S * S * D, halved when causal; the backward counts 2.5x that.\n"
       "Examples:\n"
       "  flashjit-bench --head-dims 128 --seqlens 1024,8192\n"
       "  flashjit-bench --check --json > rows.json\n"
+      "  flashjit-bench --backward --sweep --head-dims 128 --seqlens 4096\n"
       "\nExit status: 0 ok, 1 a checked row disagreed with the reference, 2 bad arguments.");
   app.add_option("--head-dims", o.head_dims, "Head dims")->delimiter(',');
   app.add_option("--seqlens", o.seqlens, "Sequence lengths")->delimiter(',');
@@ -265,6 +293,8 @@ int main(int argc, char** argv) {
   app.add_option("--device", o.device, "CUDA device ordinal");
   app.add_flag("--check", o.check, "Compare each row with the reference kernel");
   app.add_flag("--sweep", o.sweep, "Time every spill-free fa2 candidate per row and keep the fastest");
+  app.add_flag("--backward", o.backward, "Time the backward pass (dq, dk, dv) instead of the forward");
+  app.add_flag("--deterministic", o.deterministic, "With --backward: the bitwise-reproducible dQ path");
   app.add_flag("--json", o.json_output, "Print JSON");
   return cli::run_tool(kTool, app, argc, argv, [&] { return run(o); });
 }

@@ -103,8 +103,9 @@ struct Outcome {
   std::string status;  // compiled, cached, failed, ok, missing, damaged
   std::string message;
   double compile_ms = 0;
-  int registers = 0;
-  int spill_bytes = 0;
+  int registers = 0;     // the most of any entry
+  int spill_bytes = 0;   // over all entries
+  std::vector<EntryStats> entries;
 };
 
 int run(const Options& o) {
@@ -136,6 +137,7 @@ int run(const Options& o) {
           auto kernel = cache.get(specs[i]);
           out.status = kernel->from_disk ? "cached" : "compiled";
           out.compile_ms = kernel->compile_ms;
+          out.entries = kernel->entries;
           for (const auto& e : kernel->entries) {
             out.registers = std::max(out.registers, e.registers);
             out.spill_bytes += e.spill_store_bytes + e.spill_load_bytes;
@@ -168,14 +170,22 @@ int run(const Options& o) {
   const bool failed = counts["failed"] + counts["missing"] + counts["damaged"] > 0;
   if (o.json_output) {
     json j{{"cache_dir", config.directory}, {"counts", counts}, {"kernels", json::array()}};
-    for (const auto& out : outcomes)
+    for (const auto& out : outcomes) {
+      json entries = json::array();
+      for (const auto& e : out.entries)
+        entries.push_back({{"name", e.name},
+                           {"registers", e.registers},
+                           {"static_smem_bytes", e.static_smem_bytes},
+                           {"spill_bytes", e.spill_store_bytes + e.spill_load_bytes}});
       j["kernels"].push_back({{"spec", out.spec.to_json()},
                               {"name", out.spec.name()},
                               {"status", out.status},
                               {"message", out.message},
                               {"compile_ms", out.compile_ms},
                               {"registers", out.registers},
-                              {"spill_bytes", out.spill_bytes}});
+                              {"spill_bytes", out.spill_bytes},
+                              {"entries", entries}});
+    }
     fmt::print("{}\n", j.dump(2));
   } else if (o.check) {
     fmt::print("{}: {} ok, {} missing, {} damaged in {}\n", kTool, counts["ok"], counts["missing"],

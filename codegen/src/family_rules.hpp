@@ -33,7 +33,9 @@ struct FamilyRules {
   // Fills the tile fields of a spec whose family, arch, dtype, head_dim and mask are set.
   void (*set_default_tiles)(KernelSpec&);
   int (*threads)(const KernelSpec&);
-  int (*dynamic_smem_bytes)(const KernelSpec&);
+  int (*dynamic_smem_bytes)(const KernelSpec&);  // the most any entry needs (the smem attribute)
+  // What entry `index` is launched with; null: every entry uses dynamic_smem_bytes.
+  int (*entry_smem_bytes)(const KernelSpec&, int index) = nullptr;
 };
 
 const FamilyRules& family_rules(Family family);

@@ -80,6 +80,11 @@ int dynamic_smem_bytes(const KernelSpec& spec) {
   return family_rules(spec.family).dynamic_smem_bytes(spec);
 }
 
+int entry_dynamic_smem_bytes(const KernelSpec& spec, int entry) {
+  const auto& rules = family_rules(spec.family);
+  return rules.entry_smem_bytes ? rules.entry_smem_bytes(spec, entry) : rules.dynamic_smem_bytes(spec);
+}
+
 int max_smem_per_block(const Arch& arch) {
   switch (arch.sm) {
     case 80: case 87: return 163 * 1024;
@@ -92,11 +97,13 @@ namespace codegen_detail {
 
 extern const FamilyRules kReferenceFwdRules;
 extern const FamilyRules kFa2FwdRules;
+extern const FamilyRules kFa2BwdRules;
 
 const FamilyRules& family_rules(Family family) {
   switch (family) {
     case Family::reference_fwd: return kReferenceFwdRules;
     case Family::fa2_fwd: return kFa2FwdRules;
+    case Family::fa2_bwd: return kFa2BwdRules;
   }
   throw Error(ErrorCode::internal, "codegen", "family without rules");
 }

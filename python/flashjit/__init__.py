@@ -9,6 +9,7 @@ tensors' device; the first call for a new kernel compiles it (or loads it from t
 """
 import ctypes
 import math
+import sys
 
 from . import _capi
 
@@ -64,23 +65,90 @@ def _view(tensor, name):
     return t
 
 
-def _options(tensor, softmax_scale, causal, window_size, softcap, backend):
+def _options(tensor, softmax_scale, causal, window_left, window_right, softcap, backend="auto", deterministic=False):
     o = _capi.AttentionOptions()
     _lib.flashjit_attention_options_init(ctypes.byref(o))
     if softmax_scale is not None:
-        if not (softmax_scale > 0 and math.isfinite(softmax_scale)):
-            raise ValueError(f"softmax_scale must be a positive finite number, got {softmax_scale}")
         o.softmax_scale = softmax_scale
     o.causal = bool(causal)
-    if len(window_size) != 2:
-        raise ValueError(f"window_size must be a (left, right) pair, got {window_size}")
-    o.window_left, o.window_right = (int(w) for w in window_size)
+    o.window_left, o.window_right = int(window_left), int(window_right)
     o.softcap = float(softcap)
-    if backend not in _capi.BACKENDS:
-        raise ValueError(f"backend must be one of {sorted(_capi.BACKENDS)}, got {backend!r}")
     o.backend = _capi.BACKENDS[backend]
+    o.deterministic = bool(deterministic)
     o.stream = _torch().cuda.current_stream(tensor.device).cuda_stream
     return o
+
+
+def _check_options(softmax_scale, window_size, backend):
+    if softmax_scale is not None and not (softmax_scale > 0 and math.isfinite(softmax_scale)):
+        raise ValueError(f"softmax_scale must be a positive finite number, got {softmax_scale}")
+    if len(window_size) != 2:
+        raise ValueError(f"window_size must be a (left, right) pair, got {window_size}")
+    if backend not in _capi.BACKENDS:
+        raise ValueError(f"backend must be one of {sorted(_capi.BACKENDS)}, got {backend!r}")
+
+
+def _kernel_ready(t):
+    """The layout the kernels read: last dim contiguous, other strides multiples of 8 elements."""
+    return t.stride(-1) == 1 and all(s % 8 == 0 for s, n in zip(t.stride()[:-1], t.shape[:-1]) if n > 1)
+
+
+# The raw calls, on the current stream of the tensors' device. The custom ops in _torch_ops wrap them.
+
+def _forward(q, k, v, softmax_scale, causal, window_left, window_right, softcap, backend):
+    torch = _torch()
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    lse = torch.empty((q.shape[0], q.shape[2], q.shape[1]), dtype=torch.float32, device=q.device)
+    with torch.cuda.device(q.device):
+        options = _options(q, softmax_scale, causal, window_left, window_right, softcap, backend)
+        _check(_lib.flashjit_forward(ctypes.byref(_view(q, "q")), ctypes.byref(_view(k, "k")),
+                                     ctypes.byref(_view(v, "v")), ctypes.byref(_view(out, "out")),
+                                     ctypes.byref(_view(lse, "lse")), ctypes.byref(options)))
+    return out, lse
+
+
+def _backward(dout, q, k, v, out, lse, softmax_scale, causal, window_left, window_right, softcap, deterministic):
+    torch = _torch()
+    if not _kernel_ready(dout):
+        dout = dout.contiguous()
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    with torch.cuda.device(q.device):
+        options = _options(q, softmax_scale, causal, window_left, window_right, softcap, "auto", deterministic)
+        views = [_view(t, n) for t, n in ((q, "q"), (k, "k"), (v, "v"), (out, "out"), (dout, "dout"), (lse, "lse"),
+                                          (dq, "dq"), (dk, "dk"), (dv, "dv"))]
+        _check(_lib.flashjit_backward(*(ctypes.byref(t) for t in views), ctypes.byref(options)))
+    return dq, dk, dv
+
+
+def _forward_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
+                    window_left, window_right, softcap, backend):
+    torch = _torch()
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    lse = torch.empty((q.shape[1], q.shape[0]), dtype=torch.float32, device=q.device)
+    with torch.cuda.device(q.device):
+        options = _options(q, softmax_scale, causal, window_left, window_right, softcap, backend)
+        _check(_lib.flashjit_forward_varlen(
+            ctypes.byref(_view(q, "q")), ctypes.byref(_view(k, "k")), ctypes.byref(_view(v, "v")),
+            ctypes.byref(_view(out, "out")), ctypes.byref(_view(lse, "lse")),
+            ctypes.byref(_view(cu_seqlens_q, "cu_seqlens_q")), ctypes.byref(_view(cu_seqlens_k, "cu_seqlens_k")),
+            int(max_seqlen_q), int(max_seqlen_k), ctypes.byref(options)))
+    return out, lse
+
+
+def _backward_varlen(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
+                     causal, window_left, window_right, softcap, deterministic):
+    torch = _torch()
+    if not _kernel_ready(dout):
+        dout = dout.contiguous()
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    with torch.cuda.device(q.device):
+        options = _options(q, softmax_scale, causal, window_left, window_right, softcap, "auto", deterministic)
+        views = [_view(t, n) for t, n in ((q, "q"), (k, "k"), (v, "v"), (out, "out"), (dout, "dout"), (lse, "lse"),
+                                          (dq, "dq"), (dk, "dk"), (dv, "dv"), (cu_seqlens_q, "cu_seqlens_q"),
+                                          (cu_seqlens_k, "cu_seqlens_k"))]
+        _check(_lib.flashjit_backward_varlen(*(ctypes.byref(t) for t in views), int(max_seqlen_q), int(max_seqlen_k),
+                                             ctypes.byref(options)))
+    return dq, dk, dv
 
 
 def _unsupported(dropout_p, alibi_slopes, return_attn_probs):
@@ -104,26 +172,23 @@ def _same_device(tensors, names):
 def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
                     softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False,
                     return_lse=False, backend="auto"):
-    """softmax(q k^T * scale + mask) v.
+    """softmax(q k^T * scale + mask) v, differentiable in q, k and v.
 
     q: (batch, seqlen_q, heads_q, head_dim); k, v: (batch, seqlen_k, heads_kv, head_dim), fp16 or bf16,
     heads_q a multiple of heads_kv (GQA/MQA), head_dim a multiple of 8 up to 256, last dim contiguous.
     causal is bottom-right aligned; window_size=(left, right) with -1 for unbounded. Returns out
-    (like q), and with return_lse=True also the float32 logsumexp (batch, heads_q, seqlen_q).
+    (like q), and with return_lse=True also the float32 logsumexp (batch, heads_q, seqlen_q), which
+    is not differentiable. deterministic=True makes the backward bitwise reproducible (slower).
+    A torch custom op (torch.ops.flashjit.attention), so torch.compile traces through it.
     """
-    torch = _torch()
     _unsupported(dropout_p, alibi_slopes, return_attn_probs)
+    _check_options(softmax_scale, window_size, backend)
     for t, name in ((q, "q"), (k, "k"), (v, "v")):
         if t.dim() != 4:
             raise ValueError(f"{name}: expected 4 dims (batch, seqlen, heads, head_dim), got shape {tuple(t.shape)}")
     _same_device((q, k, v), ("q", "k", "v"))
-    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    lse = torch.empty((q.shape[0], q.shape[2], q.shape[1]), dtype=torch.float32, device=q.device)
-    with torch.cuda.device(q.device):
-        options = _options(q, softmax_scale, causal, window_size, softcap, backend)
-        _check(_lib.flashjit_forward(ctypes.byref(_view(q, "q")), ctypes.byref(_view(k, "k")),
-                                     ctypes.byref(_view(v, "v")), ctypes.byref(_view(out, "out")),
-                                     ctypes.byref(_view(lse, "lse")), ctypes.byref(options)))
+    out, lse = _ops().attention(q, k, v, softmax_scale, bool(causal), int(window_size[0]), int(window_size[1]),
+                                float(softcap), backend, bool(deterministic))
     return (out, lse) if return_lse else out
 
 
@@ -133,23 +198,29 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
                            backend="auto"):
     """Variable-length batch, packed: q (total_q, heads_q, head_dim), k and v (total_k, heads_kv,
     head_dim); sequence b is rows cu_seqlens[b]:cu_seqlens[b+1] (int32, on the device). Returns out,
-    and with return_lse=True the float32 logsumexp (heads_q, total_q)."""
-    torch = _torch()
+    and with return_lse=True the float32 logsumexp (heads_q, total_q). Differentiable in q, k, v."""
     _unsupported(dropout_p, alibi_slopes, return_attn_probs)
+    _check_options(softmax_scale, window_size, backend)
     for t, name in ((q, "q"), (k, "k"), (v, "v")):
         if t.dim() != 3:
             raise ValueError(f"{name}: expected 3 dims (total, heads, head_dim), got shape {tuple(t.shape)}")
     _same_device((q, k, v, cu_seqlens_q, cu_seqlens_k), ("q", "k", "v", "cu_seqlens_q", "cu_seqlens_k"))
-    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    lse = torch.empty((q.shape[1], q.shape[0]), dtype=torch.float32, device=q.device)
-    with torch.cuda.device(q.device):
-        options = _options(q, softmax_scale, causal, window_size, softcap, backend)
-        _check(_lib.flashjit_forward_varlen(
-            ctypes.byref(_view(q, "q")), ctypes.byref(_view(k, "k")), ctypes.byref(_view(v, "v")),
-            ctypes.byref(_view(out, "out")), ctypes.byref(_view(lse, "lse")),
-            ctypes.byref(_view(cu_seqlens_q, "cu_seqlens_q")), ctypes.byref(_view(cu_seqlens_k, "cu_seqlens_k")),
-            int(max_seqlen_q), int(max_seqlen_k), ctypes.byref(options)))
+    out, lse = _ops().attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k),
+                                       softmax_scale, bool(causal), int(window_size[0]), int(window_size[1]),
+                                       float(softcap), backend, bool(deterministic))
     return (out, lse) if return_lse else out
+
+
+def _ops():
+    """The torch custom ops, registered on first use (the package imports without torch)."""
+    global _registered_ops
+    if _registered_ops is None:
+        from . import _torch_ops
+        _registered_ops = _torch_ops.register(sys.modules[__name__])
+    return _registered_ops
+
+
+_registered_ops = None
 
 
 def cache_stats():

@@ -31,6 +31,7 @@ class AttentionOptions(ctypes.Structure):
         ("softcap", ctypes.c_float),
         ("backend", ctypes.c_int32),
         ("stream", ctypes.c_void_p),
+        ("deterministic", ctypes.c_int32),
     ]
 
 
@@ -63,6 +64,10 @@ def load():
     lib.flashjit_forward.restype = ctypes.c_int
     lib.flashjit_forward_varlen.argtypes = [P(Tensor)] * 7 + [ctypes.c_int32, ctypes.c_int32, P(AttentionOptions)]
     lib.flashjit_forward_varlen.restype = ctypes.c_int
+    lib.flashjit_backward.argtypes = [P(Tensor)] * 9 + [P(AttentionOptions)]
+    lib.flashjit_backward.restype = ctypes.c_int
+    lib.flashjit_backward_varlen.argtypes = [P(Tensor)] * 11 + [ctypes.c_int32, ctypes.c_int32, P(AttentionOptions)]
+    lib.flashjit_backward_varlen.restype = ctypes.c_int
     lib.flashjit_cache_stats.argtypes = [P(ctypes.c_uint64)] * 3
     lib.flashjit_cache_stats.restype = ctypes.c_int
     lib.flashjit_last_error.argtypes = []

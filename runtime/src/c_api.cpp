@@ -69,6 +69,7 @@ flashjit::AttentionOptions options_of(const flashjit_attention_options* o) {
     default: throw invalid(fmt::format("options.backend: unknown backend code {}", o->backend));
   }
   options.stream = o->stream;
+  options.deterministic = o->deterministic != 0;
   return options;
 }
 
@@ -114,6 +115,40 @@ flashjit_status flashjit_forward_varlen(const flashjit_tensor* q, const flashjit
     flashjit::Runtime::global().forward_varlen(view_of(q, "q"), view_of(k, "k"), view_of(v, "v"),
                                                view_of(out, "out"), lse ? &lse_view : nullptr,
                                                batch, options_of(options));
+  });
+}
+
+flashjit_status flashjit_backward(const flashjit_tensor* q, const flashjit_tensor* k,
+                                  const flashjit_tensor* v, const flashjit_tensor* out,
+                                  const flashjit_tensor* dout, const flashjit_tensor* lse,
+                                  const flashjit_tensor* dq, const flashjit_tensor* dk,
+                                  const flashjit_tensor* dv, const flashjit_attention_options* options) {
+  return guarded([&] {
+    const flashjit::TensorView lse_view = lse ? view_of(lse, "lse") : flashjit::TensorView{};
+    flashjit::Runtime::global().backward(view_of(q, "q"), view_of(k, "k"), view_of(v, "v"), view_of(out, "out"),
+                                         view_of(dout, "dout"), lse ? &lse_view : nullptr, view_of(dq, "dq"),
+                                         view_of(dk, "dk"), view_of(dv, "dv"), options_of(options));
+  });
+}
+
+flashjit_status flashjit_backward_varlen(const flashjit_tensor* q, const flashjit_tensor* k,
+                                         const flashjit_tensor* v, const flashjit_tensor* out,
+                                         const flashjit_tensor* dout, const flashjit_tensor* lse,
+                                         const flashjit_tensor* dq, const flashjit_tensor* dk,
+                                         const flashjit_tensor* dv, const flashjit_tensor* cu_seqlens_q,
+                                         const flashjit_tensor* cu_seqlens_k, int32_t max_seqlen_q,
+                                         int32_t max_seqlen_k, const flashjit_attention_options* options) {
+  return guarded([&] {
+    const flashjit::TensorView lse_view = lse ? view_of(lse, "lse") : flashjit::TensorView{};
+    flashjit::VarlenBatch batch;
+    batch.cu_seqlens_q = view_of(cu_seqlens_q, "cu_seqlens_q");
+    batch.cu_seqlens_k = view_of(cu_seqlens_k, "cu_seqlens_k");
+    batch.max_seqlen_q = max_seqlen_q;
+    batch.max_seqlen_k = max_seqlen_k;
+    flashjit::Runtime::global().backward_varlen(
+        view_of(q, "q"), view_of(k, "k"), view_of(v, "v"), view_of(out, "out"), view_of(dout, "dout"),
+        lse ? &lse_view : nullptr, view_of(dq, "dq"), view_of(dk, "dk"), view_of(dv, "dv"), batch,
+        options_of(options));
   });
 }
 

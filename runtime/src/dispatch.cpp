@@ -30,13 +30,15 @@ KernelSpec select_for_arch(const ForwardProblem& problem, const Arch& arch) {
 }
 
 // A caller's forced spec must compute this problem on this device.
-void check_forced_kernel(const KernelSpec& spec, const ForwardProblem& problem, const Arch& arch) {
+void check_forced_kernel(const KernelSpec& spec, const ForwardProblem& problem, const Arch& arch,
+                         bool backward) {
+  const char* operation = backward ? "backward" : "forward";
   auto bad = [&](const std::string& what) {
-    return Error(ErrorCode::invalid_argument, "forward",
+    return Error(ErrorCode::invalid_argument, operation,
                  fmt::format("options.kernel {} does not fit the problem: {}", spec.name(), what));
   };
-  if (spec.family != Family::reference_fwd && spec.family != Family::fa2_fwd)
-    throw bad(fmt::format("family {} is not a forward family", to_string(spec.family)));
+  if (is_forward_family(spec.family) == backward)
+    throw bad(fmt::format("family {} is not a {} family", to_string(spec.family), operation));
   if (spec.dtype != problem.dtype)
     throw bad(fmt::format("dtype {} but the tensors are {}", to_string(spec.dtype), to_string(problem.dtype)));
   if (spec.mask != problem.mask)
@@ -51,19 +53,42 @@ void check_forced_kernel(const KernelSpec& spec, const ForwardProblem& problem, 
   if (auto reason = spec.validate()) throw bad(*reason);
 }
 
-}  // namespace
-
-KernelSpec select_forward_kernel(const ForwardProblem& problem, const DeviceProperties& device) {
+Arch checked_arch(const DeviceProperties& device) {
   const Arch arch = device.arch();
   if (arch.sm < 80)
     throw Error(ErrorCode::unsupported, "dispatch",
                 fmt::format("device {} ({}) is sm_{}; flashjit needs sm_80 or newer", device.ordinal,
                             device.name, arch.sm));
+  return arch;
+}
+
+}  // namespace
+
+KernelSpec select_forward_kernel(const ForwardProblem& problem, const DeviceProperties& device) {
+  const Arch arch = checked_arch(device);
   if (problem.forced_kernel) {
-    check_forced_kernel(*problem.forced_kernel, problem, arch);
+    check_forced_kernel(*problem.forced_kernel, problem, arch, /*backward=*/false);
     return *problem.forced_kernel;
   }
   return select_for_arch(problem, arch);
+}
+
+KernelSpec select_backward_kernel(const ForwardProblem& problem, const DeviceProperties& device) {
+  const Arch arch = checked_arch(device);
+  if (problem.forced_kernel) {
+    check_forced_kernel(*problem.forced_kernel, problem, arch, /*backward=*/true);
+    return *problem.forced_kernel;
+  }
+  if (problem.backend == Backend::reference)
+    throw Error(ErrorCode::unsupported, "backward",
+                "there is no reference backward kernel (backend=reference); the tests use the float64 "
+                "CPU oracle");
+  KernelSpec spec = default_spec(Family::fa2_bwd, arch, problem.dtype, kernel_head_dim(Family::fa2_bwd, problem.head_dim),
+                                 problem.mask, problem.has_softcap);
+  if (auto reason = spec.validate())
+    throw Error(ErrorCode::unsupported, "backward",
+                fmt::format("no backward kernel for head_dim {} on {}: {}", problem.head_dim, arch.name(), *reason));
+  return spec;
 }
 
 }  // namespace detail

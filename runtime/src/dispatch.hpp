@@ -12,4 +12,7 @@ int kernel_head_dim(Family family, int head_dim);
 
 KernelSpec select_forward_kernel(const ForwardProblem& problem, const DeviceProperties& device);
 
+// The fa2_bwd spec for a backward problem (`problem` is the backward's forward part).
+KernelSpec select_backward_kernel(const ForwardProblem& problem, const DeviceProperties& device);
+
 }  // namespace flashjit::detail

@@ -42,6 +42,10 @@ namespace flashjit::detail {
   X(cuMemcpyDtoH, 3020)                 \
   X(cuMemcpyDtoHAsync, 3020)            \
   X(cuMemsetD8, 3020)                   \
+  X(cuMemPoolCreate, 11020)             \
+  X(cuMemPoolSetAttribute, 11020)       \
+  X(cuMemAllocFromPoolAsync, 11020)     \
+  X(cuMemFreeAsync, 11020)              \
   X(cuStreamCreate, 2000)               \
   X(cuStreamDestroy, 4000)              \
   X(cuStreamSynchronize, 2000)          \

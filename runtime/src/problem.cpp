@@ -380,5 +380,58 @@ ForwardProblem make_forward_problem(const TensorView& q, const TensorView& k, co
   return p;
 }
 
+BackwardProblem make_backward_problem(const TensorView& q, const TensorView& k, const TensorView& v,
+                                      const TensorView& out, const TensorView& dout, const TensorView* lse,
+                                      const TensorView& dq, const TensorView& dk, const TensorView& dv,
+                                      const VarlenBatch* varlen, const AttentionOptions& options) {
+  BackwardProblem b;
+  try {
+    if (lse == nullptr)
+      throw bad("lse: the backward needs the forward's logsumexp (float32 (batch, heads_q, seqlen_q), or "
+                "(heads_q, total_q) when varlen); it is missing");
+    b.forward = make_forward_problem(q, k, v, out, lse, varlen, options);
+    const int rank = b.forward.is_varlen ? 3 : 4;
+    // Each gradient must look like the tensor it belongs to: shape, dtype, device, layout rules.
+    auto like = [&](const TensorView& grad, const char* grad_name, const TensorView& of, const char* of_name) {
+      check_rank(grad, grad_name, rank, "(the shape of the tensor it is the gradient of)");
+      check_same(of, of_name, grad, grad_name);
+      for (int d = 0; d < rank; ++d)
+        if (grad.shape[d] != of.shape[d])
+          throw bad(fmt::format("{}: shape {} differs from {}'s {}", grad_name, shape_text(grad), of_name,
+                                shape_text(of)));
+      check_attention_layout(grad, grad_name);
+    };
+    like(dout, "dout", out, "out");
+    like(dq, "dq", q, "q");
+    like(dk, "dk", k, "k");
+    like(dv, "dv", v, "v");
+  } catch (const Error& e) {
+    if (e.code() != ErrorCode::invalid_argument) throw;
+    throw Error(ErrorCode::invalid_argument, "backward", e.message());
+  }
+
+  const ForwardProblem& f = b.forward;
+  b.deterministic = options.deterministic;
+  b.workspace_rows = f.is_varlen ? to_int(q.shape[0], "total_q") : to_int(int64_t(f.batch) * f.seqlen_q, "batch x seqlen_q");
+  AttentionBwdParams& a = b.params;
+  a.fwd = f.params;
+  a.d_o = dout.data;
+  a.dq = dq.data;
+  a.dk = dk.data;
+  a.dv = dv.data;
+  const int s = f.is_varlen ? 0 : 1;
+  auto strides = [&](const TensorView& t, long long& batch_stride, long long& row_stride, long long& head_stride) {
+    batch_stride = f.is_varlen ? 0 : t.strides[0];
+    row_stride = t.strides[s];
+    head_stride = t.strides[s + 1];
+  };
+  strides(dout, a.do_batch_stride, a.do_row_stride, a.do_head_stride);
+  strides(dq, a.dq_batch_stride, a.dq_row_stride, a.dq_head_stride);
+  strides(dk, a.dk_batch_stride, a.dk_row_stride, a.dk_head_stride);
+  strides(dv, a.dv_batch_stride, a.dv_row_stride, a.dv_head_stride);
+  a.workspace_rows = b.workspace_rows;
+  return b;
+}
+
 }  // namespace detail
 }  // namespace flashjit

@@ -33,6 +33,23 @@ ForwardProblem make_forward_problem(const TensorView& q, const TensorView& k, co
                                     const TensorView& out, const TensorView* lse,
                                     const VarlenBatch* varlen, const AttentionOptions& options);
 
+struct BackwardProblem {
+  ForwardProblem forward;  // q, k, v, out, lse, options: validated exactly as the forward's
+  bool deterministic = false;
+  AttentionBwdParams params{};  // workspaces (delta, dq_accum) left null for the launcher
+  int workspace_rows = 0;
+
+  size_t delta_bytes() const { return size_t(forward.heads_q) * workspace_rows * sizeof(float); }
+  size_t dq_accum_bytes() const { return delta_bytes() * forward.head_dim; }
+};
+
+// As make_forward_problem, plus dout (like out), the gradients (dq like q, dk like k, dv like v)
+// and a required lse; errors name the backward.
+BackwardProblem make_backward_problem(const TensorView& q, const TensorView& k, const TensorView& v,
+                                      const TensorView& out, const TensorView& dout, const TensorView* lse,
+                                      const TensorView& dq, const TensorView& dk, const TensorView& dv,
+                                      const VarlenBatch* varlen, const AttentionOptions& options);
+
 // Reads cu_seqlens_q/k back on the problem's stream and throws Error(invalid_argument) unless they
 // start at 0, never decrease, stay within the packed tensors and respect max_seqlen_q/k.
 void check_cu_seqlens(const ForwardProblem& problem, const VarlenBatch& batch, int64_t total_q,

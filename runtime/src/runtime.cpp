@@ -6,6 +6,7 @@
 #include "flashjit/flashjit.hpp"
 #include "module_cache.hpp"
 #include "problem.hpp"
+#include "workspace.hpp"
 
 namespace flashjit {
 
@@ -20,6 +21,28 @@ struct Grid {
 Grid forward_grid(const KernelSpec& spec, const ForwardProblem& p) {
   return {static_cast<unsigned>((p.seqlen_q + spec.block_m - 1) / spec.block_m),
           static_cast<unsigned>(p.heads_q), static_cast<unsigned>(p.batch)};
+}
+
+unsigned blocks(int extent, int tile) { return static_cast<unsigned>((extent + tile - 1) / tile); }
+
+// Entry indices of the fa2_bwd family, in its fixed order (codegen/src/families/fa2_bwd.cpp).
+enum BwdEntry { kPreprocess, kDkdvAtomicDq, kDkdv, kDq, kConvertDq };
+
+template <class Params>
+void launch(const LoadedKernel& kernel, const KernelSpec& spec, int entry, Grid grid, void* stream,
+            const Params& params) {
+  CUlaunchConfig config{};
+  config.gridDimX = grid.x;
+  config.gridDimY = grid.y;
+  config.gridDimZ = grid.z;
+  config.blockDimX = static_cast<unsigned>(threads_per_block(spec));
+  config.blockDimY = config.blockDimZ = 1;
+  config.sharedMemBytes = static_cast<unsigned>(entry_dynamic_smem_bytes(spec, entry));
+  config.hStream = static_cast<CUstream>(stream);
+  Params copy = params;
+  void* arguments[] = {&copy};
+  FLASHJIT_CU(cuLaunchKernelEx, &config, reinterpret_cast<CUfunction>(kernel.entries.at(entry)), arguments,
+              nullptr);
 }
 
 struct NamedTensor {
@@ -49,20 +72,51 @@ struct Runtime::Impl {
 
     const KernelSpec spec = select_forward_kernel(problem, device);
     const LoadedKernel& kernel = modules.get(spec, device);
-    const Grid grid = forward_grid(spec, problem);
+    launch(kernel, spec, 0, forward_grid(spec, problem), problem.stream, problem.params);
+  }
 
-    CUlaunchConfig config{};
-    config.gridDimX = grid.x;
-    config.gridDimY = grid.y;
-    config.gridDimZ = grid.z;
-    config.blockDimX = static_cast<unsigned>(threads_per_block(spec));
-    config.blockDimY = config.blockDimZ = 1;
-    config.sharedMemBytes = static_cast<unsigned>(kernel.dynamic_smem_bytes);
-    config.hStream = static_cast<CUstream>(problem.stream);
-    AttentionFwdParams params = problem.params;
-    void* arguments[] = {&params};
-    FLASHJIT_CU(cuLaunchKernelEx, &config, reinterpret_cast<CUfunction>(kernel.entries[0]),
-                arguments, nullptr);
+  // preprocess (delta, zeroed dQ accumulator) -> dkdv with atomic dQ -> convert dQ; or, in
+  // deterministic mode, preprocess -> dkdv -> query-outer dq. All on the caller's stream.
+  template <class DeviceCheck>
+  void run_backward(const BackwardProblem& problem, DeviceCheck&& check_on_device,
+                    std::initializer_list<NamedTensor> tensors) {
+    const ForwardProblem& f = problem.forward;
+    driver();
+    const DeviceProperties& device = device_properties(f.device);
+    for (const auto& [view, name] : tensors)
+      if (view != nullptr) check_device_pointer(*view, name);
+    make_context_current(f.device);
+    check_on_device();
+    // No queries still means dK = dV = 0 to write; no keys, dQ = 0.
+    const bool has_queries = f.batch > 0 && f.seqlen_q > 0 && f.heads_q > 0;
+    const bool has_keys = f.batch > 0 && f.seqlen_k > 0 && f.heads_kv > 0;
+    if (!has_queries && !has_keys) return;
+
+    const KernelSpec spec = select_backward_kernel(f, device);
+    const LoadedKernel& kernel = modules.get(spec, device);
+    const auto stream = static_cast<CUstream>(f.stream);
+    const size_t delta_bytes = problem.delta_bytes();
+    const size_t accum_bytes = problem.deterministic ? 0 : problem.dq_accum_bytes();
+    StreamWorkspace workspace(f.device, stream, delta_bytes + accum_bytes);
+    AttentionBwdParams params = problem.params;
+    params.delta = reinterpret_cast<float*>(workspace.get());
+    params.dq_accum = problem.deterministic ? nullptr : reinterpret_cast<float*>(workspace.get() + delta_bytes);
+
+    const auto batch = static_cast<unsigned>(f.batch);
+    const Grid query_rows{blocks(f.seqlen_q, kBwdRowPassRows), static_cast<unsigned>(f.heads_q), batch};
+    const Grid key_tiles{blocks(f.seqlen_k, spec.block_n), static_cast<unsigned>(f.heads_kv), batch};
+    if (has_queries) launch(kernel, spec, kPreprocess, query_rows, stream, params);
+    if (problem.deterministic) {
+      // Keys no query sees still get dK = dV = 0 from the dkdv entry.
+      if (has_keys) launch(kernel, spec, kDkdv, key_tiles, stream, params);
+      if (has_queries) {
+        const Grid query_tiles{blocks(f.seqlen_q, 16 * spec.num_warps), static_cast<unsigned>(f.heads_q), batch};
+        launch(kernel, spec, kDq, query_tiles, stream, params);
+      }
+    } else {
+      if (has_keys) launch(kernel, spec, kDkdvAtomicDq, key_tiles, stream, params);
+      if (has_queries) launch(kernel, spec, kConvertDq, query_rows, stream, params);
+    }
   }
 };
 
@@ -93,6 +147,25 @@ void Runtime::forward_varlen(const TensorView& q, const TensorView& k, const Ten
                                {lse, "lse"},
                                {&batch.cu_seqlens_q, "cu_seqlens_q"},
                                {&batch.cu_seqlens_k, "cu_seqlens_k"}});
+}
+
+void Runtime::backward(const TensorView& q, const TensorView& k, const TensorView& v, const TensorView& out,
+                       const TensorView& dout, const TensorView* lse, const TensorView& dq,
+                       const TensorView& dk, const TensorView& dv, const AttentionOptions& options) {
+  const BackwardProblem problem = make_backward_problem(q, k, v, out, dout, lse, dq, dk, dv, nullptr, options);
+  impl_->run_backward(problem, [] {}, {{&q, "q"}, {&k, "k"}, {&v, "v"}, {&out, "out"}, {&dout, "dout"},
+                                       {lse, "lse"}, {&dq, "dq"}, {&dk, "dk"}, {&dv, "dv"}});
+}
+
+void Runtime::backward_varlen(const TensorView& q, const TensorView& k, const TensorView& v,
+                              const TensorView& out, const TensorView& dout, const TensorView* lse,
+                              const TensorView& dq, const TensorView& dk, const TensorView& dv,
+                              const VarlenBatch& batch, const AttentionOptions& options) {
+  const BackwardProblem problem = make_backward_problem(q, k, v, out, dout, lse, dq, dk, dv, &batch, options);
+  impl_->run_backward(problem, [&] {
+    if (batch.check_cu_seqlens) check_cu_seqlens(problem.forward, batch, q.shape[0], k.shape[0]);
+  }, {{&q, "q"}, {&k, "k"}, {&v, "v"}, {&out, "out"}, {&dout, "dout"}, {lse, "lse"}, {&dq, "dq"},
+      {&dk, "dk"}, {&dv, "dv"}, {&batch.cu_seqlens_q, "cu_seqlens_q"}, {&batch.cu_seqlens_k, "cu_seqlens_k"}});
 }
 
 KernelCache& Runtime::kernel_cache() { return impl_->kernels; }

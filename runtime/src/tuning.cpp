@@ -2,12 +2,12 @@
 
 namespace flashjit {
 
-std::vector<KernelSpec> forward_candidates(Family family, const Arch& arch, DType dtype, int head_dim,
+std::vector<KernelSpec> candidate_specs(Family family, const Arch& arch, DType dtype, int head_dim,
                                            MaskKind mask, bool has_softcap) {
   std::vector<KernelSpec> candidates;
   const KernelSpec base = default_spec(family, arch, dtype, head_dim, mask, has_softcap);
   if (family == Family::reference_fwd) return {base};
-  for (int block_m : {64, 128, 256})
+  for (int block_m : {32, 64, 128, 256})
     for (int block_n : {32, 64, 128})
       for (int warps : {4, 8})
         for (int stages : {1, 2, 3}) {

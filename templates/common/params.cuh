@@ -36,4 +36,28 @@ struct AttentionFwdParams {
   float softcap;             // > 0: scores become softcap * tanh(scores / softcap)
 };
 
+// Backward attention (fa2_bwd). `fwd` holds the forward's inputs and options: q, k, v, o, the
+// forward's lse (required), sequence and mask fields. Gradients have the layout rules of the
+// tensors they belong to. The workspaces are fp32 and indexed by a flat query row: batch *
+// seqlen_q + row, or the packed row when varlen (`workspace_rows` of them per head).
+// Query rows per CTA of the backward's row passes (preprocess, convert_dq); the host sizes their
+// grids with it.
+constexpr int kBwdRowPassRows = 64;
+
+struct AttentionBwdParams {
+  AttentionFwdParams fwd;
+  const void* d_o;
+  void* dq;
+  void* dk;
+  void* dv;
+  float* delta;     // (heads_q, workspace_rows): rowsum(dO * O), written by the preprocess entry
+  float* dq_accum;  // (heads_q, workspace_rows, head_dim): atomic dQ sums, or null (deterministic)
+
+  long long do_batch_stride, do_row_stride, do_head_stride;
+  long long dq_batch_stride, dq_row_stride, dq_head_stride;
+  long long dk_batch_stride, dk_row_stride, dk_head_stride;
+  long long dv_batch_stride, dv_row_stride, dv_head_stride;
+  int workspace_rows;
+};
+
 }  // namespace flashjit

@@ -133,3 +133,114 @@ def test_argument_errors_name_the_argument():
 def test_cache_counters():
     stats = flashjit.cache_stats()
     assert stats["compiles"] + stats["disk_hits"] >= 1
+
+
+# ---------------------------------------------------------------------------------------------
+# Backward: autograd through flash_attn_func against autograd through the fp32 reference.
+
+def reference_grads(q, k, v, dout, **kwargs):
+    qf, kf, vf = (t.detach().float().requires_grad_() for t in (q, k, v))
+    out, _ = reference(qf, kf, vf, **kwargs)
+    out.backward(dout.float())
+    return qf.grad, kf.grad, vf.grad
+
+
+def assert_grad_close(got, want, dtype, name):
+    """Each gradient element sums terms with one 16-bit-rounded factor; the error scales with the
+    tensor's magnitude, so the bound is relative to its largest element (plus the element's own)."""
+    u = 2 ** -8 if dtype == torch.bfloat16 else 2 ** -11
+    scale = want.abs().max().item()
+    err = (got.float() - want).abs()
+    assert torch.isfinite(got.float()).all(), f"{name}: non-finite values"
+    bound = 4 * u * scale + u * want.abs()
+    assert (err <= bound).all(), f"{name}: max error {err.max().item()} vs scale {scale}"
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("shape", [(2, 113, 203, 8, 2, 64), (1, 512, 512, 4, 4, 128), (2, 239, 17, 8, 1, 96),
+                                   (1, 77, 300, 4, 4, 256)])
+def test_backward_matches_fp32_autograd(dtype, causal, shape):
+    b, sq, sk, hq, hkv, d = shape
+    torch.manual_seed(sq + d)
+    q = torch.randn(b, sq, hq, d, device="cuda", dtype=dtype, requires_grad=True)
+    k = torch.randn(b, sk, hkv, d, device="cuda", dtype=dtype, requires_grad=True)
+    v = torch.randn(b, sk, hkv, d, device="cuda", dtype=dtype, requires_grad=True)
+    dout = torch.randn(b, sq, hq, d, device="cuda", dtype=dtype)
+    flash_attn_func(q, k, v, causal=causal).backward(dout)
+    want = reference_grads(q, k, v, dout, causal=causal)
+    for got, ref, name in zip((q.grad, k.grad, v.grad), want, ("dq", "dk", "dv")):
+        assert got.shape == ref.shape and got.dtype == dtype
+        assert_grad_close(got, ref, dtype, name)
+
+
+@pytest.mark.parametrize("window,softcap", [((32, 0), 0.0), ((16, 16), 30.0), ((-1, -1), 5.0)])
+def test_backward_window_and_softcap(window, softcap):
+    torch.manual_seed(7)
+    q = torch.randn(2, 300, 4, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    k = torch.randn(2, 400, 2, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    v = torch.randn(2, 400, 2, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    dout = torch.randn(2, 300, 4, 64, device="cuda", dtype=torch.bfloat16)
+    flash_attn_func(q, k, v, window_size=window, softcap=softcap, softmax_scale=0.2).backward(dout)
+    want = reference_grads(q, k, v, dout, window=window, softcap=softcap, scale=0.2)
+    for got, ref, name in zip((q.grad, k.grad, v.grad), want, ("dq", "dk", "dv")):
+        assert_grad_close(got, ref, torch.bfloat16, name)
+
+
+def test_backward_varlen_and_deterministic_reruns():
+    lens_q, lens_k = [0, 1, 700, 37], [5, 0, 700, 300]
+    hq, hkv, d = 8, 2, 128
+    torch.manual_seed(3)
+    q = torch.randn(sum(lens_q), hq, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    k = torch.randn(sum(lens_k), hkv, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    v = torch.randn(sum(lens_k), hkv, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    dout = torch.randn_like(q)
+    cu = lambda lens: torch.tensor([0] + list(torch.tensor(lens).cumsum(0)), device="cuda", dtype=torch.int32)
+    grads = []
+    for _ in range(3):
+        q.grad = k.grad = v.grad = None
+        flash_attn_varlen_func(q, k, v, cu(lens_q), cu(lens_k), max(lens_q), max(lens_k), causal=True,
+                               deterministic=True).backward(dout)
+        grads.append([t.grad.clone() for t in (q, k, v)])
+    for rerun in grads[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(grads[0], rerun))
+    qs = ks = 0
+    for lq, lk in zip(lens_q, lens_k):
+        if lq and lk:
+            sl_q, sl_k = slice(qs, qs + lq), slice(ks, ks + lk)
+            want = reference_grads(q[None, sl_q], k[None, sl_k], v[None, sl_k], dout[None, sl_q], causal=True)
+            for got, ref, name in zip((grads[0][0][sl_q], grads[0][1][sl_k], grads[0][2][sl_k]), want,
+                                      ("dq", "dk", "dv")):
+                assert_grad_close(got, ref[0], torch.bfloat16, name)
+        qs, ks = qs + lq, ks + lk
+
+
+def test_custom_op_registration_and_torch_compile():
+    torch.manual_seed(5)
+    q = torch.randn(2, 128, 4, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    k = torch.randn(2, 128, 2, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    v = torch.randn(2, 128, 2, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    flash_attn_func(q, k, v)  # registers the ops
+    torch.library.opcheck(torch.ops.flashjit.attention.default,
+                          (q, k, v, None, True, -1, -1, 0.0, "auto", False))
+
+    def loss(q, k, v):
+        return (flash_attn_func(q, k, v, causal=True).float() ** 2).sum()
+
+    eager = torch.autograd.grad(loss(q, k, v), (q, k, v))
+    compiled = torch.compile(loss, fullgraph=True)
+    traced = torch.autograd.grad(compiled(q, k, v), (q, k, v))
+    for a, b in zip(eager, traced):
+        assert torch.equal(a, b) or (a.float() - b.float()).abs().max() < 1e-2
+
+
+def test_backward_argument_errors():
+    q = torch.randn(1, 64, 4, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    out, lse = flashjit._forward(q, q, q, None, False, -1, -1, 0.0, "auto")
+    with pytest.raises(ValueError, match="dout: shape"):
+        flashjit._backward(torch.randn(1, 63, 4, 64, device="cuda", dtype=torch.bfloat16), q, q, q, out, lse,
+                           None, False, -1, -1, 0.0, False)
+    with pytest.raises(ValueError, match="dout: dtype float16 differs from out's bfloat16"):
+        flashjit._backward(out.half(), q, q, q, out, lse, None, False, -1, -1, 0.0, False)
+    with pytest.raises(ValueError, match="lse: expected shape"):
+        flashjit._backward(out, q, q, q, out, lse[:, :, :10], None, False, -1, -1, 0.0, False)

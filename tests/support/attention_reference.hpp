@@ -109,4 +109,107 @@ inline void reference_attention(const AttentionShape& s, const std::vector<doubl
   }
 }
 
+// Gradients of reference_attention: dq, dk, dv (packed like q, k, v) from dout. `out` is the
+// forward output the kernel under test saw (rounded to its dtype), used for delta = rowsum(dout *
+// out) as the kernels do; P comes from float64 scores. The *_mass outputs hold, per element, the
+// sum of |terms| that make it up (|P| |dO| for dv, |dS| |q| for dk, |dS| |k| for dq): rounding one
+// factor of every term by a relative u moves the element by at most u times its mass. dS = P (dP -
+// delta) cancels when one key dominates a row; its fp32 error is relative to P (|dO| . |v| +
+// |dO| . |out|), and the *_cancellation outputs carry that bound through to dq and dk.
+struct AttentionGradients {
+  std::vector<double> dq, dk, dv;
+  std::vector<double> dq_mass, dk_mass, dv_mass;
+  std::vector<double> dq_cancellation, dk_cancellation;
+};
+
+inline AttentionGradients reference_attention_backward(const AttentionShape& s, const std::vector<double>& q,
+                                                       const std::vector<double>& k, const std::vector<double>& v,
+                                                       const std::vector<double>& out,
+                                                       const std::vector<double>& dout) {
+  const int d = s.head_dim;
+  const int group = s.heads_q / s.heads_kv;
+  const double scale = s.softmax_scale();
+  const int window_right = s.causal ? 0 : s.window_right;
+  const double minus_inf = -std::numeric_limits<double>::infinity();
+  AttentionGradients g;
+  g.dq.assign(q.size(), 0.0);
+  g.dq_mass.assign(q.size(), 0.0);
+  g.dk.assign(k.size(), 0.0);
+  g.dk_mass.assign(k.size(), 0.0);
+  g.dv.assign(v.size(), 0.0);
+  g.dv_mass.assign(v.size(), 0.0);
+  g.dq_cancellation.assign(q.size(), 0.0);
+  g.dk_cancellation.assign(k.size(), 0.0);
+  std::vector<double> scores, dscore_ddot;
+  int q_row0 = 0, k_row0 = 0;
+  for (int b = 0; b < s.batch; ++b) {
+    const int sq = s.len_q(b), sk = s.len_k(b);
+    for (int h = 0; h < s.heads_q; ++h) {
+      const int hk = h / group;
+      for (int i = 0; i < sq; ++i) {
+        const size_t qi_at = (size_t(q_row0 + i) * s.heads_q + h) * d;
+        const double* qi = &q[qi_at];
+        const double* doi = &dout[qi_at];
+        scores.assign(sk, minus_inf);
+        dscore_ddot.assign(sk, 0.0);
+        double row_max = minus_inf;
+        for (int j = 0; j < sk; ++j) {
+          const long long diagonal = static_cast<long long>(i) + sk - sq;
+          if (window_right >= 0 && j > diagonal + window_right) continue;
+          if (s.window_left >= 0 && j < diagonal - s.window_left) continue;
+          const double* kj = &k[(size_t(k_row0 + j) * s.heads_kv + hk) * d];
+          double dot = 0;
+          for (int c = 0; c < d; ++c) dot += qi[c] * kj[c];
+          double score = dot * scale;
+          dscore_ddot[j] = scale;
+          if (s.softcap > 0) {
+            const double t = std::tanh(score / s.softcap);
+            score = s.softcap * t;
+            dscore_ddot[j] = scale * (1 - t * t);
+          }
+          scores[j] = score;
+          row_max = std::max(row_max, score);
+        }
+        if (row_max == minus_inf) continue;  // no visible key: no gradient flows
+        double sum = 0;
+        for (int j = 0; j < sk; ++j)
+          if (scores[j] != minus_inf) sum += std::exp(scores[j] - row_max);
+        const double lse = row_max + std::log(sum);
+        double delta = 0, delta_abs = 0;
+        for (int c = 0; c < d; ++c) {
+          delta += doi[c] * out[qi_at + c];
+          delta_abs += std::fabs(doi[c] * out[qi_at + c]);
+        }
+        for (int j = 0; j < sk; ++j) {
+          if (scores[j] == minus_inf) continue;
+          const size_t kj_at = (size_t(k_row0 + j) * s.heads_kv + hk) * d;
+          const double* kj = &k[kj_at];
+          const double* vj = &v[kj_at];
+          const double p = std::exp(scores[j] - lse);
+          double dp = 0, dp_abs = 0;
+          for (int c = 0; c < d; ++c) {
+            dp += doi[c] * vj[c];
+            dp_abs += std::fabs(doi[c] * vj[c]);
+          }
+          const double dx = p * (dp - delta) * dscore_ddot[j];
+          const double dx_error_scale = p * (dp_abs + delta_abs) * std::fabs(dscore_ddot[j]);
+          for (int c = 0; c < d; ++c) {
+            g.dv[kj_at + c] += p * doi[c];
+            g.dv_mass[kj_at + c] += p * std::fabs(doi[c]);
+            g.dk[kj_at + c] += dx * qi[c];
+            g.dk_mass[kj_at + c] += std::fabs(dx * qi[c]);
+            g.dq[qi_at + c] += dx * kj[c];
+            g.dq_mass[qi_at + c] += std::fabs(dx * kj[c]);
+            g.dk_cancellation[kj_at + c] += dx_error_scale * std::fabs(qi[c]);
+            g.dq_cancellation[qi_at + c] += dx_error_scale * std::fabs(kj[c]);
+          }
+        }
+      }
+    }
+    q_row0 += sq;
+    k_row0 += sk;
+  }
+  return g;
+}
+
 }  // namespace flashjit::test

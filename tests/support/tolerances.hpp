@@ -37,4 +37,24 @@ inline Tolerance tensor_core_output_tolerance(DType dtype) {
 // terms and one log lose ~1e-6 relative; |LSE| <~ 30.
 inline Tolerance tensor_core_lse_tolerance() { return {1e-4, 1e-5}; }
 
+// fa2_bwd gradients, per element: |got - want| <= mass_factor * mass + cancellation_factor *
+// cancellation + rtol * |want| + atol. Every term of a gradient element has one factor rounded to the input type before its
+// tensor-core GEMM (P for dV, dS for dK and dQ: relative error <= u_in = 2^-9 bf16, 2^-12 fp16),
+// so the element moves by at most u_in times the sum of its |terms| (the reference's "mass");
+// the factor 2 covers fp32 accumulation and exp2.approx. The output's own rounding is rtol (half
+// an ulp, doubled). dS = P (dP - delta) is a difference of two fp32 dot products over head_dim
+// (<= 256 terms: relative error <= 256 * 2^-24 = 2^-16 of their absolute sums), which matters when
+// it cancels (one key dominating a row); cancellation_factor applies that to the reference's
+// bound. atol covers elements whose bounds are ~0.
+struct GradientTolerance {
+  double mass_factor;  // times the element's mass
+  double cancellation_factor;
+  double rtol;
+  double atol;
+};
+inline GradientTolerance tensor_core_gradient_tolerance(DType dtype) {
+  return dtype == DType::bf16 ? GradientTolerance{2.0 / 512, 1.0 / 65536, 1.0 / 256, 1e-6}
+                              : GradientTolerance{2.0 / 4096, 1.0 / 65536, 1.0 / 2048, 1e-6};
+}
+
 }  // namespace flashjit::test

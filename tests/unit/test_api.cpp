@@ -206,3 +206,47 @@ TEST_CASE("with no driver a valid call fails with a clear error, not a crash", "
   CHECK(compiles == 0);
   CHECK(std::strlen(flashjit_version()) > 0);
 }
+
+TEST_CASE("backward arguments are checked before anything runs", "[api]") {
+  Call c;
+  flashjit_tensor dout = c.out, dq = c.q, dk = c.k, dv = c.v;
+  auto run = [&](bool with_lse = true) {
+    return flashjit_backward(&c.q, &c.k, &c.v, &c.out, &dout, with_lse ? &c.lse : nullptr, &dq, &dk, &dv,
+                             &c.options);
+  };
+  auto expect = [&](const char* message, bool with_lse = true) {
+    INFO(message);
+    CHECK(run(with_lse) == FLASHJIT_ERROR_INVALID_ARGUMENT);
+    CHECK_THAT(flashjit_last_error(), Catch::Contains("backward") && Catch::Contains(message));
+  };
+  SECTION("missing lse") { expect("lse: the backward needs the forward's logsumexp", false); }
+  SECTION("dout shape differs from out") {
+    dout = FakeTensors::tensor(FLASHJIT_BFLOAT16, {2, 127, 8, 64});
+    expect("dout: shape (2, 127, 8, 64) differs from out's (2, 128, 8, 64)");
+  }
+  SECTION("dout dtype differs from out") {
+    dout.dtype = FLASHJIT_FLOAT16;
+    expect("dout: dtype float16 differs from out's bfloat16");
+  }
+  SECTION("dq rank") {
+    dq = FakeTensors::tensor(FLASHJIT_BFLOAT16, {256, 8, 64});
+    expect("dq: expected 4 dims");
+  }
+  SECTION("dk shape") {
+    dk = FakeTensors::tensor(FLASHJIT_BFLOAT16, {2, 96, 8, 64});
+    expect("dk: shape (2, 96, 8, 64) differs from k's (2, 96, 2, 64)");
+  }
+  SECTION("dv layout") {
+    dv.strides[3] = 2;
+    expect("dv: the last dim (head_dim) must be contiguous");
+  }
+  SECTION("dv misaligned") {
+    dv.data = static_cast<char*>(dv.data) + 8;
+    expect("dv: data pointer");
+  }
+  SECTION("forward checks apply too") {
+    c.k = FakeTensors::tensor(FLASHJIT_BFLOAT16, {2, 96, 3, 64});
+    c.v = dk = dv = c.k;
+    expect("heads_kv 3 must divide heads_q 8");
+  }
+}

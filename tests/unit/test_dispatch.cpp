@@ -2,6 +2,7 @@
 #include <catch2/catch.hpp>
 
 #include "dispatch.hpp"
+#include "flashjit/codegen/render.hpp"
 #include "flashjit/error.hpp"
 #include "module_cache.hpp"
 #include "problem.hpp"
@@ -111,4 +112,33 @@ TEST_CASE("a kernel needing more shared memory than the device has is refused", 
     CHECK_THAT(e.what(), Catch::Contains("needs 53248 bytes of shared memory per block (4096 static + "
                                          "49152 dynamic)") && Catch::Contains("allows 49152"));
   }
+}
+
+TEST_CASE("backward dispatch: fa2_bwd defaults fit every arch, forced specs are checked", "[dispatch]") {
+  for (const auto* d : {&kA100, &kRtx4090, &kH200})
+    for (int head_dim : {32, 64, 96, 128, 160, 192, 224, 256})
+      for (bool causal : {false, true}) {
+        INFO(d->name << " head_dim " << head_dim << (causal ? " causal" : ""));
+        const KernelSpec spec = detail::select_backward_kernel(problem(head_dim, causal), *d);
+        CHECK(spec.family == Family::fa2_bwd);
+        CHECK(spec.arch == d->arch());
+        CHECK(spec.head_dim == head_dim);
+        CHECK(spec.mask == (causal ? MaskKind::causal : MaskKind::none));
+        CHECK_FALSE(spec.validate().has_value());
+        CHECK(dynamic_smem_bytes(spec) <= d->max_smem_per_block_optin);
+      }
+  // A forward spec forced on the backward (and the reverse) is refused by name.
+  detail::ForwardProblem p = problem(128);
+  p.forced_kernel = default_spec(Family::fa2_fwd, kH200.arch(), DType::bf16, 128);
+  CHECK_THROWS_WITH(detail::select_backward_kernel(p, kH200),
+                    Catch::Contains("backward") && Catch::Contains("family fa2_fwd is not a backward family"));
+  p.forced_kernel = default_spec(Family::fa2_bwd, kH200.arch(), DType::bf16, 128);
+  CHECK_THROWS_WITH(detail::select_forward_kernel(p, kH200),
+                    Catch::Contains("family fa2_bwd is not a forward family"));
+  CHECK(detail::select_backward_kernel(p, kH200) == *p.forced_kernel);
+  p.forced_kernel = default_spec(Family::fa2_bwd, kH200.arch(), DType::bf16, 128, MaskKind::causal);
+  CHECK_THROWS_WITH(detail::select_backward_kernel(p, kH200), Catch::Contains("mask causal but the options ask for none"));
+  p.forced_kernel.reset();
+  p.backend = Backend::reference;
+  CHECK_THROWS_WITH(detail::select_backward_kernel(p, kH200), Catch::Contains("no reference backward kernel"));
 }

@@ -53,6 +53,7 @@ typedef struct flashjit_attention_options {
   float softcap;       /* 0: off */
   int32_t backend;     /* flashjit_backend */
   void* stream;        /* CUstream, NULL = legacy default stream */
+  int32_t deterministic; /* backward: bitwise-reproducible dQ (slower) */
 } flashjit_attention_options;
 
 /* Fills the defaults: no mask, no softcap, automatic backend, default scale and stream. */
@@ -72,6 +73,22 @@ flashjit_status flashjit_forward_varlen(const flashjit_tensor* q, const flashjit
                                         const flashjit_tensor* cu_seqlens_k, int32_t max_seqlen_q,
                                         int32_t max_seqlen_k,
                                         const flashjit_attention_options* options);
+
+/* See flashjit::Runtime::backward. lse (the forward's) is required; options must be the forward's. */
+flashjit_status flashjit_backward(const flashjit_tensor* q, const flashjit_tensor* k,
+                                  const flashjit_tensor* v, const flashjit_tensor* out,
+                                  const flashjit_tensor* dout, const flashjit_tensor* lse,
+                                  const flashjit_tensor* dq, const flashjit_tensor* dk,
+                                  const flashjit_tensor* dv, const flashjit_attention_options* options);
+
+/* See flashjit::Runtime::backward_varlen. */
+flashjit_status flashjit_backward_varlen(const flashjit_tensor* q, const flashjit_tensor* k,
+                                         const flashjit_tensor* v, const flashjit_tensor* out,
+                                         const flashjit_tensor* dout, const flashjit_tensor* lse,
+                                         const flashjit_tensor* dq, const flashjit_tensor* dk,
+                                         const flashjit_tensor* dv, const flashjit_tensor* cu_seqlens_q,
+                                         const flashjit_tensor* cu_seqlens_k, int32_t max_seqlen_q,
+                                         int32_t max_seqlen_k, const flashjit_attention_options* options);
 
 /* Counters of the global runtime's kernel cache (any pointer may be NULL). */
 flashjit_status flashjit_cache_stats(uint64_t* memory_hits, uint64_t* disk_hits, uint64_t* compiles);

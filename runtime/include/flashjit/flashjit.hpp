@@ -50,9 +50,14 @@ struct AttentionOptions {
   float softcap = 0.f;                 // > 0: scores = softcap * tanh(scores / softcap)
   Backend backend = Backend::automatic;
   // Run exactly this kernel (tuning, tests, benchmarks). It must fit the problem: a forward
-  // family, the problem's dtype, mask kind and softcap, a head dim at least the problem's, and the
-  // device's arch; Error(invalid_argument) says which field does not.
+  // family for forward(), fa2_bwd for backward(), the problem's dtype, mask kind and softcap, a
+  // head dim at least the problem's, and the device's arch; Error(invalid_argument) says which
+  // field does not.
   std::optional<KernelSpec> kernel;
+  // backward(): accumulate dQ in a fixed order (a second, query-outer kernel recomputes the scores
+  // instead of atomics), so reruns are bitwise identical; the backward takes 1.27-1.38x as long
+  // (H200, head dim 256; about 1.35x at 64 and 128).
+  bool deterministic = false;
   void* stream = nullptr;              // CUstream; nullptr = the legacy default stream
 };
 
@@ -90,6 +95,19 @@ class Runtime {
   void forward_varlen(const TensorView& q, const TensorView& k, const TensorView& v,
                       const TensorView& out, const TensorView* lse, const VarlenBatch& batch,
                       const AttentionOptions& options = {});
+
+  // Gradients of forward(): given dout = dL/dout, writes dq, dk, dv (shaped and laid out like q, k,
+  // v, same dtype). lse is the forward's (required); options must be the forward's (scale, causal,
+  // window, softcap), plus `deterministic`. GQA: each K/V head's gradient sums its query heads.
+  void backward(const TensorView& q, const TensorView& k, const TensorView& v, const TensorView& out,
+                const TensorView& dout, const TensorView* lse, const TensorView& dq, const TensorView& dk,
+                const TensorView& dv, const AttentionOptions& options = {});
+
+  // Variable-length backward, tensors packed as in forward_varlen.
+  void backward_varlen(const TensorView& q, const TensorView& k, const TensorView& v, const TensorView& out,
+                       const TensorView& dout, const TensorView* lse, const TensorView& dq,
+                       const TensorView& dk, const TensorView& dv, const VarlenBatch& batch,
+                       const AttentionOptions& options = {});
 
   KernelCache& kernel_cache();
 

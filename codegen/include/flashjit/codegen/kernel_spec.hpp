@@ -17,6 +17,7 @@ namespace flashjit {
 enum class Family {
   reference_fwd,  // fp32-math oracle: one query row per warp, for shapes too big for the CPU
   fa2_fwd,        // FlashAttention-2 forward, mma.sync, sm_80+
+  fa2_bwd,        // FlashAttention-2 backward (dQ, dK, dV), mma.sync, sm_80+
 };
 
 enum class DType { fp16, bf16 };
@@ -79,5 +80,7 @@ Family parse_family(std::string_view text);
 DType parse_dtype(std::string_view text);
 MaskKind parse_mask(std::string_view text);
 const std::vector<Family>& all_families();
+// Forward families compute O (and LSE); fa2_bwd computes gradients.
+bool is_forward_family(Family family);
 
 }  // namespace flashjit

@@ -37,7 +37,8 @@ Source render(const KernelSpec& spec);
 
 // Resource formulas: what a launch of the spec's main entry needs.
 int threads_per_block(const KernelSpec& spec);
-int dynamic_smem_bytes(const KernelSpec& spec);
+int dynamic_smem_bytes(const KernelSpec& spec);  // the most any entry uses
+int entry_dynamic_smem_bytes(const KernelSpec& spec, int entry);  // entry in Source::entry_names order
 
 // The most shared memory one block may use on an arch (after raising its dynamic limit).
 int max_smem_per_block(const Arch& arch);

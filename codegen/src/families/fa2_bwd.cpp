@@ -1,0 +1,162 @@
+// Rules of the FlashAttention-2 backward family (templates/fa2_bwd.cuh). block_m is the query step
+// of the K/V-outer loop, block_n the keys one CTA owns, num_stages the Q/dO buffers (1 or 2). The
+// warp layout and shared-memory arithmetic mirror Fa2BwdShape in the template.
+#include <algorithm>
+#include <tuple>
+
+#include <fmt/format.h>
+
+#include "../family_rules.hpp"
+#include "flashjit/codegen/render.hpp"
+
+namespace flashjit::codegen_detail {
+namespace {
+
+// One GEMM output's split over the warps, as WarpGrid in the template: the power-of-two split
+// into whole 16 x 16 tiles that minimises each warp's rows + cols (rows == 0: none fits).
+struct WarpTile {
+  int rows = 0, cols = 0;
+};
+
+WarpTile balanced_warp_tile(int rows, int cols, int warps) {
+  WarpTile best;
+  int best_cost = 1 << 30;
+  for (int row_warps = 1; row_warps <= warps; row_warps *= 2) {
+    const int col_warps = warps / row_warps;
+    if (rows % (16 * row_warps) != 0 || cols % (16 * col_warps) != 0) continue;
+    const int cost = rows / row_warps + cols / col_warps;
+    if (cost < best_cost) {
+      best = {rows / row_warps, cols / col_warps};
+      best_cost = cost;
+    }
+  }
+  return best;
+}
+
+struct BwdLayout {
+  WarpTile scores, kv_grads, dq;  // S^T/dP^T (keys x queries), dK/dV (keys x dims), dQ (queries x dims)
+  int dq_block_m, dq_block_n;     // the deterministic dq kernel's tile
+};
+
+BwdLayout layout(const KernelSpec& s) {
+  BwdLayout l;
+  l.scores = balanced_warp_tile(s.block_n, s.block_m, s.num_warps);
+  l.kv_grads = balanced_warp_tile(s.block_n, s.head_dim, s.num_warps);
+  l.dq = balanced_warp_tile(s.block_m, s.head_dim, s.num_warps);
+  l.dq_block_m = 16 * s.num_warps;
+  l.dq_block_n = s.head_dim > 192 ? 16 : s.head_dim > 128 ? 32 : 64;
+  return l;
+}
+
+int dkdv_smem_bytes(const KernelSpec& s) {
+  const int row_bytes = (s.head_dim + 8) * 2;
+  return 2 * s.block_n * row_bytes + 2 * s.num_stages * s.block_m * row_bytes +
+         2 * s.block_n * (s.block_m + 8) * 2 + 2 * s.num_stages * s.block_m * 4;
+}
+
+int dq_smem_bytes(const KernelSpec& s) {
+  const BwdLayout l = layout(s);
+  return 2 * (l.dq_block_m + l.dq_block_n) * (s.head_dim + 8) * 2;
+}
+
+enum Entry { kPreprocess, kDkdvAtomicDq, kDkdv, kDq, kConvertDq };
+
+int entry_smem_bytes(const KernelSpec& s, int entry) {
+  switch (entry) {
+    case kDkdvAtomicDq: case kDkdv: return dkdv_smem_bytes(s);
+    case kDq: return dq_smem_bytes(s);
+    default: return 0;
+  }
+}
+
+int smem_bytes(const KernelSpec& s) { return std::max(dkdv_smem_bytes(s), dq_smem_bytes(s)); }
+
+// Peak fp32 accumulators per thread: dK and dV live through the loop; S^T and dP^T, or the dQ
+// tile, come on top. The deterministic dq kernel holds dQ, S and dP for 16 rows.
+int accumulator_registers(const KernelSpec& s) {
+  const BwdLayout l = layout(s);
+  const int dkdv = 2 * l.kv_grads.rows * l.kv_grads.cols / 32;
+  const int scores = 2 * l.scores.rows * l.scores.cols / 32;
+  const int dq = l.dq.rows * std::min(l.dq.cols, 64) / 32;  // 64 dims at a time
+  const int dq_kernel = 16 * s.head_dim / 32 + 2 * 16 * l.dq_block_n / 32;
+  return std::max(dkdv + std::max(scores, dq), dq_kernel);
+}
+
+std::optional<std::string> validate_tiles(const KernelSpec& s) {
+  if (s.num_warps != 4 && s.num_warps != 8)
+    return fmt::format("num_warps must be 4 or 8 for fa2_bwd, got {}", s.num_warps);
+  if (s.block_m != 32 && s.block_m != 64 && s.block_m != 128)
+    return fmt::format("block_m must be 32, 64 or 128 for fa2_bwd, got {}", s.block_m);
+  if (s.block_n != 32 && s.block_n != 64 && s.block_n != 128)
+    return fmt::format("block_n must be 32, 64 or 128 for fa2_bwd, got {}", s.block_n);
+  if (s.num_stages > 2) return fmt::format("num_stages must be 1 or 2 for fa2_bwd, got {}", s.num_stages);
+  const BwdLayout l = layout(s);
+  for (auto [tile, what, rows, cols] : {std::tuple{l.scores, "S^T (block_n x block_m)", s.block_n, s.block_m},
+                                        {l.kv_grads, "dK/dV (block_n x head_dim)", s.block_n, s.head_dim},
+                                        {l.dq, "dQ (block_m x head_dim)", s.block_m, s.head_dim}})
+    if (tile.rows == 0)
+      return fmt::format("{} = {} x {} does not split over {} warps into whole 16 x 16 tiles", what, rows,
+                         cols, s.num_warps);
+  if (accumulator_registers(s) > 200)
+    return fmt::format("{} fp32 accumulators per thread (block_m {}, block_n {}, {} warps, head_dim {}) "
+                       "cannot fit in 255 registers", accumulator_registers(s), s.block_m, s.block_n,
+                       s.num_warps, s.head_dim);
+  if (smem_bytes(s) > max_smem_per_block(s.arch))
+    return fmt::format("needs {} bytes of shared memory per block, {} allows {}", smem_bytes(s),
+                       s.arch.name(), max_smem_per_block(s.arch));
+  return std::nullopt;
+}
+
+void set_default_tiles(KernelSpec& s) {
+  // The fastest spill-free shapes of a sweep on an H200 at seqlen 4096 (bench/results/
+  // fa2_bwd_sweep_h200.json): up to head dim 64, four warps over 128 keys with 32-query steps
+  // (64-key tiles when masked, where short rows waste the long tile); eight warps over 128 keys
+  // at 128, 64 keys above. Hopper's shared memory double-buffers Q and dO (not with softcap at
+  // 128, which then spills); sm_80 single-buffers; the 99 KB archs get the smallest tiles.
+  const int smem = max_smem_per_block(s.arch);
+  const bool hopper_smem = smem >= 200 * 1024, small_smem = smem < 160 * 1024;
+  auto set = [&](int block_m, int block_n, int warps, int stages) {
+    s.block_m = block_m;
+    s.block_n = block_n;
+    s.num_warps = warps;
+    s.num_stages = stages;
+  };
+  if (small_smem) {
+    s.head_dim <= 128 ? set(64, 64, 4, 1) : set(32, 32, 4, 1);
+  } else if (s.head_dim <= 64) {
+    s.mask == MaskKind::none ? set(32, 128, 4, 1) : set(64, 64, 4, 1);
+  } else if (s.head_dim <= 96) {
+    set(64, 64, 8, hopper_smem ? 2 : 1);
+  } else if (s.head_dim <= 128) {
+    set(64, 128, 8, hopper_smem && !s.has_softcap ? 2 : 1);
+  } else {
+    set(64, 64, 8, hopper_smem ? 2 : 1);
+  }
+}
+
+int threads(const KernelSpec& s) { return 32 * s.num_warps; }
+
+}  // namespace
+
+extern const FamilyRules kFa2BwdRules;
+const FamilyRules kFa2BwdRules{
+    Family::fa2_bwd,
+    "fa2_bwd",
+    "fa2_bwd.cuh",
+    {{"flashjit_fa2_bwd_preprocess", "flashjit::AttentionBwdParams", "flashjit::kernels::fa2_bwd_preprocess_kernel", false},
+     {"flashjit_fa2_bwd_dkdv_atomic_dq", "flashjit::AttentionBwdParams", "flashjit::kernels::fa2_bwd_dkdv_atomic_dq_kernel", false},
+     {"flashjit_fa2_bwd_dkdv", "flashjit::AttentionBwdParams", "flashjit::kernels::fa2_bwd_dkdv_kernel", false},
+     {"flashjit_fa2_bwd_dq", "flashjit::AttentionBwdParams", "flashjit::kernels::fa2_bwd_dq_kernel", false},
+     {"flashjit_fa2_bwd_convert_dq", "flashjit::AttentionBwdParams", "flashjit::kernels::fa2_bwd_convert_dq_kernel", false}},
+    /*min_sm=*/80,
+    /*needs_arch_specific=*/false,
+    /*head_dims=*/{32, 64, 96, 128, 160, 192, 224, 256},
+    /*min_blocks_per_sm=*/1,
+    validate_tiles,
+    set_default_tiles,
+    threads,
+    smem_bytes,
+    entry_smem_bytes,
+};
+
+}  // namespace flashjit::codegen_detail

@@ -1,0 +1,92 @@
+"""torch custom ops around the C API: flashjit::attention (and _varlen) with autograd through
+flashjit::attention_backward, plus fake implementations so torch.compile traces through them
+without graph breaks. Imported on first use by the package (which itself loads without torch)."""
+import types
+from typing import Optional, Tuple
+
+import torch
+from torch import Tensor
+
+
+def register(impl):
+    """Registers the ops over `impl` (the package module's raw calls); returns their entry points."""
+
+    @torch.library.custom_op("flashjit::attention", mutates_args=(), device_types="cuda")
+    def attention(q: Tensor, k: Tensor, v: Tensor, softmax_scale: Optional[float], causal: bool, window_left: int,
+                  window_right: int, softcap: float, backend: str, deterministic: bool) -> Tuple[Tensor, Tensor]:
+        return impl._forward(q, k, v, softmax_scale, causal, window_left, window_right, softcap, backend)
+
+    @attention.register_fake
+    def _(q, k, v, softmax_scale, causal, window_left, window_right, softcap, backend, deterministic):
+        return (torch.empty(q.shape, dtype=q.dtype, device=q.device),
+                torch.empty((q.shape[0], q.shape[2], q.shape[1]), dtype=torch.float32, device=q.device))
+
+    @torch.library.custom_op("flashjit::attention_backward", mutates_args=(), device_types="cuda")
+    def attention_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
+                           softmax_scale: Optional[float], causal: bool, window_left: int, window_right: int,
+                           softcap: float, deterministic: bool) -> Tuple[Tensor, Tensor, Tensor]:
+        return impl._backward(dout, q, k, v, out, lse, softmax_scale, causal, window_left, window_right, softcap,
+                              deterministic)
+
+    @attention_backward.register_fake
+    def _(dout, q, k, v, out, lse, softmax_scale, causal, window_left, window_right, softcap, deterministic):
+        return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+    def setup_context(ctx, inputs, output):
+        q, k, v, softmax_scale, causal, window_left, window_right, softcap, _backend, deterministic = inputs
+        out, lse = output
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.options = (softmax_scale, causal, window_left, window_right, softcap, deterministic)
+
+    def backward(ctx, dout, _dlse):  # the LSE output is not differentiable (as in flash-attn)
+        q, k, v, out, lse = ctx.saved_tensors
+        dq, dk, dv = attention_backward(dout, q, k, v, out, lse, *ctx.options)
+        return dq, dk, dv, None, None, None, None, None, None, None
+
+    attention.register_autograd(backward, setup_context=setup_context)
+
+    @torch.library.custom_op("flashjit::attention_varlen", mutates_args=(), device_types="cuda")
+    def attention_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor,
+                         max_seqlen_q: int, max_seqlen_k: int, softmax_scale: Optional[float], causal: bool,
+                         window_left: int, window_right: int, softcap: float, backend: str,
+                         deterministic: bool) -> Tuple[Tensor, Tensor]:
+        return impl._forward_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
+                                    causal, window_left, window_right, softcap, backend)
+
+    @attention_varlen.register_fake
+    def _(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal, window_left,
+          window_right, softcap, backend, deterministic):
+        return (torch.empty(q.shape, dtype=q.dtype, device=q.device),
+                torch.empty((q.shape[1], q.shape[0]), dtype=torch.float32, device=q.device))
+
+    @torch.library.custom_op("flashjit::attention_varlen_backward", mutates_args=(), device_types="cuda")
+    def attention_varlen_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
+                                  cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, max_seqlen_q: int, max_seqlen_k: int,
+                                  softmax_scale: Optional[float], causal: bool, window_left: int, window_right: int,
+                                  softcap: float, deterministic: bool) -> Tuple[Tensor, Tensor, Tensor]:
+        return impl._backward_varlen(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                     softmax_scale, causal, window_left, window_right, softcap, deterministic)
+
+    @attention_varlen_backward.register_fake
+    def _(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
+          window_left, window_right, softcap, deterministic):
+        return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+    def setup_context_varlen(ctx, inputs, output):
+        (q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal, window_left,
+         window_right, softcap, _backend, deterministic) = inputs
+        out, lse = output
+        ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k)
+        ctx.options = (max_seqlen_q, max_seqlen_k, softmax_scale, causal, window_left, window_right, softcap,
+                       deterministic)
+
+    def backward_varlen(ctx, dout, _dlse):
+        q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k = ctx.saved_tensors
+        dq, dk, dv = attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *ctx.options)
+        return (dq, dk, dv) + (None,) * 11
+
+    attention_varlen.register_autograd(backward_varlen, setup_context=setup_context_varlen)
+
+    return types.SimpleNamespace(attention=attention, attention_varlen=attention_varlen,
+                                 attention_backward=attention_backward,
+                                 attention_varlen_backward=attention_varlen_backward)

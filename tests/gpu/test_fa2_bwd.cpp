@@ -1,0 +1,167 @@
+// fa2_bwd: dq, dk, dv against the float64 reference gradients over the forward's awkward-shape set
+// (seqlen pairs, batch 1 and 3, GQA 1/4/8, every head dim, causal, window, softcap, varlen with
+// empty and long sequences, strided layouts), forced tile shapes, and deterministic reruns.
+#include <catch2/catch.hpp>
+
+#include "support/backward_case.hpp"
+
+using namespace flashjit;
+using namespace flashjit::test;
+
+namespace {
+
+struct Run {
+  AttentionShape shape;
+  DType dtype = DType::bf16;
+  Layout layout = Layout::bshd;
+  bool deterministic = false;
+  std::optional<KernelSpec> kernel;
+};
+
+void check(const Run& r, uint64_t seed) {
+  BackwardCase c(r.shape, r.dtype, seed, r.layout);
+  AttentionOptions options;
+  options.deterministic = r.deterministic;
+  options.kernel = r.kernel;
+  c.run(test_runtime(), options);
+  INFO(c.describe() << (r.deterministic ? " deterministic" : "")
+                    << (r.kernel ? " kernel " + r.kernel->name() : std::string(" default kernel")));
+  const GradientComparison g = c.check(tensor_core_gradient_tolerance(r.dtype));
+  for (auto [name, cmp] : {std::pair{"dq", &g.dq}, {"dk", &g.dk}, {"dv", &g.dv}}) {
+    INFO(name << ": " << cmp->bad << " of " << cmp->checked << " outside tolerance; first " << cmp->first_bad
+              << "; max abs error " << cmp->max_abs);
+    CHECK(cmp->ok());
+  }
+}
+
+}  // namespace
+
+TEST_CASE("fa2_bwd: every head dim, kernel or rounded up", "[fa2_bwd]") {
+  uint64_t seed = 11000;
+  for (int d : {8, 32, 40, 64, 96, 128, 160, 192, 224, 256})
+    for (bool causal : {false, true}) {
+      Run r;
+      r.shape = AttentionShape::make(3, 113, 203, 4, 2, d);
+      r.shape.causal = causal;
+      r.dtype = d % 16 == 0 ? DType::bf16 : DType::fp16;
+      check(r, seed++);
+    }
+}
+
+TEST_CASE("fa2_bwd: awkward seqlen pairs, batch 1 and 3, GQA 1/4/8", "[fa2_bwd]") {
+  const std::pair<int, int> pairs[] = {{1, 1}, {1, 4096}, {239, 1}, {113, 203}, {1023, 1024}};
+  uint64_t seed = 12000;
+  for (auto [sq, sk] : pairs)
+    for (int group : {1, 4, 8})
+      for (bool causal : {false, true}) {
+        Run r;
+        const bool large = sq > 1000;
+        r.shape = AttentionShape::make(group == 4 || large ? 1 : 3, sq, sk, 8, 8 / group, large ? 64 : 128);
+        r.shape.causal = causal;
+        check(r, seed++);
+      }
+}
+
+TEST_CASE("fa2_bwd: 4224 x 4224", "[fa2_bwd]") {
+  uint64_t seed = 13000;
+  for (bool causal : {false, true}) {
+    Run r;
+    r.shape = AttentionShape::make(1, 4224, 4224, 1, 1, 64);
+    r.shape.causal = causal;
+    check(r, seed++);
+  }
+}
+
+TEST_CASE("fa2_bwd: sliding windows and softcap", "[fa2_bwd]") {
+  uint64_t seed = 14000;
+  struct Window {
+    int left, right;
+    bool causal;
+  };
+  for (Window w : {Window{0, 0, false}, Window{16, -1, false}, Window{-1, 7, false}, Window{100, 50, false},
+                   Window{64, 0, true}, Window{1000, 1000, false}})
+    for (float softcap : {0.f, 30.f, 2.f}) {
+      Run r;
+      r.shape = AttentionShape::make(2, 157, 301, 4, 2, 64);
+      r.shape.window_left = w.left;
+      r.shape.window_right = w.right;
+      r.shape.causal = w.causal;
+      r.shape.softcap = softcap;
+      check(r, seed++);
+    }
+}
+
+TEST_CASE("fa2_bwd: varlen with empty, single and long sequences", "[fa2_bwd]") {
+  uint64_t seed = 15000;
+  for (bool causal : {false, true})
+    for (bool deterministic : {false, true}) {
+      Run r;
+      r.shape = AttentionShape::make(5, 0, 0, 4, 2, 128);
+      r.shape.seqlens_q = {0, 1, 2049, 77, 300};
+      r.shape.seqlens_k = {5, 1, 2049, 0, 129};
+      r.shape.causal = causal;
+      r.deterministic = deterministic;
+      check(r, seed++);
+    }
+}
+
+TEST_CASE("fa2_bwd: BHSD strides, fp16, custom scale", "[fa2_bwd]") {
+  uint64_t seed = 16000;
+  for (DType dtype : {DType::fp16, DType::bf16}) {
+    Run r;
+    r.shape = AttentionShape::make(2, 130, 250, 8, 2, 128);
+    r.shape.causal = true;
+    r.shape.scale = 0.3;
+    r.dtype = dtype;
+    r.layout = Layout::bhsd;
+    check(r, seed++);
+  }
+}
+
+TEST_CASE("fa2_bwd: forced tile shapes", "[fa2_bwd]") {
+  const Arch arch = device_properties(0).arch();
+  uint64_t seed = 17000;
+  struct Tiles {
+    int d, block_m, block_n, warps, stages;
+  };
+  for (Tiles t : {Tiles{64, 64, 64, 4, 1}, Tiles{64, 128, 128, 8, 2}, Tiles{128, 64, 64, 4, 2},
+                  Tiles{128, 32, 32, 4, 1}, Tiles{128, 64, 128, 8, 1}, Tiles{256, 32, 32, 4, 1},
+                  Tiles{256, 64, 64, 8, 1}, Tiles{192, 64, 64, 8, 2}})
+    for (bool causal : {false, true}) {
+      KernelSpec spec = default_spec(Family::fa2_bwd, arch, DType::bf16, t.d, causal ? MaskKind::causal : MaskKind::none);
+      spec.block_m = t.block_m;
+      spec.block_n = t.block_n;
+      spec.num_warps = t.warps;
+      spec.num_stages = t.stages;
+      if (auto reason = spec.validate()) {
+        WARN("skipping " << spec.name() << ": " << *reason);
+        continue;
+      }
+      Run r;
+      r.shape = AttentionShape::make(2, 200, 333, 4, 1, t.d);
+      r.shape.causal = causal;
+      r.kernel = spec;
+      check(r, seed++);
+      r.deterministic = true;
+      check(r, seed++);
+    }
+}
+
+TEST_CASE("fa2_bwd: deterministic mode is bitwise reproducible and correct", "[fa2_bwd]") {
+  for (int group : {1, 4})
+    for (bool causal : {false, true}) {
+      AttentionShape shape = AttentionShape::make(2, 777, 777, 8, 8 / group, 128);
+      shape.causal = causal;
+      BackwardCase c(shape, DType::bf16, 18000 + group + causal);
+      AttentionOptions options;
+      options.deterministic = true;
+      c.run(test_runtime(), options);
+      INFO(c.describe());
+      CHECK(c.check(tensor_core_gradient_tolerance(DType::bf16)).ok());
+      const std::vector<uint16_t> first = c.gradient_bits();
+      for (int rerun = 0; rerun < 3; ++rerun) {
+        c.run(test_runtime(), options);
+        CHECK(c.gradient_bits() == first);
+      }
+    }
+}

@@ -1,0 +1,197 @@
+// One backward test case on the GPU: random inputs and dout (rounded to the dtype), the forward
+// through the public API (its out and lse feed the backward, as in training), poisoned gradients,
+// the backward, and a comparison of dq, dk, dv with the float64 reference gradients.
+#pragma once
+
+#include <memory>
+#include <random>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "support/attention_case.hpp"
+
+namespace flashjit::test {
+
+struct GradientComparison {
+  Comparison dq, dk, dv;
+  bool ok() const { return dq.ok() && dk.ok() && dv.ok(); }
+};
+
+class BackwardCase {
+ public:
+  BackwardCase(const AttentionShape& shape, DType dtype, uint64_t seed, Layout layout = Layout::bshd)
+      : shape_(shape), dtype_(dtype), layout_(shape.is_varlen() ? Layout::bshd : layout) {
+    std::mt19937_64 rng(seed);
+    std::normal_distribution<float> normal(0.f, 1.f);
+    auto fill = [&](std::vector<uint16_t>& bits, std::vector<double>& values, size_t n) {
+      bits.resize(n);
+      values.resize(n);
+      for (size_t i = 0; i < n; ++i) {
+        bits[i] = to_storage(dtype, normal(rng));
+        values[i] = from_storage(dtype, bits[i]);
+      }
+    };
+    const int d = shape.head_dim;
+    fill(q_bits_, q_, size_t(shape.total_q()) * shape.heads_q * d);
+    fill(k_bits_, k_, size_t(shape.total_k()) * shape.heads_kv * d);
+    fill(v_bits_, v_, size_t(shape.total_k()) * shape.heads_kv * d);
+    fill(dout_bits_, dout_, q_.size());
+  }
+
+  // Forward, then backward with `options` (the forward gets the same mask options, no forced
+  // kernel). Gradients are poisoned first; the reference is computed once, from the first run's
+  // forward output.
+  void run(Runtime& runtime, AttentionOptions options) {
+    options.causal = shape_.causal;
+    options.window_left = shape_.window_left;
+    options.window_right = shape_.window_right;
+    options.softcap = shape_.softcap;
+    if (shape_.scale != 0) options.softmax_scale = static_cast<float>(shape_.scale);
+    AttentionOptions forward_options = options;
+    forward_options.kernel.reset();
+
+    const ScalarType t = dtype_ == DType::bf16 ? ScalarType::bfloat16 : ScalarType::float16;
+    const size_t q_bytes = q_bits_.size() * 2, k_bytes = k_bits_.size() * 2;
+    DeviceBuffer q(q_bytes), k(k_bytes), v(k_bytes), out(q_bytes), dout(q_bytes), dq(q_bytes), dk(k_bytes),
+        dv(k_bytes), lse(size_t(shape_.total_q()) * shape_.heads_q * 4);
+    q.upload(to_layout(q_bits_, shape_.seqlen_q, shape_.heads_q));
+    k.upload(to_layout(k_bits_, shape_.seqlen_k, shape_.heads_kv));
+    v.upload(to_layout(v_bits_, shape_.seqlen_k, shape_.heads_kv));
+    dout.upload(to_layout(dout_bits_, shape_.seqlen_q, shape_.heads_q));
+    for (DeviceBuffer* b : {&out, &lse, &dq, &dk, &dv}) b->poison();
+
+    if (shape_.is_varlen()) {
+      std::vector<int> cu_q{0}, cu_k{0};
+      int max_q = 0, max_k = 0;
+      for (int b = 0; b < shape_.batch; ++b) {
+        cu_q.push_back(cu_q.back() + shape_.seqlens_q[b]);
+        cu_k.push_back(cu_k.back() + shape_.seqlens_k[b]);
+        max_q = std::max(max_q, shape_.seqlens_q[b]);
+        max_k = std::max(max_k, shape_.seqlens_k[b]);
+      }
+      DeviceBuffer cu_q_buffer(cu_q.size() * 4), cu_k_buffer(cu_k.size() * 4);
+      cu_q_buffer.upload(cu_q);
+      cu_k_buffer.upload(cu_k);
+      VarlenBatch batch{TensorView::contiguous(cu_q_buffer.get(), ScalarType::int32, {int64_t(cu_q.size())}),
+                        TensorView::contiguous(cu_k_buffer.get(), ScalarType::int32, {int64_t(cu_k.size())}),
+                        max_q, max_k};
+      const int d = shape_.head_dim;
+      auto packed = [&](DeviceBuffer& b, int rows, int heads) {
+        return TensorView::contiguous(b.get(), t, {rows, heads, d});
+      };
+      const int tq = shape_.total_q(), tk = shape_.total_k();
+      auto lse_view = TensorView::contiguous(lse.get(), ScalarType::float32, {shape_.heads_q, tq});
+      runtime.forward_varlen(packed(q, tq, shape_.heads_q), packed(k, tk, shape_.heads_kv),
+                             packed(v, tk, shape_.heads_kv), packed(out, tq, shape_.heads_q), &lse_view, batch,
+                             forward_options);
+      runtime.backward_varlen(packed(q, tq, shape_.heads_q), packed(k, tk, shape_.heads_kv),
+                              packed(v, tk, shape_.heads_kv), packed(out, tq, shape_.heads_q),
+                              packed(dout, tq, shape_.heads_q), &lse_view, packed(dq, tq, shape_.heads_q),
+                              packed(dk, tk, shape_.heads_kv), packed(dv, tk, shape_.heads_kv), batch, options);
+      synchronize();
+    } else {
+      auto lse_view = TensorView::contiguous(lse.get(), ScalarType::float32,
+                                             {shape_.batch, shape_.heads_q, shape_.seqlen_q});
+      auto qv = [&](DeviceBuffer& b) { return view(b.get(), t, shape_.seqlen_q, shape_.heads_q); };
+      auto kv = [&](DeviceBuffer& b) { return view(b.get(), t, shape_.seqlen_k, shape_.heads_kv); };
+      runtime.forward(qv(q), kv(k), kv(v), qv(out), &lse_view, forward_options);
+      runtime.backward(qv(q), kv(k), kv(v), qv(out), qv(dout), &lse_view, qv(dq), kv(dk), kv(dv), options);
+      synchronize();
+    }
+    if (!reference_) {
+      const std::vector<uint16_t> out_bits = from_layout(out.download<uint16_t>(), shape_.seqlen_q, shape_.heads_q);
+      std::vector<double> out_values(out_bits.size());
+      for (size_t i = 0; i < out_bits.size(); ++i) out_values[i] = from_storage(dtype_, out_bits[i]);
+      reference_ = std::make_unique<AttentionGradients>(
+          reference_attention_backward(shape_, q_, k_, v_, out_values, dout_));
+    }
+    got_dq_ = from_layout(dq.download<uint16_t>(), shape_.seqlen_q, shape_.heads_q);
+    got_dk_ = from_layout(dk.download<uint16_t>(), shape_.seqlen_k, shape_.heads_kv);
+    got_dv_ = from_layout(dv.download<uint16_t>(), shape_.seqlen_k, shape_.heads_kv);
+  }
+
+  GradientComparison check(GradientTolerance t) const {
+    GradientComparison c;
+    const std::vector<double> none(reference_->dv.size(), 0.0);  // dV = P^T dO has no dS
+    compare_gradient(c.dq, "dq", got_dq_, reference_->dq, reference_->dq_mass, reference_->dq_cancellation,
+                     shape_.heads_q, t);
+    compare_gradient(c.dk, "dk", got_dk_, reference_->dk, reference_->dk_mass, reference_->dk_cancellation,
+                     shape_.heads_kv, t);
+    compare_gradient(c.dv, "dv", got_dv_, reference_->dv, reference_->dv_mass, none, shape_.heads_kv, t);
+    return c;
+  }
+
+  // Raw bits of the last run's gradients, for bitwise rerun checks.
+  std::vector<uint16_t> gradient_bits() const {
+    std::vector<uint16_t> all = got_dq_;
+    all.insert(all.end(), got_dk_.begin(), got_dk_.end());
+    all.insert(all.end(), got_dv_.begin(), got_dv_.end());
+    return all;
+  }
+
+  std::string describe() const {
+    std::ostringstream s;
+    s << to_string(dtype_) << " b" << shape_.batch << " sq" << shape_.seqlen_q << " sk" << shape_.seqlen_k
+      << " hq" << shape_.heads_q << " hkv" << shape_.heads_kv << " d" << shape_.head_dim
+      << (shape_.causal ? " causal" : "") << " window(" << shape_.window_left << "," << shape_.window_right
+      << ") softcap " << shape_.softcap << (layout_ == Layout::bhsd ? " bhsd" : "")
+      << (shape_.is_varlen() ? " varlen" : "");
+    return s.str();
+  }
+
+ private:
+  void compare_gradient(Comparison& c, const char* name, const std::vector<uint16_t>& got,
+                        const std::vector<double>& want, const std::vector<double>& mass,
+                        const std::vector<double>& cancellation, int heads, GradientTolerance t) const {
+    const int d = shape_.head_dim;
+    for (size_t i = 0; i < want.size(); ++i) {
+      const Tolerance element{t.atol + t.mass_factor * mass[i] + t.cancellation_factor * cancellation[i], t.rtol};
+      compare(c, from_storage(dtype_, got[i]), want[i], element,
+              std::string(name) + "[row " + std::to_string(i / (size_t(heads) * d)) + ", head " +
+                  std::to_string(i / d % heads) + ", dim " + std::to_string(i % d) + "]");
+    }
+  }
+
+  TensorView view(void* data, ScalarType t, int seqlen, int heads) const {
+    const int d = shape_.head_dim;
+    TensorView v = TensorView::contiguous(data, t, {shape_.batch, seqlen, heads, d});
+    if (layout_ == Layout::bhsd) {
+      v.strides[0] = int64_t(heads) * seqlen * d;
+      v.strides[1] = d;
+      v.strides[2] = int64_t(seqlen) * d;
+    }
+    return v;
+  }
+  std::vector<uint16_t> to_layout(const std::vector<uint16_t>& bshd, int seqlen, int heads) const {
+    return permute(bshd, seqlen, heads, /*to_bhsd=*/true);
+  }
+  std::vector<uint16_t> from_layout(const std::vector<uint16_t>& mem, int seqlen, int heads) const {
+    return permute(mem, seqlen, heads, /*to_bhsd=*/false);
+  }
+  std::vector<uint16_t> permute(const std::vector<uint16_t>& in, int seqlen, int heads, bool to_bhsd) const {
+    if (layout_ == Layout::bshd) return in;
+    std::vector<uint16_t> out(in.size());
+    const int d = shape_.head_dim;
+    for (int b = 0; b < shape_.batch; ++b)
+      for (int s = 0; s < seqlen; ++s)
+        for (int h = 0; h < heads; ++h)
+          for (int c = 0; c < d; ++c) {
+            const size_t bshd = ((size_t(b) * seqlen + s) * heads + h) * d + c;
+            const size_t bhsd = ((size_t(b) * heads + h) * seqlen + s) * d + c;
+            if (to_bhsd) out[bhsd] = in[bshd];
+            else out[bshd] = in[bhsd];
+          }
+    return out;
+  }
+
+  AttentionShape shape_;
+  DType dtype_;
+  Layout layout_;
+  std::vector<uint16_t> q_bits_, k_bits_, v_bits_, dout_bits_;
+  std::vector<double> q_, k_, v_, dout_;
+  std::unique_ptr<AttentionGradients> reference_;
+  std::vector<uint16_t> got_dq_, got_dk_, got_dv_;
+};
+
+}  // namespace flashjit::test
