@@ -39,7 +39,16 @@ struct Options {
   bool deterministic = false;
   bool json_output = false;
   int device = 0;
+  double peak_tflops = 0;  // 0: the measured ceiling of a known device, else no % column
+  std::string tuning_db;   // dispatch consults this database (as FLASHJIT_TUNING_DB would)
 };
+
+// Dense bf16 tensor-core rates measured on real GPUs (a GEMM on random data), the ceiling the
+// "% of peak" column divides by. Only devices measured by the project are listed.
+double measured_peak_tflops(const std::string& device_name) {
+  if (device_name == "NVIDIA H200") return 764.0;  // DESIGN.md: bf16 GEMM on the H200 here
+  return 0;
+}
 
 class DeviceMemory {
  public:
@@ -131,7 +140,9 @@ int run(const Options& o) {
                 "checks forward rows against the reference kernel; the backward is checked by the GPU tests");
   const DeviceProperties& device = device_properties(o.device);
   detail::make_context_current(o.device);
+  const double peak = o.peak_tflops > 0 ? o.peak_tflops : measured_peak_tflops(device.name);
   Runtime& runtime = Runtime::global();
+  if (!o.tuning_db.empty()) runtime.load_tuning_db(o.tuning_db);
 
   std::vector<Row> rows;
   for (int d : o.head_dims)
@@ -216,8 +227,8 @@ int run(const Options& o) {
     const detail::ForwardProblem problem =
         detail::make_forward_problem(view(q), view(k), view(v), view(out), &lse_view, nullptr, options);
     r.spec = options.kernel ? options.kernel->name()
-             : o.backward   ? detail::select_backward_kernel(problem, device).name()
-                            : detail::select_forward_kernel(problem, device).name();
+             : o.backward   ? detail::select_backward_kernel(problem, device, &runtime.tuning()).name()
+                            : detail::select_forward_kernel(problem, device, &runtime.tuning()).name();
     const double flops = 4.0 * r.batch * r.heads * double(r.seqlen) * r.seqlen * r.head_dim /
                          (r.causal ? 2 : 1) * (o.backward ? 2.5 : 1.0);
     r.tflops = flops / (r.median_ms * 1e-3) / 1e12;
@@ -247,8 +258,9 @@ int run(const Options& o) {
       all_passed = all_passed && r.passed;
     }
     if (!o.json_output) {
-      fmt::print("d{:<4} s{:<6} b{:<3} h{:<3} {:<7} {:9.3f} ms {:8.1f} TFLOP/s", r.head_dim, r.seqlen, r.batch,
-                 r.heads, r.causal ? "causal" : "full", r.median_ms, r.tflops);
+      fmt::print("d{:<4} s{:<6} b{:<3} h{:<3} {:<7} {:10.1f} us {:8.1f} TFLOP/s", r.head_dim, r.seqlen, r.batch,
+                 r.heads, r.causal ? "causal" : "full", r.median_ms * 1e3, r.tflops);
+      if (peak > 0) fmt::print(" {:5.1f}% of peak", 100 * r.tflops / peak);
       if (o.check) fmt::print("  rel err {:.2e} {}", r.rel_l2_err, r.passed ? "ok" : "FAILED");
       fmt::print("  {}\n", r.spec);
       std::fflush(stdout);
@@ -257,10 +269,11 @@ int run(const Options& o) {
   detail::driver().cuEventDestroy(start);
   detail::driver().cuEventDestroy(stop);
   if (o.json_output) {
-    json j{{"device", device.name}, {"mode", o.backward ? (o.deterministic ? "bwd_deterministic" : "bwd") : "fwd"}, {"dtype", o.dtype}, {"tokens", o.tokens}, {"hidden", o.hidden}, {"rows", json::array()}};
+    json j{{"device", device.name}, {"peak_tflops", peak}, {"mode", o.backward ? (o.deterministic ? "bwd_deterministic" : "bwd") : "fwd"}, {"dtype", o.dtype}, {"tokens", o.tokens}, {"hidden", o.hidden}, {"rows", json::array()}};
     for (const Row& r : rows)
       j["rows"].push_back({{"head_dim", r.head_dim}, {"seqlen", r.seqlen}, {"batch", r.batch}, {"heads", r.heads},
-                           {"causal", r.causal}, {"median_ms", r.median_ms}, {"tflops", r.tflops},
+                           {"causal", r.causal}, {"median_ms", r.median_ms}, {"median_us", r.median_ms * 1e3},
+                           {"tflops", r.tflops}, {"percent_of_peak", peak > 0 ? 100 * r.tflops / peak : 0.0},
                            {"rel_l2_err", r.rel_l2_err}, {"passed", r.passed}, {"spec", r.spec},
                            {"sweep", r.sweep}});
     fmt::print("{}\n", j.dump(2));
@@ -280,6 +293,7 @@ int main(int argc, char** argv) {
       "  flashjit-bench --head-dims 128 --seqlens 1024,8192\n"
       "  flashjit-bench --check --json > rows.json\n"
       "  flashjit-bench --backward --sweep --head-dims 128 --seqlens 4096\n"
+      "  flashjit-bench --tuning-db tuning.json --json > tuned.json      rows with flashjit-tune's choices\n"
       "\nExit status: 0 ok, 1 a checked row disagreed with the reference, 2 bad arguments.");
   app.add_option("--head-dims", o.head_dims, "Head dims")->delimiter(',');
   app.add_option("--seqlens", o.seqlens, "Sequence lengths")->delimiter(',');
@@ -291,6 +305,8 @@ int main(int argc, char** argv) {
   app.add_option("--warmup", o.warmup, "Untimed calls first");
   app.add_option("--iters", o.iters, "Timed calls (median reported)");
   app.add_option("--device", o.device, "CUDA device ordinal");
+  app.add_option("--tuning-db", o.tuning_db, "Dispatch from this tuning database (flashjit-tune) instead of FLASHJIT_TUNING_DB");
+  app.add_option("--peak-tflops", o.peak_tflops, "The device's dense bf16 rate for the % of peak column (default: measured H200 764)");
   app.add_flag("--check", o.check, "Compare each row with the reference kernel");
   app.add_flag("--sweep", o.sweep, "Time every spill-free fa2 candidate per row and keep the fastest");
   app.add_flag("--backward", o.backward, "Time the backward pass (dq, dk, dv) instead of the forward");

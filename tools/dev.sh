@@ -40,9 +40,12 @@ has_gpu() {
 
 main_job() {
   if has_gpu; then
-    # Checked against the reference kernel (fp32, slow), so the sequence lengths stay short here;
-    # flashjit-bench without --check times the whole grid.
-    "$build/tools/flashjit-bench" --check --seqlens 512,1024,2048
+    # Tune this GPU for a few grid rows (merged into build/tuning.json), then run them checked
+    # against the reference kernel (fp32, slow, so the sequence lengths stay short) with the
+    # tuned kernels; flashjit-bench without --check times the whole grid.
+    "$build/tools/flashjit-tune" --shape 16,1024,1024,16,16,128 --shape 8,2048,2048,16,16,128 \
+        --causal off,on --output "$build/tuning.json"
+    "$build/tools/flashjit-bench" --check --seqlens 512,1024,2048 --tuning-db "$build/tuning.json"
   else
     echo "dev.sh: no GPU here: warming the kernel cache for sm_90a"
     "$build/tools/flashjit-warm" --arch sm_90a --preset default

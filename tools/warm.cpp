@@ -13,6 +13,7 @@
 #include "cli_common.hpp"
 #include "flashjit/dispatch.hpp"
 #include "flashjit/kernel_cache.hpp"
+#include "flashjit/tuning.hpp"
 
 using namespace flashjit;
 using nlohmann::json;
@@ -28,6 +29,8 @@ struct Options {
   std::vector<std::string> dtypes{"bf16", "fp16"};
   std::vector<std::string> masks{"none", "causal"};
   std::string specs_file;
+  std::string tuning_db;
+  std::vector<std::string> passes{"fwd", "bwd"};
   std::string cache_dir;
   int jobs = 0;
   bool check = false;
@@ -77,6 +80,25 @@ std::vector<KernelSpec> gather_specs(const Options& o) {
       }
     }
   }
+  if (!o.tuning_db.empty()) {
+    // Every winner and runner-up of the database: what dispatch may pick, and what a re-tune
+    // would try first. Retargeted to --arch when given, else compiled for their recorded arch.
+    const TuningDb db = TuningDb::load(o.tuning_db);
+    for (const TunedEntry& e : db.entries()) {
+      std::vector<KernelSpec> from_entry{e.spec};
+      for (const auto& [spec, ms] : e.runner_ups) from_entry.push_back(spec);
+      for (KernelSpec s : from_entry) {
+        if (archs.empty()) {
+          specs.push_back(s);
+          continue;
+        }
+        for (const Arch& arch : archs) {
+          s.arch = arch;
+          specs.push_back(s);
+        }
+      }
+    }
+  }
   if (!o.preset.empty()) {
     if (o.preset != "default")
       throw Error(ErrorCode::invalid_argument, "--preset",
@@ -86,7 +108,14 @@ std::vector<KernelSpec> gather_specs(const Options& o) {
       for (DType dtype : cli::parse_dtypes(o.dtypes))
         for (int head_dim : o.head_dims)
           for (MaskKind mask : cli::parse_masks(o.masks))
-            specs.push_back(heuristic_forward_spec(arch, dtype, head_dim, mask));
+            for (const auto& pass : o.passes) {
+              if (pass == "fwd")
+                specs.push_back(heuristic_forward_spec(arch, dtype, head_dim, mask));
+              else if (pass == "bwd")
+                specs.push_back(heuristic_backward_spec(arch, dtype, head_dim, mask));
+              else
+                throw Error(ErrorCode::invalid_argument, "--passes", fmt::format("'{}' is not fwd or bwd", pass));
+            }
   }
   // Drop duplicates (head dims that round to the same kernel), keep the order.
   std::vector<KernelSpec> unique;
@@ -111,7 +140,7 @@ struct Outcome {
 int run(const Options& o) {
   const std::vector<KernelSpec> specs = gather_specs(o);
   if (specs.empty())
-    throw Error(ErrorCode::invalid_argument, "arguments", "nothing to do: give --preset or --specs");
+    throw Error(ErrorCode::invalid_argument, "arguments", "nothing to do: give --preset, --specs or --tuning-db");
   CacheConfig config = CacheConfig::from_environment();
   if (!o.cache_dir.empty()) config.directory = o.cache_dir;
   if (config.directory.empty())
@@ -204,24 +233,27 @@ int main(int argc, char** argv) {
   CLI::App app{"Compile flashjit kernels into the disk cache ahead of time (no GPU needed)", kTool};
   app.footer(
       "Examples:\n"
-      "  flashjit-warm --arch sm_90a --preset default\n"
+      "  flashjit-warm --arch sm_90a --preset default     forward and backward kernels\n"
       "      the kernels dispatch picks by default for head dims 64/128/256, bf16 and fp16\n"
       "  flashjit-warm --arch sm_80 --arch sm_90a --preset default --head-dims 128 --dtypes bf16\n"
       "  flashjit-warm --specs specs.json --cache-dir /opt/app/flashjit-cache\n"
       "  flashjit-warm --arch sm_90a --preset default --check     verify, compile nothing\n"
+      "  flashjit-warm --tuning-db tuning.json                    what flashjit-tune chose\n"
       "\nExit status: 0 all good, 1 a compile or check failed, 2 bad arguments or input.");
   app.add_option("--arch", o.archs, "Target arch, repeatable (sm_80, sm_86, sm_89, sm_90a, ...)");
   app.add_option("--preset", o.preset, "Named spec set: 'default' = dispatch's heuristic choices");
   app.add_option("--head-dims", o.head_dims, "Head dims for the preset")->delimiter(',');
   app.add_option("--dtypes", o.dtypes, "Dtypes for the preset (bf16, fp16)")->delimiter(',');
   app.add_option("--masks", o.masks, "Mask kinds for the preset (none, causal, window)")->delimiter(',');
+  app.add_option("--passes", o.passes, "Passes for the preset (fwd, bwd)")->delimiter(',');
   app.add_option("--specs", o.specs_file, "JSON file: an array of kernel specs");
+  app.add_option("--tuning-db", o.tuning_db, "Tuning database (flashjit-tune): its winners and runner-ups");
   app.add_option("--cache-dir", o.cache_dir, "Cache directory (default: FLASHJIT_CACHE_DIR or ~/.cache/flashjit)");
   app.add_option("-j,--jobs", o.jobs, "Parallel compiles (default: one per core)");
   app.add_flag("--check", o.check, "Verify that every spec is in the cache; compile nothing");
   app.add_flag("--json", o.json_output, "Print a JSON report instead of progress lines");
   return cli::run_tool(kTool, app, argc, argv, [&] {
-    if (o.preset.empty() && o.specs_file.empty()) o.preset = "default";
+    if (o.preset.empty() && o.specs_file.empty() && o.tuning_db.empty()) o.preset = "default";
     return run(o);
   });
 }

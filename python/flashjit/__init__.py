@@ -13,7 +13,8 @@ import sys
 
 from . import _capi
 
-__all__ = ["flash_attn_func", "flash_attn_varlen_func", "FlashJitError", "cache_stats", "__version__"]
+__all__ = ["flash_attn_func", "flash_attn_varlen_func", "FlashJitError", "cache_stats", "load_tuning_db",
+           "__version__"]
 
 _lib = _capi.load()
 __version__ = _lib.flashjit_version().decode()
@@ -221,6 +222,12 @@ def _ops():
 
 
 _registered_ops = None
+
+
+def load_tuning_db(path):
+    """Use the tuning database at `path` (written by flashjit-tune) for the kernels dispatch picks;
+    replaces FLASHJIT_TUNING_DB's. Raises ValueError for a malformed file, FlashJitError if unreadable."""
+    _check(_lib.flashjit_load_tuning_db(str(path).encode()))
 
 
 def cache_stats():

@@ -68,6 +68,8 @@ def load():
     lib.flashjit_backward.restype = ctypes.c_int
     lib.flashjit_backward_varlen.argtypes = [P(Tensor)] * 11 + [ctypes.c_int32, ctypes.c_int32, P(AttentionOptions)]
     lib.flashjit_backward_varlen.restype = ctypes.c_int
+    lib.flashjit_load_tuning_db.argtypes = [ctypes.c_char_p]
+    lib.flashjit_load_tuning_db.restype = ctypes.c_int
     lib.flashjit_cache_stats.argtypes = [P(ctypes.c_uint64)] * 3
     lib.flashjit_cache_stats.restype = ctypes.c_int
     lib.flashjit_last_error.argtypes = []

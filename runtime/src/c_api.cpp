@@ -152,6 +152,13 @@ flashjit_status flashjit_backward_varlen(const flashjit_tensor* q, const flashji
   });
 }
 
+flashjit_status flashjit_load_tuning_db(const char* path) {
+  return guarded([&] {
+    if (path == nullptr) throw invalid("path is NULL");
+    flashjit::Runtime::global().load_tuning_db(path);
+  });
+}
+
 flashjit_status flashjit_cache_stats(uint64_t* memory_hits, uint64_t* disk_hits, uint64_t* compiles) {
   return guarded([&] {
     const flashjit::CacheStats s = flashjit::Runtime::global().kernel_cache().stats();

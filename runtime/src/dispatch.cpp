@@ -2,6 +2,9 @@
 
 #include "flashjit/dispatch.hpp"
 
+#include <map>
+#include <mutex>
+
 #include <fmt/format.h>
 
 namespace flashjit {
@@ -62,23 +65,60 @@ Arch checked_arch(const DeviceProperties& device) {
   return arch;
 }
 
+// Stamps are built once per device: NVRTC's version and the formatting stay off the call path.
+const DeviceStamp& device_stamp(const DeviceProperties& device) {
+  static std::mutex mutex;
+  static std::map<int, DeviceStamp> stamps;
+  std::lock_guard<std::mutex> lock(mutex);
+  auto it = stamps.find(device.ordinal);
+  if (it == stamps.end() || it->second.name != device.name) it = stamps.insert_or_assign(device.ordinal, DeviceStamp::of(device)).first;
+  return it->second;
+}
+
+// A tuned spec for this problem on this device, if one is recorded and still legal here.
+std::optional<KernelSpec> tuned_spec(const TuningSources* tuning, const ForwardProblem& problem,
+                                     const DeviceProperties& device, Family family) {
+  if (tuning == nullptr) return std::nullopt;
+  const auto entry = tuning->lookup(device_stamp(device), detail::problem_key(problem, family));
+  if (!entry || entry->spec.arch != device.arch() || entry->spec.validate()) return std::nullopt;
+  return entry->spec;
+}
+
 }  // namespace
 
-KernelSpec select_forward_kernel(const ForwardProblem& problem, const DeviceProperties& device) {
+ProblemKey problem_key(const ForwardProblem& problem, Family family) {
+  ProblemKey key;
+  key.family = family;
+  key.dtype = problem.dtype;
+  key.head_dim = kernel_head_dim(family, problem.head_dim);
+  key.mask = problem.mask;
+  key.softcap = problem.has_softcap;
+  key.seqlen_bucket = ProblemKey::bucket(std::max(problem.seqlen_q, problem.seqlen_k));
+  key.batch_heads_bucket = ProblemKey::bucket(int64_t(problem.batch) * problem.heads_q);
+  return key;
+}
+
+KernelSpec select_forward_kernel(const ForwardProblem& problem, const DeviceProperties& device,
+                                 const TuningSources* tuning) {
   const Arch arch = checked_arch(device);
   if (problem.forced_kernel) {
     check_forced_kernel(*problem.forced_kernel, problem, arch, /*backward=*/false);
     return *problem.forced_kernel;
   }
+  if (problem.backend != Backend::reference)
+    if (auto spec = tuned_spec(tuning, problem, device, Family::fa2_fwd)) return *spec;
   return select_for_arch(problem, arch);
 }
 
-KernelSpec select_backward_kernel(const ForwardProblem& problem, const DeviceProperties& device) {
+KernelSpec select_backward_kernel(const ForwardProblem& problem, const DeviceProperties& device,
+                                  const TuningSources* tuning) {
   const Arch arch = checked_arch(device);
   if (problem.forced_kernel) {
     check_forced_kernel(*problem.forced_kernel, problem, arch, /*backward=*/true);
     return *problem.forced_kernel;
   }
+  if (problem.backend != Backend::reference)
+    if (auto spec = tuned_spec(tuning, problem, device, Family::fa2_bwd)) return *spec;
   if (problem.backend == Backend::reference)
     throw Error(ErrorCode::unsupported, "backward",
                 "there is no reference backward kernel (backend=reference); the tests use the float64 "
@@ -101,6 +141,12 @@ KernelSpec heuristic_forward_spec(const Arch& arch, DType dtype, int head_dim, M
   problem.mask = mask;
   problem.has_softcap = has_softcap;
   return detail::select_for_arch(problem, arch);
+}
+
+KernelSpec heuristic_backward_spec(const Arch& arch, DType dtype, int head_dim, MaskKind mask,
+                                   bool has_softcap) {
+  return default_spec(Family::fa2_bwd, arch, dtype, detail::kernel_head_dim(Family::fa2_bwd, head_dim), mask,
+                      has_softcap);
 }
 
 }  // namespace flashjit

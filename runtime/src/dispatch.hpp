@@ -3,6 +3,7 @@
 #pragma once
 
 #include "flashjit/device.hpp"
+#include "flashjit/tuning.hpp"
 #include "problem.hpp"
 
 namespace flashjit::detail {
@@ -10,9 +11,16 @@ namespace flashjit::detail {
 // The smallest kernel head dim of `family` that holds `head_dim`.
 int kernel_head_dim(Family family, int head_dim);
 
-KernelSpec select_forward_kernel(const ForwardProblem& problem, const DeviceProperties& device);
+// The tuning key of a problem for `family` (fa2_fwd or fa2_bwd).
+ProblemKey problem_key(const ForwardProblem& problem, Family family);
+
+// Forced spec, else the tuned one (when `tuning` has an entry for this device and problem), else
+// the heuristic's.
+KernelSpec select_forward_kernel(const ForwardProblem& problem, const DeviceProperties& device,
+                                 const TuningSources* tuning = nullptr);
 
 // The fa2_bwd spec for a backward problem (`problem` is the backward's forward part).
-KernelSpec select_backward_kernel(const ForwardProblem& problem, const DeviceProperties& device);
+KernelSpec select_backward_kernel(const ForwardProblem& problem, const DeviceProperties& device,
+                                  const TuningSources* tuning = nullptr);
 
 }  // namespace flashjit::detail

@@ -2,6 +2,7 @@
 
 #include "dispatch.hpp"
 #include "driver.hpp"
+#include "env.hpp"
 #include "flashjit/codegen/render.hpp"
 #include "flashjit/flashjit.hpp"
 #include "module_cache.hpp"
@@ -55,8 +56,12 @@ struct NamedTensor {
 struct Runtime::Impl {
   KernelCache kernels;
   ModuleCache modules{kernels};
+  TuningSources tuning;
 
-  explicit Impl(CacheConfig config) : kernels(std::move(config)) {}
+  explicit Impl(CacheConfig config) : kernels(std::move(config)) {
+    tuning.set_bundled_db(bundled_tuning_db());
+    if (const auto& path = environment().tuning_db) tuning.set_user_db(TuningDb::load(*path), *path);
+  }
 
   // `check_on_device` runs once the pointers are known to be device memory, before dispatch.
   template <class DeviceCheck>
@@ -70,7 +75,7 @@ struct Runtime::Impl {
     check_on_device();
     if (problem.is_empty()) return;
 
-    const KernelSpec spec = select_forward_kernel(problem, device);
+    const KernelSpec spec = select_forward_kernel(problem, device, &tuning);
     const LoadedKernel& kernel = modules.get(spec, device);
     launch(kernel, spec, 0, forward_grid(spec, problem), problem.stream, problem.params);
   }
@@ -92,7 +97,7 @@ struct Runtime::Impl {
     const bool has_keys = f.batch > 0 && f.seqlen_k > 0 && f.heads_kv > 0;
     if (!has_queries && !has_keys) return;
 
-    const KernelSpec spec = select_backward_kernel(f, device);
+    const KernelSpec spec = select_backward_kernel(f, device, &tuning);
     const LoadedKernel& kernel = modules.get(spec, device);
     const auto stream = static_cast<CUstream>(f.stream);
     const size_t delta_bytes = problem.delta_bytes();
@@ -169,5 +174,9 @@ void Runtime::backward_varlen(const TensorView& q, const TensorView& k, const Te
 }
 
 KernelCache& Runtime::kernel_cache() { return impl_->kernels; }
+
+TuningSources& Runtime::tuning() { return impl_->tuning; }
+
+void Runtime::load_tuning_db(const std::string& path) { impl_->tuning.set_user_db(TuningDb::load(path), path); }
 
 }  // namespace flashjit

@@ -250,3 +250,21 @@ TEST_CASE("backward arguments are checked before anything runs", "[api]") {
     expect("heads_kv 3 must divide heads_q 8");
   }
 }
+
+TEST_CASE("load_tuning_db reports a malformed or missing file and keeps the previous database", "[api]") {
+  const std::string path = std::string(std::getenv("TMPDIR") ? std::getenv("TMPDIR") : "/tmp") + "/flashjit-api-tuning.json";
+  std::FILE* f = std::fopen(path.c_str(), "w");
+  REQUIRE(f != nullptr);
+  std::fputs("{\"format\": \"flashjit-tuning-db\", \"version\": 1, \"entries\": []}\n", f);
+  std::fclose(f);
+  CHECK(flashjit_load_tuning_db(path.c_str()) == FLASHJIT_OK);
+  f = std::fopen(path.c_str(), "w");
+  std::fputs("{\"format\": \"flashjit-tuning-db\",\n\"version\": 1,\n\"entries\": [,]}\n", f);
+  std::fclose(f);
+  CHECK(flashjit_load_tuning_db(path.c_str()) == FLASHJIT_ERROR_INVALID_ARGUMENT);
+  CHECK_THAT(flashjit_last_error(), Catch::Contains(path + ":3:"));
+  CHECK(flashjit_load_tuning_db("/nonexistent/tuning.json") == FLASHJIT_ERROR_IO);
+  CHECK_THAT(flashjit_last_error(), Catch::Contains("/nonexistent/tuning.json"));
+  CHECK(flashjit_load_tuning_db(nullptr) == FLASHJIT_ERROR_INVALID_ARGUMENT);
+  std::remove(path.c_str());
+}

@@ -12,4 +12,8 @@ namespace flashjit {
 KernelSpec heuristic_forward_spec(const Arch& arch, DType dtype, int head_dim, MaskKind mask,
                                   bool has_softcap = false);
 
+// The same for the backward (fa2_bwd).
+KernelSpec heuristic_backward_spec(const Arch& arch, DType dtype, int head_dim, MaskKind mask,
+                                   bool has_softcap = false);
+
 }  // namespace flashjit

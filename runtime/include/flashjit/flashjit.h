@@ -90,6 +90,10 @@ flashjit_status flashjit_backward_varlen(const flashjit_tensor* q, const flashji
                                          const flashjit_tensor* cu_seqlens_k, int32_t max_seqlen_q,
                                          int32_t max_seqlen_k, const flashjit_attention_options* options);
 
+/* Replaces the global runtime's user tuning database (see flashjit/tuning.hpp) with the JSON file
+ * at path; the previous one stays on error. */
+flashjit_status flashjit_load_tuning_db(const char* path);
+
 /* Counters of the global runtime's kernel cache (any pointer may be NULL). */
 flashjit_status flashjit_cache_stats(uint64_t* memory_hits, uint64_t* disk_hits, uint64_t* compiles);
 

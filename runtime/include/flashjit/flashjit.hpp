@@ -12,11 +12,13 @@
 #include <initializer_list>
 #include <memory>
 #include <optional>
+#include <string>
 
 #include "flashjit/codegen/kernel_spec.hpp"
 #include "flashjit/device.hpp"
 #include "flashjit/error.hpp"
 #include "flashjit/kernel_cache.hpp"
+#include "flashjit/tuning.hpp"
 
 namespace flashjit {
 
@@ -110,6 +112,11 @@ class Runtime {
                        const AttentionOptions& options = {});
 
   KernelCache& kernel_cache();
+
+  // The tuning databases dispatch consults (flashjit/tuning.hpp). The user database starts as
+  // FLASHJIT_TUNING_DB's; load_tuning_db replaces it (Error names the file and what is wrong).
+  TuningSources& tuning();
+  void load_tuning_db(const std::string& path);
 
  private:
   struct Impl;

@@ -1,9 +1,23 @@
-// What the autotuner chooses among: every legal spec of a family for one problem class.
+// Autotuning: the candidate specs of a problem class, the tuning database the dispatcher consults,
+// and the tuner that fills it on a GPU.
+//
+// Dispatch order for a problem: options.kernel (forced), then the runtime's in-memory entries
+// (Runtime::add_tuned), the user database (FLASHJIT_TUNING_DB or Runtime::load_tuning_db), the
+// database bundled in the library, and finally the heuristic. Entries recorded on another device
+// or software stack (their DeviceStamp differs) are skipped, with one warning per database.
 #pragma once
 
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <optional>
+#include <string>
 #include <vector>
 
+#include <nlohmann/json_fwd.hpp>
+
 #include "flashjit/codegen/kernel_spec.hpp"
+#include "flashjit/device.hpp"
 
 namespace flashjit {
 
@@ -12,6 +26,141 @@ namespace flashjit {
 // whose compiled kernel spills are still listed: the caller compiles and drops them (only ptxas
 // knows).
 std::vector<KernelSpec> candidate_specs(Family family, const Arch& arch, DType dtype, int head_dim,
-                                           MaskKind mask, bool has_softcap);
+                                        MaskKind mask, bool has_softcap);
+
+// What a tuning result is valid for: the GPU and the software that compiled and ran the kernels.
+struct DeviceStamp {
+  std::string name;
+  int cc_major = 0, cc_minor = 0;
+  int sm_count = 0;
+  int64_t memory_bytes = 0;
+  int driver_version = 0;
+  std::string nvrtc_version;  // "13.0"
+
+  static DeviceStamp of(const DeviceProperties& device);  // with this process's NVRTC
+  std::string describe() const;  // "NVIDIA H200 (sm_90, 132 SMs, 143 GB, driver 13000, NVRTC 13.0)"
+  bool operator==(const DeviceStamp& o) const;
+  bool operator!=(const DeviceStamp& o) const { return !(*this == o); }
+};
+
+// The class of problems one tuned spec serves. Sequence lengths and batch x heads are bucketed to
+// the next power of two, so a handful of entries covers a model's shapes.
+struct ProblemKey {
+  Family family = Family::fa2_fwd;  // fa2_fwd or fa2_bwd
+  DType dtype = DType::bf16;
+  int head_dim = 128;  // the kernel head dim (problem head dims rounded up)
+  MaskKind mask = MaskKind::none;
+  bool softcap = false;
+  int seqlen_bucket = 0;      // bucket(max(seqlen_q, seqlen_k))
+  int batch_heads_bucket = 0; // bucket(batch * heads_q)
+
+  static int bucket(int64_t n);  // the smallest power of two >= n, at least 64 (1 -> 64, 100 -> 128)
+  std::string describe() const;  // "fa2_fwd bf16 d128 causal s<=4096 bh<=64"
+  bool operator==(const ProblemKey& o) const;
+};
+
+struct TunedEntry {
+  DeviceStamp device;
+  ProblemKey problem;
+  KernelSpec spec;
+  double median_ms = 0;
+  std::vector<std::pair<KernelSpec, double>> runner_ups;  // next best specs and their median ms
+  std::string tuned_at;  // ISO 8601, UTC
+};
+
+// A tuning database: a JSON document
+//   {"format": "flashjit-tuning-db", "version": 1, "entries": [{"device": {...}, "problem": {...},
+//    "spec": {...}, "median_ms": ..., "runner_ups": [{"spec": {...}, "median_ms": ...}],
+//    "tuned_at": "..."}]}
+// parsed strictly: malformed JSON is reported with its line and column, unknown or missing fields
+// and bad values by their path ("entries[3].problem.mask").
+class TuningDb {
+ public:
+  TuningDb() = default;
+  static TuningDb parse(const std::string& text, const std::string& origin);
+  static TuningDb load(const std::string& path);  // Error(io_error) when it cannot be read
+  std::string dump() const;                       // pretty JSON, entries in insertion order
+
+  const std::vector<TunedEntry>& entries() const { return entries_; }
+  const TunedEntry* find(const DeviceStamp& device, const ProblemKey& problem) const;
+  // Adds an entry, replacing one with the same device and problem.
+  void upsert(TunedEntry entry);
+  void merge(const TuningDb& newer);  // newer's entries win
+
+  // Merges this database into the file at `path` and replaces it atomically: under an exclusive
+  // lock on `<path>.lock` it reads the current file (if any), merges, writes `<path>.tmp.<pid>`,
+  // fsyncs and renames it over `path`. Concurrent savers serialize; a crash leaves the old file.
+  // Error(io_error) names the path when it cannot be written, and the existing file is untouched.
+  void save_merged(const std::string& path) const;
+
+ private:
+  std::vector<TunedEntry> entries_;
+};
+
+// A process-wide view of the databases dispatch consults, in order. Thread-safe.
+class TuningSources {
+ public:
+  // `warn` receives one message per database whose entries were recorded on another device or
+  // software stack (default: stderr).
+  explicit TuningSources(std::function<void(const std::string&)> warn = {});
+  ~TuningSources();
+  TuningSources(const TuningSources&) = delete;
+  TuningSources& operator=(const TuningSources&) = delete;
+
+  void add_in_memory(TunedEntry entry);
+  void set_user_db(TuningDb db, std::string origin);
+  void set_bundled_db(TuningDb db);
+
+  // The first entry for this device and problem: in-memory, user, bundled; nullopt if none.
+  // Copies out, so the result stays valid while sources change.
+  std::optional<TunedEntry> lookup(const DeviceStamp& device, const ProblemKey& problem) const;
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+// The tuning database compiled into the library (bench results of GPUs measured by the project).
+const TuningDb& bundled_tuning_db();
+
+// ---------------------------------------------------------------------------------------------
+// The tuner (needs a GPU).
+
+struct TuneShape {
+  bool backward = false;  // tune fa2_bwd (forward + the gradients' kernels) instead of fa2_fwd
+  DType dtype = DType::bf16;
+  int batch = 1, seqlen_q = 4096, seqlen_k = 4096, heads_q = 16, heads_kv = 16, head_dim = 128;
+  bool causal = false;
+
+  std::string describe() const;
+};
+
+struct TuneProgress {
+  const char* stage;  // "compile", "time", "verify", "retime"
+  size_t done, total;
+};
+
+struct TuneOptions {
+  int device = 0;
+  int warmup = 2;
+  int iters = 15;          // timed samples per candidate (median)
+  int finalists = 3;       // re-timed interleaved before choosing
+  int compile_threads = 0; // 0: one per core
+  std::function<void(const TuneProgress&)> progress;
+};
+
+struct TuneResult {
+  TunedEntry entry;
+  size_t candidates = 0, timed = 0, dropped_spills = 0, dropped_failed = 0;
+  double seconds = 0;    // wall time of the whole tune
+  double max_rel_error = 0;  // the winner against the check (reference kernel, or the heuristic's backward)
+};
+
+class Runtime;
+// Times every spill-free candidate of the shape's problem class on the device (compiling on a
+// thread pool while the GPU times what is ready), with inputs rotated past the L2 and the median
+// of `iters` samples; verifies the fastest numerically, then re-times the finalists interleaved
+// and returns the winner. Throws Error(unsupported) when no candidate runs.
+TuneResult tune(Runtime& runtime, const TuneShape& shape, const TuneOptions& options = {});
 
 }  // namespace flashjit

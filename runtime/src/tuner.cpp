@@ -1,0 +1,339 @@
+// The tuner: compile every candidate on a thread pool while the GPU times the ones already
+// compiled, verify the fastest, re-time the finalists interleaved, and record the winner.
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <condition_variable>
+#include <cstring>
+#include <ctime>
+#include <deque>
+#include <mutex>
+#include <random>
+#include <thread>
+
+#include <fmt/format.h>
+
+#include "dispatch.hpp"
+#include "driver.hpp"
+#include "flashjit/codegen/render.hpp"
+#include "flashjit/flashjit.hpp"
+#include "flashjit/tuning.hpp"
+#include "module_cache.hpp"
+#include "problem.hpp"
+
+namespace flashjit {
+
+using namespace detail;
+
+std::string TuneShape::describe() const {
+  return fmt::format("{} {} b{} sq{} sk{} hq{} hkv{} d{}{}", backward ? "bwd" : "fwd", to_string(dtype), batch, seqlen_q,
+                     seqlen_k, heads_q, heads_kv, head_dim, causal ? " causal" : "");
+}
+
+namespace {
+
+class DeviceMemory {
+ public:
+  explicit DeviceMemory(size_t bytes) { FLASHJIT_CU(cuMemAlloc, &pointer_, std::max<size_t>(bytes, 16)); }
+  ~DeviceMemory() {
+    if (pointer_) driver().cuMemFree(pointer_);
+  }
+  DeviceMemory(const DeviceMemory&) = delete;
+  DeviceMemory& operator=(const DeviceMemory&) = delete;
+  void* get() const { return reinterpret_cast<void*>(pointer_); }
+
+ private:
+  CUdeviceptr pointer_ = 0;
+};
+
+uint16_t to_storage(float f, DType dtype) {
+  if (dtype == DType::bf16) {
+    uint32_t u;
+    std::memcpy(&u, &f, 4);
+    return static_cast<uint16_t>((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+  }
+  _Float16 h = static_cast<_Float16>(f);
+  uint16_t bits;
+  std::memcpy(&bits, &h, 2);
+  return bits;
+}
+
+double to_double(uint16_t bits, DType dtype) {
+  if (dtype == DType::bf16) {
+    const uint32_t u = static_cast<uint32_t>(bits) << 16;
+    float f;
+    std::memcpy(&f, &u, 4);
+    return f;
+  }
+  _Float16 h;
+  std::memcpy(&h, &bits, 2);
+  return static_cast<double>(h);
+}
+
+// One set of inputs and outputs. Several sets are rotated through so that consecutive timed calls
+// never find their inputs in the L2.
+struct ProblemBuffers {
+  DeviceMemory q, k, v, out, lse, dout, dq, dk, dv;
+  ProblemBuffers(size_t q_bytes, size_t kv_bytes, size_t lse_bytes, bool backward)
+      : q(q_bytes), k(kv_bytes), v(kv_bytes), out(q_bytes), lse(lse_bytes), dout(backward ? q_bytes : 0),
+        dq(backward ? q_bytes : 0), dk(backward ? kv_bytes : 0), dv(backward ? kv_bytes : 0) {}
+};
+
+double relative_l2(const std::vector<uint16_t>& got, const std::vector<uint16_t>& want, DType dtype) {
+  double err = 0, ref = 0;
+  for (size_t i = 0; i < got.size(); ++i) {
+    const double g = to_double(got[i], dtype), w = to_double(want[i], dtype);
+    if (!std::isfinite(g)) return INFINITY;
+    err += (g - w) * (g - w);
+    ref += w * w;
+  }
+  return std::sqrt(err / std::max(ref, 1e-30));
+}
+
+std::string utc_now() {
+  const std::time_t now = std::time(nullptr);
+  std::tm tm{};
+  gmtime_r(&now, &tm);
+  char text[32];
+  std::strftime(text, sizeof text, "%Y-%m-%dT%H:%M:%SZ", &tm);
+  return text;
+}
+
+}  // namespace
+
+TuneResult tune(Runtime& runtime, const TuneShape& shape, const TuneOptions& o) {
+  const auto started = std::chrono::steady_clock::now();
+  const DeviceProperties& device = device_properties(o.device);
+  make_context_current(o.device);
+  const Family family = shape.backward ? Family::fa2_bwd : Family::fa2_fwd;
+  const DType dtype = shape.dtype;
+  const ScalarType scalar = dtype == DType::bf16 ? ScalarType::bfloat16 : ScalarType::float16;
+  auto report = [&](const char* stage, size_t done, size_t total) {
+    if (o.progress) o.progress(TuneProgress{stage, done, total});
+  };
+
+  // Buffers, and the problem as the dispatcher sees it (which also validates the shape).
+  const size_t q_elems = size_t(shape.batch) * shape.seqlen_q * shape.heads_q * shape.head_dim;
+  const size_t kv_elems = size_t(shape.batch) * shape.seqlen_k * shape.heads_kv * shape.head_dim;
+  const size_t lse_bytes = size_t(shape.batch) * shape.heads_q * shape.seqlen_q * 4;
+  const size_t set_bytes = (q_elems * 2 + kv_elems * 2) * 2 * (shape.backward ? 2 : 1) + lse_bytes;
+  const size_t sets = std::clamp<size_t>(3 * size_t(device.l2_bytes) / std::max<size_t>(set_bytes, 1) + 1, 1, 8);
+  std::vector<std::unique_ptr<ProblemBuffers>> buffers;
+  {
+    std::mt19937_64 rng(12345);
+    std::normal_distribution<float> normal(0.f, 1.f);
+    auto random_bits = [&](size_t n) {
+      std::vector<uint16_t> bits(n);
+      for (auto& b : bits) b = to_storage(normal(rng), dtype);
+      return bits;
+    };
+    const auto q_bits = random_bits(q_elems), k_bits = random_bits(kv_elems), v_bits = random_bits(kv_elems);
+    const auto dout_bits = shape.backward ? random_bits(q_elems) : std::vector<uint16_t>{};
+    for (size_t i = 0; i < sets; ++i) {
+      auto b = std::make_unique<ProblemBuffers>(q_elems * 2, kv_elems * 2, lse_bytes, shape.backward);
+      auto upload = [](const DeviceMemory& m, const std::vector<uint16_t>& bits) {
+        FLASHJIT_CU(cuMemcpyHtoD, reinterpret_cast<CUdeviceptr>(m.get()), bits.data(), bits.size() * 2);
+      };
+      upload(b->q, q_bits);
+      upload(b->k, k_bits);
+      upload(b->v, v_bits);
+      if (shape.backward) upload(b->dout, dout_bits);
+      buffers.push_back(std::move(b));
+    }
+  }
+  auto q_view = [&](const DeviceMemory& m) {
+    return TensorView::contiguous(m.get(), scalar, {shape.batch, shape.seqlen_q, shape.heads_q, shape.head_dim}, o.device);
+  };
+  auto kv_view = [&](const DeviceMemory& m) {
+    return TensorView::contiguous(m.get(), scalar, {shape.batch, shape.seqlen_k, shape.heads_kv, shape.head_dim}, o.device);
+  };
+  auto lse_view = [&](const DeviceMemory& m) {
+    return TensorView::contiguous(m.get(), ScalarType::float32, {shape.batch, shape.heads_q, shape.seqlen_q}, o.device);
+  };
+  AttentionOptions base;
+  base.causal = shape.causal;
+  const ForwardProblem problem = make_forward_problem(q_view(buffers[0]->q), kv_view(buffers[0]->k),
+                                                      kv_view(buffers[0]->v), q_view(buffers[0]->out), nullptr,
+                                                      nullptr, base);
+
+  // One call of the pass being tuned, on buffer set `set`.
+  auto run = [&](const AttentionOptions& options, size_t set) {
+    ProblemBuffers& b = *buffers[set];
+    const TensorView lse = lse_view(b.lse);
+    if (shape.backward)
+      runtime.backward(q_view(b.q), kv_view(b.k), kv_view(b.v), q_view(b.out), q_view(b.dout), &lse, q_view(b.dq),
+                       kv_view(b.dk), kv_view(b.dv), options);
+    else
+      runtime.forward(q_view(b.q), kv_view(b.k), kv_view(b.v), q_view(b.out), &lse, options);
+  };
+  if (shape.backward)  // the backward reads the forward's out and lse
+    for (size_t s = 0; s < sets; ++s) {
+      ProblemBuffers& b = *buffers[s];
+      const TensorView lse = lse_view(b.lse);
+      runtime.forward(q_view(b.q), kv_view(b.k), kv_view(b.v), q_view(b.out), &lse, base);
+    }
+
+  CUevent start, stop;
+  FLASHJIT_CU(cuEventCreate, &start, CU_EVENT_DEFAULT);
+  FLASHJIT_CU(cuEventCreate, &stop, CU_EVENT_DEFAULT);
+  struct Events {
+    CUevent a, b;
+    ~Events() {
+      driver().cuEventDestroy(a);
+      driver().cuEventDestroy(b);
+    }
+  } events{start, stop};
+  size_t rotation = 0;
+  auto sample_ms = [&](const AttentionOptions& options) {
+    FLASHJIT_CU(cuEventRecord, start, nullptr);
+    run(options, rotation++ % sets);
+    FLASHJIT_CU(cuEventRecord, stop, nullptr);
+    FLASHJIT_CU(cuEventSynchronize, stop);
+    float ms = 0;
+    FLASHJIT_CU(cuEventElapsedTime, &ms, start, stop);
+    return static_cast<double>(ms);
+  };
+  auto median = [](std::vector<double> v) {
+    std::sort(v.begin(), v.end());
+    return v[v.size() / 2];
+  };
+  auto with_kernel = [&](const KernelSpec& spec) {
+    AttentionOptions options = base;
+    options.kernel = spec;
+    return options;
+  };
+
+  // Candidates, compiled on a pool; the GPU times each as soon as it is ready.
+  std::vector<KernelSpec> candidates =
+      candidate_specs(family, device.arch(), dtype, kernel_head_dim(family, shape.head_dim), problem.mask, false);
+  candidates.erase(std::remove_if(candidates.begin(), candidates.end(),
+                                  [&](const KernelSpec& s) { return dynamic_smem_bytes(s) > device.max_smem_per_block_optin; }),
+                   candidates.end());
+  TuneResult result;
+  result.candidates = candidates.size();
+  std::mutex mutex;
+  std::condition_variable ready_cv;
+  std::deque<std::pair<size_t, bool>> ready;  // (candidate, compiled and spill-free)
+  std::atomic<size_t> next{0};
+  std::vector<std::thread> pool;
+  const int threads = o.compile_threads > 0 ? o.compile_threads : std::max(1u, std::thread::hardware_concurrency());
+  for (int t = 0; t < threads; ++t)
+    pool.emplace_back([&] {
+      for (size_t i; (i = next++) < candidates.size();) {
+        bool usable = false;
+        try {
+          usable = !runtime.kernel_cache().get(candidates[i])->has_spills();
+        } catch (const Error&) {
+        }
+        std::lock_guard<std::mutex> lock(mutex);
+        ready.emplace_back(i, usable);
+        ready_cv.notify_one();
+      }
+    });
+  struct Join {
+    std::vector<std::thread>& pool;
+    ~Join() {
+      for (auto& t : pool)
+        if (t.joinable()) t.join();
+    }
+  } join{pool};
+
+  std::vector<std::pair<double, size_t>> timed;  // (median ms, candidate)
+  for (size_t seen = 0; seen < candidates.size(); ++seen) {
+    std::pair<size_t, bool> item;
+    {
+      std::unique_lock<std::mutex> lock(mutex);
+      ready_cv.wait(lock, [&] { return !ready.empty(); });
+      item = ready.front();
+      ready.pop_front();
+    }
+    report("time", seen + 1, candidates.size());
+    if (!item.second) {
+      ++result.dropped_spills;  // spills, or the compile failed
+      continue;
+    }
+    const AttentionOptions options = with_kernel(candidates[item.first]);
+    try {
+      for (int i = 0; i < std::max(1, o.warmup); ++i) run(options, rotation++ % sets);
+      std::vector<double> samples;
+      for (int i = 0; i < std::max(3, o.iters); ++i) samples.push_back(sample_ms(options));
+      timed.emplace_back(median(samples), item.first);
+    } catch (const Error&) {
+      ++result.dropped_failed;  // e.g. out of resources on this device
+    }
+  }
+  result.timed = timed.size();
+  if (timed.empty())
+    throw Error(ErrorCode::unsupported, "tune", fmt::format("no candidate of {} ran on {}", shape.describe(), device.name));
+  std::sort(timed.begin(), timed.end());
+
+  // Verify the finalists: the forward against the reference kernel, the backward against the
+  // heuristic spec's deterministic path (a different dQ kernel). A finalist that disagrees is dropped.
+  auto download = [&](const DeviceMemory& m, size_t elems) {
+    std::vector<uint16_t> host(elems);
+    FLASHJIT_CU(cuMemcpyDtoH, host.data(), reinterpret_cast<CUdeviceptr>(m.get()), elems * 2);
+    return host;
+  };
+  auto outputs = [&]() {
+    ProblemBuffers& b = *buffers[0];
+    std::vector<std::vector<uint16_t>> all;
+    if (shape.backward) {
+      all.push_back(download(b.dq, q_elems));
+      all.push_back(download(b.dk, kv_elems));
+      all.push_back(download(b.dv, kv_elems));
+    } else {
+      all.push_back(download(b.out, q_elems));
+    }
+    return all;
+  };
+  AttentionOptions check = base;
+  if (shape.backward) check.deterministic = true;
+  else check.backend = Backend::reference;
+  run(check, 0);
+  const auto expected = outputs();
+  const double tolerance = shape.backward ? 2e-2 : 1e-2;
+  std::vector<std::pair<double, size_t>> finalists;
+  for (size_t i = 0; i < timed.size() && finalists.size() < size_t(std::max(1, o.finalists)); ++i) {
+    report("verify", i + 1, std::min(timed.size(), size_t(o.finalists)));
+    run(with_kernel(candidates[timed[i].second]), 0);
+    const auto got = outputs();
+    double worst = 0;
+    for (size_t t = 0; t < got.size(); ++t) worst = std::max(worst, relative_l2(got[t], expected[t], dtype));
+    if (worst < tolerance) {
+      finalists.push_back(timed[i]);
+      result.max_rel_error = std::max(result.max_rel_error, worst);
+    }
+  }
+  if (finalists.empty())
+    throw Error(ErrorCode::internal, "tune",
+                fmt::format("{}: every fast candidate disagreed with the check; this is a bug", shape.describe()));
+
+  // Re-time the finalists interleaved, so clock and thermal drift hit them alike.
+  std::vector<std::vector<double>> samples(finalists.size());
+  const int rounds = std::max(5, o.iters);
+  for (int r = 0; r < rounds; ++r) {
+    report("retime", r + 1, rounds);
+    for (size_t f = 0; f < finalists.size(); ++f) samples[f].push_back(sample_ms(with_kernel(candidates[finalists[f].second])));
+  }
+  std::vector<std::pair<double, size_t>> ranked;
+  for (size_t f = 0; f < finalists.size(); ++f) ranked.emplace_back(median(samples[f]), finalists[f].second);
+  std::sort(ranked.begin(), ranked.end());
+
+  TunedEntry& e = result.entry;
+  e.device = DeviceStamp::of(device);
+  e.problem = problem_key(problem, family);
+  e.spec = candidates[ranked[0].second];
+  e.median_ms = ranked[0].first;
+  for (size_t i = 1; i < ranked.size(); ++i) e.runner_ups.emplace_back(candidates[ranked[i].second], ranked[i].first);
+  for (size_t i = 0; i < timed.size() && e.runner_ups.size() < 5; ++i) {  // then the next fastest of the first pass
+    const KernelSpec& s = candidates[timed[i].second];
+    if (s == e.spec || std::any_of(e.runner_ups.begin(), e.runner_ups.end(), [&](const auto& r) { return r.first == s; }))
+      continue;
+    e.runner_ups.emplace_back(s, timed[i].first);
+  }
+  e.tuned_at = utc_now();
+  result.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count();
+  return result;
+}
+
+}  // namespace flashjit

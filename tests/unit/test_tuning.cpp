@@ -1,0 +1,305 @@
+// Autotuning without a GPU: candidate enumeration and pruning, problem buckets, the tuning
+// database (schema, strict parsing, atomic merge with concurrent writers), the dispatch order and
+// stamp mismatches, and the flashjit-tune / flashjit-warm command lines.
+#include <catch2/catch.hpp>
+
+#include <fstream>
+#include <sstream>
+
+#include <nlohmann/json.hpp>
+
+#include "dispatch.hpp"
+#include "flashjit/dispatch.hpp"
+#include "flashjit/codegen/render.hpp"
+#include "flashjit/tuning.hpp"
+#include "support/subprocess.hpp"
+#include "support/temp_dir.hpp"
+#include "support/tuning_entries.hpp"
+#include "support/worker_specs.hpp"
+
+using namespace flashjit;
+using namespace flashjit::test;
+
+namespace {
+
+std::string read_file(const std::string& path) {
+  std::ifstream in(path);
+  std::stringstream s;
+  s << in.rdbuf();
+  return s.str();
+}
+
+void write_file(const std::string& path, const std::string& text) { std::ofstream(path) << text; }
+
+DeviceProperties tabulated_h200() {
+  DeviceProperties d;
+  d.name = "NVIDIA H200";
+  d.cc_major = 9;
+  d.cc_minor = 0;
+  d.sm_count = 132;
+  d.max_smem_per_block_optin = 232448;
+  d.total_memory = int64_t(150) << 30;
+  d.driver_version = 13000;
+  return d;
+}
+
+detail::ForwardProblem causal_problem(int batch, int seqlen, int heads, int head_dim) {
+  alignas(16) static unsigned char arena[16];
+  auto q = TensorView::contiguous(arena, ScalarType::bfloat16, {batch, seqlen, heads, head_dim});
+  AttentionOptions options;
+  options.causal = true;
+  return detail::make_forward_problem(q, q, q, q, nullptr, nullptr, options);
+}
+
+struct Tool {
+  int status;
+  std::string output;
+};
+
+Tool run_tool(std::vector<std::string> args) {
+  Subprocess p(args);
+  const int status = p.wait();
+  return {status, p.output()};
+}
+
+}  // namespace
+
+TEST_CASE("candidates: legal, pruned to the arch's shared memory, default included", "[tuning]") {
+  struct Row {
+    Family family;
+    const char* arch;
+    int head_dim;
+  };
+  for (Row r : {Row{Family::fa2_fwd, "sm_90a", 128}, Row{Family::fa2_fwd, "sm_80", 256}, Row{Family::fa2_fwd, "sm_86", 256},
+                Row{Family::fa2_bwd, "sm_90a", 128}, Row{Family::fa2_bwd, "sm_80", 256}, Row{Family::fa2_bwd, "sm_89", 64}}) {
+    const Arch arch = Arch::parse(r.arch);
+    for (MaskKind mask : {MaskKind::none, MaskKind::causal}) {
+      INFO(to_string(r.family) << " " << r.arch << " d" << r.head_dim << " " << to_string(mask));
+      const auto candidates = candidate_specs(r.family, arch, DType::bf16, r.head_dim, mask, false);
+      CHECK(candidates.size() >= 4);
+      const KernelSpec fallback = default_spec(r.family, arch, DType::bf16, r.head_dim, mask);
+      CHECK(std::find(candidates.begin(), candidates.end(), fallback) != candidates.end());
+      for (const auto& c : candidates) {
+        CHECK_FALSE(c.validate().has_value());
+        CHECK(c.family == r.family);
+        CHECK(c.arch == arch);
+        CHECK(c.mask == mask);
+        CHECK(dynamic_smem_bytes(c) <= max_smem_per_block(arch));
+        CHECK(std::count(candidates.begin(), candidates.end(), c) == 1);
+      }
+    }
+  }
+  // The 99 KB archs lose the big tiles that Hopper keeps.
+  const auto hopper = candidate_specs(Family::fa2_fwd, Arch::parse("sm_90a"), DType::bf16, 256, MaskKind::none, false);
+  const auto ada = candidate_specs(Family::fa2_fwd, Arch::parse("sm_89"), DType::bf16, 256, MaskKind::none, false);
+  CHECK(ada.size() < hopper.size());
+  CHECK(candidate_specs(Family::reference_fwd, Arch::parse("sm_80"), DType::bf16, 64, MaskKind::none, false).size() == 1);
+}
+
+TEST_CASE("problem keys bucket seqlens and batch x heads to powers of two", "[tuning]") {
+  const std::pair<int64_t, int> buckets[] = {{0, 64}, {1, 64}, {64, 64}, {65, 128}, {4096, 4096}, {4097, 8192}, {100000, 131072}};
+  for (auto [n, bucket] : buckets) CHECK(ProblemKey::bucket(n) == bucket);
+  const ProblemKey key = detail::problem_key(causal_problem(2, 3000, 16, 120), Family::fa2_bwd);
+  CHECK(key.family == Family::fa2_bwd);
+  CHECK(key.head_dim == 128);
+  CHECK(key.mask == MaskKind::causal);
+  CHECK(key.seqlen_bucket == 4096);
+  CHECK(key.batch_heads_bucket == 64);
+  CHECK(key.describe() == "fa2_bwd bf16 d128 causal s<=4096 bh<=64");
+}
+
+TEST_CASE("tuning db: round trip and strict parsing", "[tuning]") {
+  TuningDb db;
+  for (int i = 0; i < 3; ++i) db.upsert(numbered_entry(i));
+  db.upsert(numbered_entry(1));  // same device and problem: replaced, not added
+  REQUIRE(db.entries().size() == 3);
+  const TuningDb back = TuningDb::parse(db.dump(), "memory");
+  REQUIRE(back.entries().size() == 3);
+  CHECK(back.dump() == db.dump());
+  const TunedEntry* found = back.find(test_stamp(), numbered_entry(2).problem);
+  REQUIRE(found != nullptr);
+  CHECK(found->spec == numbered_entry(2).spec);
+  CHECK(found->runner_ups.size() == 1);
+  CHECK(back.find(test_stamp("Other GPU"), numbered_entry(2).problem) == nullptr);
+
+  auto expect_error = [&](const std::string& text, const std::string& message) {
+    INFO(text);
+    CHECK_THROWS_WITH(TuningDb::parse(text, "db.json"), Catch::Contains(message));
+  };
+  expect_error("{\"format\": \"flashjit-tuning-db\",\n \"version\": 1\n \"entries\": []}", "db.json:3:");
+  expect_error("{\"format\": \"flashjit-tuning-db\", \"version\": 1}", "missing field 'entries'");
+  expect_error("{\"format\": \"other\", \"version\": 1, \"entries\": []}", "format must be \"flashjit-tuning-db\"");
+  expect_error("{\"format\": \"flashjit-tuning-db\", \"version\": 7, \"entries\": []}", "version 7 is not supported");
+  nlohmann::json j = nlohmann::json::parse(db.dump());
+  auto mutated = [&](auto&& change) {
+    nlohmann::json copy = j;
+    change(copy);
+    return copy.dump();
+  };
+  expect_error(mutated([](auto& c) { c["entries"][1]["problem"]["maks"] = 1; }),
+               "entries[1].problem: unknown field 'maks'");
+  expect_error(mutated([](auto& c) { c["entries"][0]["problem"]["mask"] = "diagonal"; }),
+               "entries[0].problem.mask: unknown mask 'diagonal'");
+  expect_error(mutated([](auto& c) { c["entries"][0]["problem"]["seqlen_bucket"] = 100; }),
+               "entries[0].problem.seqlen_bucket must be a power of two");
+  expect_error(mutated([](auto& c) { c["entries"][0]["device"].erase("sm_count"); }),
+               "entries[0].device: missing field 'sm_count'");
+  expect_error(mutated([](auto& c) { c["entries"][0]["spec"]["block_m"] = 48; }), "entries[0].spec:");
+  expect_error(mutated([](auto& c) { c["entries"][0]["spec"]["mask"] = "none"; }), "does not serve the problem");
+  expect_error(mutated([](auto& c) { c["entries"][2]["median_ms"] = -1; }), "entries[2].median_ms must be a finite number");
+  CHECK(bundled_tuning_db().entries().size() >= 0);  // parses (a bad bundle would throw)
+}
+
+TEST_CASE("tuning db: concurrent writers merge atomically, a bad file is left alone", "[tuning]") {
+  TempDir dir;
+  const std::string path = dir / "tuning.json";
+  {
+    std::vector<std::unique_ptr<Subprocess>> writers;
+    for (int w = 0; w < 2; ++w)
+      writers.push_back(std::make_unique<Subprocess>(std::vector<std::string>{
+          FLASHJIT_TUNING_WORKER, path, std::to_string(w * 20), "20"}));
+    for (auto& w : writers) CHECK(w->wait() == 0);
+  }
+  const TuningDb db = TuningDb::load(path);
+  CHECK(db.entries().size() == 40);
+  for (int i = 0; i < 40; ++i) CHECK(db.find(test_stamp(), numbered_entry(i).problem) != nullptr);
+
+  // A file that is not a tuning database is refused and keeps its bytes.
+  const std::string other = dir / "notes.json";
+  write_file(other, "{\"my\": \"notes\"}\n");
+  TuningDb one;
+  one.upsert(numbered_entry(0));
+  CHECK_THROWS_WITH(one.save_merged(other), Catch::Contains("unknown field 'my'"));
+  CHECK(read_file(other) == "{\"my\": \"notes\"}\n");
+  CHECK_THROWS_AS(one.save_merged(dir / "no/such/dir/tuning.json"), Error);
+}
+
+TEST_CASE("dispatch order: forced, in-memory, user, bundled, heuristic; other devices skipped once", "[tuning]") {
+  const DeviceProperties device = tabulated_h200();
+  const DeviceStamp here = DeviceStamp::of(device);
+  const detail::ForwardProblem problem = causal_problem(2, 4096, 16, 128);
+  const ProblemKey key = detail::problem_key(problem, Family::fa2_fwd);
+  auto entry_with = [&](int block_n, const DeviceStamp& stamp) {
+    TunedEntry e;
+    e.device = stamp;
+    e.problem = key;
+    e.spec = default_spec(Family::fa2_fwd, device.arch(), DType::bf16, 128, MaskKind::causal);
+    e.spec.block_m = 64;
+    e.spec.block_n = block_n;
+    e.spec.num_stages = 1;
+    REQUIRE_FALSE(e.spec.validate().has_value());
+    e.median_ms = 1;
+    e.tuned_at = "2026-11-30T00:00:00Z";
+    return e;
+  };
+  std::vector<std::string> warnings;
+  TuningSources sources([&](const std::string& w) { warnings.push_back(w); });
+  const KernelSpec heuristic = detail::select_forward_kernel(problem, device, &sources);
+  CHECK(heuristic == heuristic_forward_spec(device.arch(), DType::bf16, 128, MaskKind::causal));
+
+  TuningDb bundled, user;
+  bundled.upsert(entry_with(32, here));
+  sources.set_bundled_db(bundled);
+  CHECK(detail::select_forward_kernel(problem, device, &sources).block_n == 32);
+  user.upsert(entry_with(64, here));
+  sources.set_user_db(user, "user.json");
+  CHECK(detail::select_forward_kernel(problem, device, &sources).block_n == 64);
+  sources.add_in_memory(entry_with(128, here));
+  CHECK(detail::select_forward_kernel(problem, device, &sources).block_n == 128);
+  // A forced spec beats every database; the backward's key is its own.
+  detail::ForwardProblem forced = problem;
+  forced.forced_kernel = heuristic;
+  CHECK(detail::select_forward_kernel(forced, device, &sources) == heuristic);
+  CHECK(detail::select_backward_kernel(problem, device, &sources).family == Family::fa2_bwd);
+  // A problem in another bucket falls through to the heuristic.
+  CHECK(detail::select_forward_kernel(causal_problem(2, 8192, 16, 128), device, &sources) ==
+        heuristic_forward_spec(device.arch(), DType::bf16, 128, MaskKind::causal));
+  CHECK(warnings.empty());
+
+  // Entries from another device (or driver, or NVRTC) are skipped, with one warning per database.
+  DeviceStamp newer_driver = here;
+  newer_driver.driver_version += 10;
+  TuningSources stale([&](const std::string& w) { warnings.push_back(w); });
+  TuningDb old;
+  old.upsert(entry_with(32, newer_driver));
+  stale.set_user_db(old, "old.json");
+  for (int call = 0; call < 3; ++call)
+    CHECK(detail::select_forward_kernel(problem, device, &stale) ==
+          heuristic_forward_spec(device.arch(), DType::bf16, 128, MaskKind::causal));
+  REQUIRE(warnings.size() == 1);
+  CHECK_THAT(warnings[0], Catch::Contains("old.json") && Catch::Contains("skipped"));
+}
+
+TEST_CASE("flashjit-tune: dry run lists candidates; bad input exits 2 and writes nothing", "[tuning]") {
+  TempDir dir;
+  Tool t = run_tool({FLASHJIT_TUNE_TOOL, "--shape", "2,4096,4096,16,8,128", "--causal", "off,on", "--pass", "fwd,bwd",
+                     "--dry-run", "--arch", "sm_80", "--json"});
+  REQUIRE(t.status == 0);
+  const auto listed = nlohmann::json::parse(t.output);
+  REQUIRE(listed.size() == 4);
+  CHECK(listed[0]["problem"] == "fa2_fwd bf16 d128 s<=4096 bh<=64");
+  CHECK(listed[3]["problem"] == "fa2_bwd bf16 d128 causal s<=4096 bh<=64");
+  for (const auto& shape : listed) {
+    CHECK(shape["candidates"].size() >= 4);
+    for (const auto& name : shape["candidates"]) CHECK_THAT(name.get<std::string>(), Catch::EndsWith("_sm80"));
+  }
+
+  auto expect_usage = [&](std::vector<std::string> args, const std::string& why) {
+    args.insert(args.begin(), FLASHJIT_TUNE_TOOL);
+    INFO(why);
+    CHECK(run_tool(args).status == 2);
+  };
+  expect_usage({"--shape", "2,4096"}, "a shape needs six numbers");
+  expect_usage({"--shape", "2,64,64,4,3,64", "--dry-run"}, "heads_kv must divide heads_q");
+  expect_usage({"--shape", "2,64,64,4,4,512", "--dry-run"}, "head dims over 256 have no spec");
+  expect_usage({"--shape", "2,64,64,4,4,64", "--pass", "sideways", "--dry-run"}, "unknown pass");
+  expect_usage({"--shape", "2,64,64,4,4,64", "--dry-run", "--arch", "sm_99"}, "an arch NVRTC does not know");
+  expect_usage({"--shape", "2,64,64,4,4,64", "--dry-run", "--arch", "gfx90a"}, "not an arch name");
+  expect_usage({"--dry-run"}, "no shapes");
+  write_file(dir / "shapes.json", "[{\"batch\": 1, \"seqlen_q\": 64,\n  \"seqlen_k\" 64}]");
+  expect_usage({"--shapes", dir / "shapes.json", "--dry-run"}, "malformed JSON");
+  write_file(dir / "shapes2.json", "[{\"batch\":1,\"seqlen_q\":64,\"seqlen_k\":64,\"heads_q\":4,\"heads_kv\":4,\"head_dim\":64,\"windw\":1}]");
+  expect_usage({"--shapes", dir / "shapes2.json", "--dry-run"}, "unknown field");
+
+  // An output that is not a tuning database, or cannot be written: refused before any work.
+  write_file(dir / "precious.json", "not json at all");
+  expect_usage({"--shape", "2,64,64,4,4,64", "--output", dir / "precious.json"}, "existing non-database output");
+  CHECK(read_file(dir / "precious.json") == "not json at all");
+  expect_usage({"--shape", "2,64,64,4,4,64", "--output", dir / "missing/dir/tuning.json"}, "unwritable output");
+}
+
+TEST_CASE("flashjit-warm: fills an empty cache, then finds it all cached; a fresh process compiles nothing", "[tuning]") {
+  TempDir dir;
+  const std::string cache = dir / "cache";
+  nlohmann::json specs = nlohmann::json::array();
+  const auto worker = worker_specs();
+  for (int i = 0; i < 2; ++i) specs.push_back(worker[i].to_json());
+  write_file(dir / "specs.json", specs.dump());
+
+  Tool first = run_tool({FLASHJIT_WARM_TOOL, "--specs", dir / "specs.json", "--cache-dir", cache, "--json"});
+  REQUIRE(first.status == 0);
+  CHECK(nlohmann::json::parse(first.output)["counts"]["compiled"] == 2);
+  Tool second = run_tool({FLASHJIT_WARM_TOOL, "--specs", dir / "specs.json", "--cache-dir", cache, "--json"});
+  REQUIRE(second.status == 0);
+  CHECK(nlohmann::json::parse(second.output)["counts"]["cached"] == 2);
+  CHECK(nlohmann::json::parse(second.output)["counts"].value("compiled", 0) == 0);
+
+  Tool fresh = run_tool({FLASHJIT_CACHE_WORKER, cache, "0", "2"});
+  REQUIRE(fresh.status == 0);
+  const auto stats = nlohmann::json::parse(fresh.output);
+  CHECK(stats["compiles"] == 0);
+  CHECK(stats["disk_hits"] == 2);
+
+  // A tuning database's winners and runner-ups, retargeted to --arch.
+  TuningDb db;
+  db.upsert(numbered_entry(0));
+  db.save_merged(dir / "tuning.json");
+  Tool tuned = run_tool({FLASHJIT_WARM_TOOL, "--tuning-db", dir / "tuning.json", "--arch", "sm_80", "--cache-dir", cache,
+                         "--json"});
+  REQUIRE(tuned.status == 0);
+  const auto report = nlohmann::json::parse(tuned.output);
+  CHECK(report["counts"]["compiled"] == 2);
+  for (const auto& k : report["kernels"]) CHECK(k["spec"]["arch"] == "sm_80");
+  write_file(dir / "broken.json", "{\"format\": \"flashjit-tuning-db\", \"version\": 1, \"entries\": [}");
+  CHECK(run_tool({FLASHJIT_WARM_TOOL, "--tuning-db", dir / "broken.json", "--cache-dir", cache}).status == 2);
+}
