@@ -2,7 +2,7 @@
 # One device call: GPU tests and timings over a build tree made on the development machine and
 # carried along (the device has no -dev packages; binaries built here run there).
 #   bench/device_run.sh [build-dir] [what...]
-#   what: tests | python | sweep | grid | peers | fwdbwd | profile (default: tests); FLASHJIT_BENCH_ARGS adds
+#   what: tests | python | sweep | grid | peers | fwdbwd | tune | profile (default: tests); FLASHJIT_BENCH_ARGS adds
 #   arguments to the flashjit-bench steps, PEERS_ARGS to the peers step, FWDBWD_ARGS to fwdbwd.
 set -uo pipefail
 build=${1:-build}
@@ -33,6 +33,17 @@ for row in r['rows']:
       python3 -c "
 import json; r = json.load(open('$out/grid.json'))
 for row in r['rows']: print(row['head_dim'], row['seqlen'], 'causal' if row['causal'] else 'full', round(row['tflops'], 1), row['spec'])
+" ;;
+    tune)
+      # flashjit-tune over the forward grid (TUNE_ARGS adds e.g. --pass fwd,bwd), then the grid
+      # timed with the heuristic and with the tuned database, for the per-row gain.
+      "$build/tools/flashjit-tune" --grid --causal off,on ${TUNE_ARGS:-} --output "$out/tuning.json" 2>&1 | tail -80
+      [[ ${PIPESTATUS[0]} -eq 0 ]] || status=1
+      "$build/tools/flashjit-bench" ${FLASHJIT_BENCH_ARGS:-} --json > "$out/grid_heuristic.json" || status=1
+      "$build/tools/flashjit-bench" ${FLASHJIT_BENCH_ARGS:-} --tuning-db "$out/tuning.json" --json > "$out/grid_tuned.json" || status=1
+      python3 -c "
+import json; h = json.load(open('$out/grid_heuristic.json'))['rows']; t = json.load(open('$out/grid_tuned.json'))['rows']
+for a, b in zip(h, t): print(a['head_dim'], a['seqlen'], 'causal' if a['causal'] else 'full', round(a['tflops'], 1), '->', round(b['tflops'], 1), round(b['tflops'] / a['tflops'], 3), b['spec'])
 " ;;
     python)
       tests/python/run_tests.sh "$build/runtime/libflashjit.so" 2>&1 | tail -15

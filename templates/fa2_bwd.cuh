@@ -256,6 +256,7 @@ __device__ void fa2_bwd_dkdv(const AttentionBwdParams& p) {
   const AttentionFwdParams& f = p.fwd;
 
   extern __shared__ __align__(16) unsigned char smem[];
+  require_dynamic_smem(Shape::kDkdvSmemBytes);
   const unsigned base = shared_address(smem);
   const unsigned sK = base + Shape::kKOffset, sV = base + Shape::kVOffset;
   const unsigned sP = base + Shape::kPOffset, sDs = base + Shape::kDsOffset;
@@ -494,6 +495,7 @@ __device__ void fa2_bwd_dq_kernel(const AttentionBwdParams& p) {
   const AttentionFwdParams& f = p.fwd;
 
   extern __shared__ __align__(16) unsigned char smem[];
+  require_dynamic_smem(2 * (kBlockM + kBlockN) * Shape::kRowStride * 2);
   const unsigned sQ = shared_address(smem);
   const unsigned sDo = sQ + kBlockM * Shape::kRowStride * 2;
   const unsigned sK = sDo + kBlockM * Shape::kRowStride * 2;

@@ -192,6 +192,7 @@ __device__ void fa2_fwd_kernel(const AttentionFwdParams& p) {
   constexpr float kLog2e = 1.4426950408889634f;
 
   extern __shared__ __align__(16) unsigned char smem[];
+  require_dynamic_smem((kBlockM + 2 * Shape::kKVBuffers * kBlockN) * Shape::kRowStride * 2);
   const unsigned sQ = shared_address(smem);                                   // (kBlockM, kRowStride)
   const unsigned sK = sQ + kBlockM * Shape::kRowStride * 2;                   // (buffers, kBlockN, kRowStride)
   const unsigned sV = sK + Shape::kKVBuffers * Shape::kTileElements * 2;      // (buffers, kBlockN, kRowStride)

@@ -35,6 +35,7 @@ def register(impl):
     def setup_context(ctx, inputs, output):
         q, k, v, softmax_scale, causal, window_left, window_right, softcap, _backend, deterministic = inputs
         out, lse = output
+        ctx.mark_non_differentiable(lse)  # a loss through the LSE fails loudly instead of losing its gradient
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.options = (softmax_scale, causal, window_left, window_right, softcap, deterministic)
 
@@ -76,6 +77,7 @@ def register(impl):
         (q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal, window_left,
          window_right, softcap, _backend, deterministic) = inputs
         out, lse = output
+        ctx.mark_non_differentiable(lse)
         ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k)
         ctx.options = (max_seqlen_q, max_seqlen_k, softmax_scale, causal, window_left, window_right, softcap,
                        deterministic)

@@ -78,6 +78,15 @@ __device__ __forceinline__ void warp_gemm_ss(float (&acc)[kMFrags][kNFrags][4], 
   }
 }
 
+// Traps when the launch gave less dynamic shared memory than the kernel's layout uses: the host's
+// byte formula (codegen/src/families) and the template's must agree, and a shortfall would
+// otherwise corrupt memory silently.
+__device__ __forceinline__ void require_dynamic_smem(unsigned bytes) {
+  unsigned given;
+  asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(given));
+  if (given < bytes) __trap();
+}
+
 template <int kMFrags, int kNFrags>
 __device__ __forceinline__ void zero_fragments(float (&acc)[kMFrags][kNFrags][4]) {
 #pragma unroll
