@@ -41,6 +41,8 @@ struct BackwardProblem {
 
   size_t delta_bytes() const { return size_t(forward.heads_q) * workspace_rows * sizeof(float); }
   size_t dq_accum_bytes() const { return delta_bytes() * forward.head_dim; }
+  // Where the dQ accumulator starts in the workspace: after delta, aligned for its float4 accesses.
+  size_t dq_accum_offset() const { return (delta_bytes() + 255) / 256 * 256; }
 };
 
 // As make_forward_problem, plus dout (like out), the gradients (dq like q, dk like k, dv like v)

@@ -100,12 +100,13 @@ struct Runtime::Impl {
     const KernelSpec spec = select_backward_kernel(f, device, &tuning);
     const LoadedKernel& kernel = modules.get(spec, device);
     const auto stream = static_cast<CUstream>(f.stream);
-    const size_t delta_bytes = problem.delta_bytes();
-    const size_t accum_bytes = problem.deterministic ? 0 : problem.dq_accum_bytes();
-    StreamWorkspace workspace(f.device, stream, delta_bytes + accum_bytes);
+    const size_t bytes = problem.deterministic ? problem.delta_bytes()
+                                               : problem.dq_accum_offset() + problem.dq_accum_bytes();
+    StreamWorkspace workspace(f.device, stream, bytes);
     AttentionBwdParams params = problem.params;
     params.delta = reinterpret_cast<float*>(workspace.get());
-    params.dq_accum = problem.deterministic ? nullptr : reinterpret_cast<float*>(workspace.get() + delta_bytes);
+    params.dq_accum =
+        problem.deterministic ? nullptr : reinterpret_cast<float*>(workspace.get() + problem.dq_accum_offset());
 
     const auto batch = static_cast<unsigned>(f.batch);
     const Grid query_rows{blocks(f.seqlen_q, kBwdRowPassRows), static_cast<unsigned>(f.heads_q), batch};
