@@ -16,6 +16,7 @@
 //   pointers and row/head/batch strides multiple of 8 elements (checked on the host).
 #pragma once
 
+#include "common/softmax.cuh"
 #include "common/tile_sm80.cuh"
 
 namespace flashjit::kernels {
@@ -43,13 +44,6 @@ struct Fa2FwdShape {
   static_assert(kWarpRows % 16 == 0, "each warp owns whole m16 tiles");
   static_assert(kBlockN % 16 == 0, "PV consumes keys 16 at a time");
   static_assert(kHeadDim % 16 == 0, "QK^T consumes head dims 16 at a time");
-};
-
-template <class Shape>
-struct Fa2FwdWarpState {
-  float o[Shape::kMFrags][Shape::kOFrags][4];  // (kWarpRows, kHeadDim) accumulators
-  float row_max[Shape::kMFrags][2];            // raw score units (softcapped if softcap)
-  float row_sum[Shape::kMFrags][2];            // this thread's columns only; quad-reduced at the end
 };
 
 // S = Q K^T for this warp's rows. sQ/sK are shared addresses of the padded tiles.
@@ -88,7 +82,7 @@ __device__ __forceinline__ void warp_scores(float (&s)[Shape::kMFrags][Shape::kS
 // O += P V, P converted from the S registers (the C layout of two n8 tiles is the A layout of one
 // k16 step).
 template <class Shape>
-__device__ __forceinline__ void warp_accumulate_pv(Fa2FwdWarpState<Shape>& st,
+__device__ __forceinline__ void warp_accumulate_pv(RowSoftmaxState<Shape>& st,
                                                    const float (&s)[Shape::kMFrags][Shape::kSFrags][4],
                                                    unsigned sV, int lane) {
   using Element = typename Shape::Element;
@@ -113,73 +107,6 @@ __device__ __forceinline__ void warp_accumulate_pv(Fa2FwdWarpState<Shape>& st,
         mma_16816<Element>(st.o[mi][2 * nd2 + 1], a[mi], b[2], b[3]);
       }
     }
-  }
-}
-
-// The masks of one key tile, element by element. Only called on tiles that straddle an edge.
-template <class Shape, MaskKind kMask>
-__device__ __forceinline__ void mask_tile(float (&s)[Shape::kMFrags][Shape::kSFrags][4],
-                                          const AttentionFwdParams& p, int thread_row0, int n0,
-                                          int lane, int seqlen_k, int diagonal) {
-#pragma unroll
-  for (int mi = 0; mi < Shape::kMFrags; ++mi)
-#pragma unroll
-    for (int ni = 0; ni < Shape::kSFrags; ++ni)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int row = thread_row0 + mi * 16 + (e / 2) * 8;
-        const int col = n0 + ni * 8 + (lane % 4) * 2 + e % 2;
-        bool visible = col < seqlen_k;
-        if constexpr (kMask != MaskKind::kNone) {
-          if (p.window_right >= 0) visible = visible && col <= row + diagonal + p.window_right;
-          if (kMask == MaskKind::kWindow && p.window_left >= 0)
-            visible = visible && col >= row + diagonal - p.window_left;
-        }
-        if (!visible) s[mi][ni][e] = -positive_infinity();
-      }
-}
-
-// Online softmax over one tile: new running max, rescale O and the sums, S becomes P (fp32).
-// Once the running max has settled (most tiles after the first few), no row of the warp changes
-// and the O rescale (kOFrags * 4 multiplies per row pair) is skipped with one warp vote.
-template <class Shape>
-__device__ __forceinline__ void online_softmax(Fa2FwdWarpState<Shape>& st,
-                                               float (&s)[Shape::kMFrags][Shape::kSFrags][4],
-                                               float scale_log2) {
-  float rescale[Shape::kMFrags][2];
-  bool max_moved = false;
-#pragma unroll
-  for (int mi = 0; mi < Shape::kMFrags; ++mi)
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {  // the thread's two rows: g and g + 8
-      float tile_max = st.row_max[mi][h];
-#pragma unroll
-      for (int ni = 0; ni < Shape::kSFrags; ++ni)
-        tile_max = fmaxf(tile_max, fmaxf(s[mi][ni][2 * h], s[mi][ni][2 * h + 1]));
-      tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 1));
-      tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 2));
-      // A row with no visible key so far keeps max -inf; subtracting 0 then keeps exp2 at 0.
-      const float max_scaled = tile_max == -positive_infinity() ? 0.f : tile_max * scale_log2;
-      max_moved = max_moved || tile_max != st.row_max[mi][h];
-      rescale[mi][h] = exp2_approx(st.row_max[mi][h] * scale_log2 - max_scaled);
-      st.row_max[mi][h] = tile_max;
-      float sum = 0.f;
-#pragma unroll
-      for (int ni = 0; ni < Shape::kSFrags; ++ni)
-#pragma unroll
-        for (int e = 2 * h; e < 2 * h + 2; ++e) {
-          s[mi][ni][e] = exp2_approx(fmaf(s[mi][ni][e], scale_log2, -max_scaled));
-          sum += s[mi][ni][e];
-        }
-      st.row_sum[mi][h] = fmaf(st.row_sum[mi][h], rescale[mi][h], sum);
-    }
-  if (__any_sync(0xffffffffu, max_moved)) {
-#pragma unroll
-    for (int mi = 0; mi < Shape::kMFrags; ++mi)
-#pragma unroll
-      for (int nd = 0; nd < Shape::kOFrags; ++nd)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) st.o[mi][nd][e] *= rescale[mi][e / 2];
   }
 }
 
@@ -239,7 +166,7 @@ __device__ void fa2_fwd_kernel(const AttentionFwdParams& p) {
                                     p.v_row_stride, seq.seqlen_k - n0, p.head_dim, tid);
   };
 
-  Fa2FwdWarpState<Shape> st;
+  RowSoftmaxState<Shape> st;
 #pragma unroll
   for (int mi = 0; mi < Shape::kMFrags; ++mi) {
 #pragma unroll

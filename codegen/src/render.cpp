@@ -98,12 +98,14 @@ namespace codegen_detail {
 extern const FamilyRules kReferenceFwdRules;
 extern const FamilyRules kFa2FwdRules;
 extern const FamilyRules kFa2BwdRules;
+extern const FamilyRules kSm90FwdRules;
 
 const FamilyRules& family_rules(Family family) {
   switch (family) {
     case Family::reference_fwd: return kReferenceFwdRules;
     case Family::fa2_fwd: return kFa2FwdRules;
     case Family::fa2_bwd: return kFa2BwdRules;
+    case Family::sm90_fwd: return kSm90FwdRules;
   }
   throw Error(ErrorCode::internal, "codegen", "family without rules");
 }

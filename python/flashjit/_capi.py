@@ -4,7 +4,7 @@ import os
 import pathlib
 
 FLOAT16, BFLOAT16, FLOAT32, INT32 = 0, 1, 2, 3
-BACKENDS = {"auto": 0, "reference": 1, "fa2": 2}
+BACKENDS = {"auto": 0, "reference": 1, "fa2": 2, "sm90": 3}
 STATUS_NAMES = {
     1: "invalid argument", 2: "unsupported", 3: "compile failed", 4: "no CUDA driver", 5: "CUDA error",
     6: "cache error", 7: "I/O error", 8: "out of resources", 9: "internal error",

@@ -66,6 +66,7 @@ flashjit::AttentionOptions options_of(const flashjit_attention_options* o) {
     case FLASHJIT_BACKEND_AUTO: options.backend = flashjit::Backend::automatic; break;
     case FLASHJIT_BACKEND_REFERENCE: options.backend = flashjit::Backend::reference; break;
     case FLASHJIT_BACKEND_FA2: options.backend = flashjit::Backend::fa2; break;
+    case FLASHJIT_BACKEND_SM90: options.backend = flashjit::Backend::sm90; break;
     default: throw invalid(fmt::format("options.backend: unknown backend code {}", o->backend));
   }
   options.stream = o->stream;

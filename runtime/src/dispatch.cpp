@@ -11,9 +11,9 @@ namespace flashjit {
 namespace detail {
 
 int kernel_head_dim(Family family, int head_dim) {
-  // Every family's kernels come in multiples of 32 up to 256.
-  (void)family;
-  const int rounded = (head_dim + 31) / 32 * 32;
+  // Kernels come in multiples of 32 up to 256; the Hopper family's in whole 64-value TMA panels.
+  const int step = family == Family::sm90_fwd ? 64 : 32;
+  const int rounded = (head_dim + step - 1) / step * step;
   if (rounded > 256)
     throw Error(ErrorCode::unsupported, "dispatch", fmt::format("head_dim {} is over 256", head_dim));
   return rounded;
@@ -27,6 +27,14 @@ KernelSpec select_for_arch(const ForwardProblem& problem, const Arch& arch) {
     case Backend::automatic: break;
     case Backend::reference: family = Family::reference_fwd; break;
     case Backend::fa2: family = Family::fa2_fwd; break;
+    case Backend::sm90:
+      if (problem.is_varlen)
+        throw Error(ErrorCode::unsupported, "dispatch", "sm90_fwd does not take varlen batches yet (use backend fa2)");
+      if (!arch.arch_specific || arch.sm != 90)
+        throw Error(ErrorCode::unsupported, "dispatch",
+                    fmt::format("sm90_fwd needs an sm_90 device, this one is {}", arch.name()));
+      family = Family::sm90_fwd;
+      break;
   }
   return default_spec(family, arch, problem.dtype, kernel_head_dim(family, problem.head_dim),
                       problem.mask, problem.has_softcap);
@@ -40,6 +48,8 @@ void check_forced_kernel(const KernelSpec& spec, const ForwardProblem& problem, 
     return Error(ErrorCode::invalid_argument, operation,
                  fmt::format("options.kernel {} does not fit the problem: {}", spec.name(), what));
   };
+  if (spec.family == Family::sm90_fwd && problem.is_varlen)
+    throw bad("sm90_fwd does not take varlen batches yet");
   if (is_forward_family(spec.family) == backward)
     throw bad(fmt::format("family {} is not a {} family", to_string(spec.family), operation));
   if (spec.dtype != problem.dtype)

@@ -7,6 +7,7 @@
 #include "flashjit/flashjit.hpp"
 #include "module_cache.hpp"
 #include "problem.hpp"
+#include "tma.hpp"
 #include "workspace.hpp"
 
 namespace flashjit {
@@ -77,6 +78,19 @@ struct Runtime::Impl {
 
     const KernelSpec spec = select_forward_kernel(problem, device, &tuning);
     const LoadedKernel& kernel = modules.get(spec, device);
+    if (spec.family == Family::sm90_fwd) {
+      const AttentionFwdParams& a = problem.params;
+      AttentionSm90FwdParams params;
+      params.fwd = a;
+      params.q_map = make_attention_tma_map(a.q, problem.dtype, a.head_dim, a.seqlen_q, a.num_heads_q, a.batch,
+                                            a.q_row_stride, a.q_head_stride, a.q_batch_stride, spec.block_m);
+      params.k_map = make_attention_tma_map(a.k, problem.dtype, a.head_dim, a.seqlen_k, a.num_heads_kv, a.batch,
+                                            a.k_row_stride, a.k_head_stride, a.k_batch_stride, spec.block_n);
+      params.v_map = make_attention_tma_map(a.v, problem.dtype, a.head_dim, a.seqlen_k, a.num_heads_kv, a.batch,
+                                            a.v_row_stride, a.v_head_stride, a.v_batch_stride, spec.block_n);
+      launch(kernel, spec, 0, forward_grid(spec, problem), problem.stream, params);
+      return;
+    }
     launch(kernel, spec, 0, forward_grid(spec, problem), problem.stream, problem.params);
   }
 

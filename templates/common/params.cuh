@@ -36,6 +36,21 @@ struct AttentionFwdParams {
   float softcap;             // > 0: scores become softcap * tanh(scores / softcap)
 };
 
+// A CUtensorMap as the kernels see it (cuda.h stays out of this file): built on the host by
+// cuTensorMapEncodeTiled and copied in, passed inside a __grid_constant__ parameter.
+struct alignas(64) TmaDescriptor {
+  unsigned long long opaque[16];
+};
+
+// Hopper forward (sm90_fwd): the forward's arguments plus TMA maps of q, k and v, each a 4-D tensor
+// (head_dim, seqlen, heads, batch) with 64-value, 128-byte-swizzled boxes.
+struct AttentionSm90FwdParams {
+  TmaDescriptor q_map;
+  TmaDescriptor k_map;
+  TmaDescriptor v_map;
+  AttentionFwdParams fwd;
+};
+
 // Backward attention (fa2_bwd). `fwd` holds the forward's inputs and options: q, k, v, o, the
 // forward's lse (required), sequence and mask fields. Gradients have the layout rules of the
 // tensors they belong to. The workspaces are fp32 and indexed by a flat query row: batch *

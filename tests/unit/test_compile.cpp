@@ -22,6 +22,7 @@ std::vector<KernelSpec> sweep_specs(const Arch& arch) {
   for (Family f : all_families())
     for (int d : {32, 64, 96, 128, 160, 192, 224, 256})
       for (DType t : {DType::fp16, DType::bf16}) {
+        if (!family_covers(f, arch, d)) continue;  // e.g. sm90_fwd on sm_80, or head dim 96 there
         specs.push_back(default_spec(f, arch, t, d, MaskKind::none, false));
         specs.push_back(default_spec(f, arch, t, d, MaskKind::window, true));
       }
@@ -49,6 +50,7 @@ TEST_CASE("compile sweep: every family and arch compiles without spills", "[comp
         CHECK(e.registers > 0);
         CHECK(e.spill_store_bytes == 0);
         CHECK(e.spill_load_bytes == 0);
+        CHECK(kernel->log.find("C7508") == std::string::npos);  // setmaxnreg ignored by ptxas
         // The register budget __launch_bounds__ implies: 64K registers over threads x min blocks.
         const int budget = std::min(255, 65536 / threads_per_block(specs[i]));
         CHECK(e.registers <= budget);

@@ -32,7 +32,8 @@ typedef enum flashjit_dtype {
 typedef enum flashjit_backend {
   FLASHJIT_BACKEND_AUTO = 0,
   FLASHJIT_BACKEND_REFERENCE = 1,
-  FLASHJIT_BACKEND_FA2 = 2
+  FLASHJIT_BACKEND_FA2 = 2,
+  FLASHJIT_BACKEND_SM90 = 3 /* Hopper family (draft): forced only */
 } flashjit_backend;
 
 /* A strided view of device memory; strides in elements. */

@@ -42,7 +42,7 @@ struct TensorView {
 
 // Which kernel family serves a call. `automatic` is the dispatcher's choice; the others force a
 // family (tests, benchmarks) and fail with Error(unsupported) where it cannot serve the problem.
-enum class Backend { automatic, reference, fa2 };
+enum class Backend { automatic, reference, fa2, sm90 };
 
 struct AttentionOptions {
   std::optional<float> softmax_scale;  // default 1 / sqrt(head_dim)

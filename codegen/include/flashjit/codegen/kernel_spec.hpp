@@ -18,6 +18,7 @@ enum class Family {
   reference_fwd,  // fp32-math oracle: one query row per warp, for shapes too big for the CPU
   fa2_fwd,        // FlashAttention-2 forward, mma.sync, sm_80+
   fa2_bwd,        // FlashAttention-2 backward (dQ, dK, dV), mma.sync, sm_80+
+  sm90_fwd,       // Hopper forward: TMA, mbarriers, wgmma, warp specialisation (sm_90a)
 };
 
 enum class DType { fp16, bf16 };
@@ -82,5 +83,8 @@ MaskKind parse_mask(std::string_view text);
 const std::vector<Family>& all_families();
 // Forward families compute O (and LSE); fa2_bwd computes gradients.
 bool is_forward_family(Family family);
+// Whether `family` has kernels for this arch and kernel head dim (its arch floor, the 'a' suffix
+// where it needs one, and its list of head dims); tile fields aside.
+bool family_covers(Family family, const Arch& arch, int head_dim);
 
 }  // namespace flashjit

@@ -1,0 +1,17 @@
+// runtime/launch: TMA tensor maps (CUtensorMap) for the Hopper kernels, built on the host through
+// the driver and copied into the kernels' __grid_constant__ parameters.
+#pragma once
+
+#include "common/params.cuh"
+#include "flashjit/codegen/kernel_spec.hpp"
+
+namespace flashjit::detail {
+
+// A 4-D map of a (batch, seqlen, heads, head_dim) tensor whose last dim is contiguous: dims innermost
+// first (head_dim, seqlen, heads, batch), boxes of 64 head-dim values x box_rows rows with 128-byte
+// swizzle (the wgmma operand layout), out-of-bounds reads as zeros. Strides are in elements.
+TmaDescriptor make_attention_tma_map(const void* data, DType dtype, int head_dim, int seqlen, int heads, int batch,
+                                     long long row_stride, long long head_stride, long long batch_stride,
+                                     int box_rows);
+
+}  // namespace flashjit::detail
