@@ -132,9 +132,10 @@ int run(const Options& o) {
   Backend backend = Backend::automatic;
   if (o.backend == "reference") backend = Backend::reference;
   else if (o.backend == "fa2") backend = Backend::fa2;
+  else if (o.backend == "sm90") backend = Backend::sm90;
   else if (o.backend != "auto")
     throw Error(ErrorCode::invalid_argument, "--backend",
-                fmt::format("unknown backend '{}' (auto, reference, fa2)", o.backend));
+                fmt::format("unknown backend '{}' (auto, reference, fa2, sm90)", o.backend));
   if (o.check && o.backward)
     throw Error(ErrorCode::invalid_argument, "--check",
                 "checks forward rows against the reference kernel; the backward is checked by the GPU tests");
@@ -301,7 +302,7 @@ int main(int argc, char** argv) {
   app.add_option("--tokens", o.tokens, "batch x seqlen per row");
   app.add_option("--hidden", o.hidden, "heads x head_dim per row");
   app.add_option("--dtype", o.dtype, "bf16 or fp16");
-  app.add_option("--backend", o.backend, "auto, reference or fa2");
+  app.add_option("--backend", o.backend, "auto, reference, fa2 or sm90 (draft)");
   app.add_option("--warmup", o.warmup, "Untimed calls first");
   app.add_option("--iters", o.iters, "Timed calls (median reported)");
   app.add_option("--device", o.device, "CUDA device ordinal");
