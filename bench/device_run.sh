@@ -18,7 +18,9 @@ status=0
 for step in $what; do
   case $step in
     tests)
-      GPU_TEST_REPORT=$out/pipeline_costs.jsonl "$build/tests/flashjit_gpu_tests" --durations yes 2>&1 | tee "$out/gpu_tests.log" | grep -vE '^[0-9.]+ s: ' | tail -40
+      # GPU_TEST_FILTER: a Catch2 test spec (e.g. "[fa2_bwd]") to run a subset.
+      GPU_TEST_REPORT=$out/pipeline_costs.jsonl "$build/tests/flashjit_gpu_tests" ${GPU_TEST_FILTER:+"$GPU_TEST_FILTER"} \
+          --durations yes 2>&1 | tee "$out/gpu_tests.log" | grep -vE '^[0-9.]+ s: ' | tail -40
       [[ ${PIPESTATUS[0]} -eq 0 ]] || status=1 ;;
     sweep)
       "$build/tools/flashjit-bench" --sweep --seqlens 4096 ${FLASHJIT_BENCH_ARGS:-} --json > "$out/sweep.json" || status=1
