@@ -14,6 +14,7 @@
 #include "dispatch.hpp"
 #include "flashjit/flashjit.hpp"
 #include "flashjit/tuning.hpp"
+#include "host_tensors.hpp"
 #include "module_cache.hpp"
 
 using namespace flashjit;
@@ -48,49 +49,6 @@ struct Options {
 double measured_peak_tflops(const std::string& device_name) {
   if (device_name == "NVIDIA H200") return 764.0;  // DESIGN.md: bf16 GEMM on the H200 here
   return 0;
-}
-
-class DeviceMemory {
- public:
-  explicit DeviceMemory(size_t bytes) { FLASHJIT_CU(cuMemAlloc, &ptr_, std::max<size_t>(bytes, 16)); }
-  ~DeviceMemory() { detail::driver().cuMemFree(ptr_); }
-  DeviceMemory(const DeviceMemory&) = delete;
-  DeviceMemory& operator=(const DeviceMemory&) = delete;
-  void* get() const { return reinterpret_cast<void*>(ptr_); }
-
- private:
-  CUdeviceptr ptr_ = 0;
-};
-
-// N(0,1)-ish values as 16-bit floats (random data: zeros would hide bugs and run fast).
-std::vector<uint16_t> random_half(size_t n, DType dtype, uint64_t seed) {
-  std::vector<uint16_t> bits(n);
-  std::mt19937_64 rng(seed);
-  std::normal_distribution<float> normal(0.f, 1.f);
-  for (auto& b : bits) {
-    float f = normal(rng);
-    uint32_t u;
-    std::memcpy(&u, &f, 4);
-    if (dtype == DType::bf16) {
-      b = static_cast<uint16_t>((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
-    } else {
-      _Float16 h = static_cast<_Float16>(f);
-      std::memcpy(&b, &h, 2);
-    }
-  }
-  return bits;
-}
-
-float to_float(uint16_t bits, DType dtype) {
-  if (dtype == DType::bf16) {
-    uint32_t u = static_cast<uint32_t>(bits) << 16;
-    float f;
-    std::memcpy(&f, &u, 4);
-    return f;
-  }
-  _Float16 h;
-  std::memcpy(&h, &bits, 2);
-  return static_cast<float>(h);
 }
 
 struct Row {
@@ -167,18 +125,18 @@ int run(const Options& o) {
   for (Row& r : rows) {
     const size_t n = size_t(r.batch) * r.seqlen * r.heads * r.head_dim;
     // One q/k/v set is 3 x 64 MB at 16k tokens x 2048: every call streams past the 60 MB L2.
-    DeviceMemory q(n * 2), k(n * 2), v(n * 2), out(n * 2), lse(size_t(r.batch) * r.heads * r.seqlen * 4);
-    std::optional<DeviceMemory> dout, dq, dk, dv;  // --backward
+    detail::DeviceMemory q(n * 2), k(n * 2), v(n * 2), out(n * 2), lse(size_t(r.batch) * r.heads * r.seqlen * 4);
+    std::optional<detail::DeviceMemory> dout, dq, dk, dv;  // --backward
     if (o.backward) {
       dout.emplace(n * 2), dq.emplace(n * 2), dk.emplace(n * 2), dv.emplace(n * 2);
-      auto host = random_half(n, dtype, 4000 + r.seqlen + r.head_dim);
+      auto host = detail::random_half_bits(n, dtype, 4000 + r.seqlen + r.head_dim);
       FLASHJIT_CU(cuMemcpyHtoD, reinterpret_cast<CUdeviceptr>(dout->get()), host.data(), n * 2);
     }
     for (auto [mem, seed] : {std::pair{&q, 1}, {&k, 2}, {&v, 3}}) {
-      auto host = random_half(n, dtype, seed * 1000 + r.seqlen + r.head_dim);
+      auto host = detail::random_half_bits(n, dtype, seed * 1000 + r.seqlen + r.head_dim);
       FLASHJIT_CU(cuMemcpyHtoD, reinterpret_cast<CUdeviceptr>(mem->get()), host.data(), n * 2);
     }
-    auto view = [&](const DeviceMemory& m) {
+    auto view = [&](const detail::DeviceMemory& m) {
       return TensorView::contiguous(m.get(), scalar, {r.batch, r.seqlen, r.heads, r.head_dim}, o.device);
     };
     auto lse_view = TensorView::contiguous(lse.get(), ScalarType::float32, {r.batch, r.heads, r.seqlen}, o.device);
@@ -235,7 +193,7 @@ int run(const Options& o) {
     r.tflops = flops / (r.median_ms * 1e-3) / 1e12;
 
     if (o.check && !o.backward) {
-      DeviceMemory expected(n * 2);
+      detail::DeviceMemory expected(n * 2);
       AttentionOptions reference = options;
       reference.backend = Backend::reference;
       reference.kernel.reset();
@@ -245,7 +203,7 @@ int run(const Options& o) {
       FLASHJIT_CU(cuMemcpyDtoH, want.data(), reinterpret_cast<CUdeviceptr>(expected.get()), n * 2);
       double err2 = 0, ref2 = 0, max_abs = 0;
       for (size_t i = 0; i < n; ++i) {
-        const double g = to_float(got[i], dtype), w = to_float(want[i], dtype);
+        const double g = detail::from_half_bits(got[i], dtype), w = detail::from_half_bits(want[i], dtype);
         const double e = std::fabs(g - w);
         if (!(e <= 1e30)) max_abs = INFINITY;  // NaN
         else max_abs = std::max(max_abs, e);

@@ -18,6 +18,7 @@
 #include "flashjit/codegen/render.hpp"
 #include "flashjit/flashjit.hpp"
 #include "flashjit/tuning.hpp"
+#include "host_tensors.hpp"
 #include "module_cache.hpp"
 #include "problem.hpp"
 
@@ -32,44 +33,6 @@ std::string TuneShape::describe() const {
 
 namespace {
 
-class DeviceMemory {
- public:
-  explicit DeviceMemory(size_t bytes) { FLASHJIT_CU(cuMemAlloc, &pointer_, std::max<size_t>(bytes, 16)); }
-  ~DeviceMemory() {
-    if (pointer_) driver().cuMemFree(pointer_);
-  }
-  DeviceMemory(const DeviceMemory&) = delete;
-  DeviceMemory& operator=(const DeviceMemory&) = delete;
-  void* get() const { return reinterpret_cast<void*>(pointer_); }
-
- private:
-  CUdeviceptr pointer_ = 0;
-};
-
-uint16_t to_storage(float f, DType dtype) {
-  if (dtype == DType::bf16) {
-    uint32_t u;
-    std::memcpy(&u, &f, 4);
-    return static_cast<uint16_t>((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
-  }
-  _Float16 h = static_cast<_Float16>(f);
-  uint16_t bits;
-  std::memcpy(&bits, &h, 2);
-  return bits;
-}
-
-double to_double(uint16_t bits, DType dtype) {
-  if (dtype == DType::bf16) {
-    const uint32_t u = static_cast<uint32_t>(bits) << 16;
-    float f;
-    std::memcpy(&f, &u, 4);
-    return f;
-  }
-  _Float16 h;
-  std::memcpy(&h, &bits, 2);
-  return static_cast<double>(h);
-}
-
 // One set of inputs and outputs. Several sets are rotated through so that consecutive timed calls
 // never find their inputs in the L2.
 struct ProblemBuffers {
@@ -82,7 +45,7 @@ struct ProblemBuffers {
 double relative_l2(const std::vector<uint16_t>& got, const std::vector<uint16_t>& want, DType dtype) {
   double err = 0, ref = 0;
   for (size_t i = 0; i < got.size(); ++i) {
-    const double g = to_double(got[i], dtype), w = to_double(want[i], dtype);
+    const double g = from_half_bits(got[i], dtype), w = from_half_bits(want[i], dtype);
     if (!std::isfinite(g)) return INFINITY;
     err += (g - w) * (g - w);
     ref += w * w;
@@ -124,7 +87,7 @@ TuneResult tune(Runtime& runtime, const TuneShape& shape, const TuneOptions& o) 
     std::normal_distribution<float> normal(0.f, 1.f);
     auto random_bits = [&](size_t n) {
       std::vector<uint16_t> bits(n);
-      for (auto& b : bits) b = to_storage(normal(rng), dtype);
+      for (auto& b : bits) b = to_half_bits(normal(rng), dtype);
       return bits;
     };
     const auto q_bits = random_bits(q_elems), k_bits = random_bits(kv_elems), v_bits = random_bits(kv_elems);

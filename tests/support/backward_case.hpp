@@ -23,20 +23,11 @@ class BackwardCase {
   BackwardCase(const AttentionShape& shape, DType dtype, uint64_t seed, Layout layout = Layout::bshd)
       : shape_(shape), dtype_(dtype), layout_(shape.is_varlen() ? Layout::bshd : layout) {
     std::mt19937_64 rng(seed);
-    std::normal_distribution<float> normal(0.f, 1.f);
-    auto fill = [&](std::vector<uint16_t>& bits, std::vector<double>& values, size_t n) {
-      bits.resize(n);
-      values.resize(n);
-      for (size_t i = 0; i < n; ++i) {
-        bits[i] = to_storage(dtype, normal(rng));
-        values[i] = from_storage(dtype, bits[i]);
-      }
-    };
     const int d = shape.head_dim;
-    fill(q_bits_, q_, size_t(shape.total_q()) * shape.heads_q * d);
-    fill(k_bits_, k_, size_t(shape.total_k()) * shape.heads_kv * d);
-    fill(v_bits_, v_, size_t(shape.total_k()) * shape.heads_kv * d);
-    fill(dout_bits_, dout_, q_.size());
+    fill_rounded(rng, dtype, size_t(shape.total_q()) * shape.heads_q * d, q_bits_, q_);
+    fill_rounded(rng, dtype, size_t(shape.total_k()) * shape.heads_kv * d, k_bits_, k_);
+    fill_rounded(rng, dtype, size_t(shape.total_k()) * shape.heads_kv * d, v_bits_, v_);
+    fill_rounded(rng, dtype, q_.size(), dout_bits_, dout_);
   }
 
   // Forward, then backward with `options` (the forward gets the same mask options, no forced
@@ -62,20 +53,8 @@ class BackwardCase {
     for (DeviceBuffer* b : {&out, &lse, &dq, &dk, &dv}) b->poison();
 
     if (shape_.is_varlen()) {
-      std::vector<int> cu_q{0}, cu_k{0};
-      int max_q = 0, max_k = 0;
-      for (int b = 0; b < shape_.batch; ++b) {
-        cu_q.push_back(cu_q.back() + shape_.seqlens_q[b]);
-        cu_k.push_back(cu_k.back() + shape_.seqlens_k[b]);
-        max_q = std::max(max_q, shape_.seqlens_q[b]);
-        max_k = std::max(max_k, shape_.seqlens_k[b]);
-      }
-      DeviceBuffer cu_q_buffer(cu_q.size() * 4), cu_k_buffer(cu_k.size() * 4);
-      cu_q_buffer.upload(cu_q);
-      cu_k_buffer.upload(cu_k);
-      VarlenBatch batch{TensorView::contiguous(cu_q_buffer.get(), ScalarType::int32, {int64_t(cu_q.size())}),
-                        TensorView::contiguous(cu_k_buffer.get(), ScalarType::int32, {int64_t(cu_k.size())}),
-                        max_q, max_k};
+      const DeviceVarlenBatch varlen(shape_);
+      const VarlenBatch& batch = varlen.batch();
       const int d = shape_.head_dim;
       auto packed = [&](DeviceBuffer& b, int rows, int heads) {
         return TensorView::contiguous(b.get(), t, {rows, heads, d});
@@ -154,35 +133,13 @@ class BackwardCase {
   }
 
   TensorView view(void* data, ScalarType t, int seqlen, int heads) const {
-    const int d = shape_.head_dim;
-    TensorView v = TensorView::contiguous(data, t, {shape_.batch, seqlen, heads, d});
-    if (layout_ == Layout::bhsd) {
-      v.strides[0] = int64_t(heads) * seqlen * d;
-      v.strides[1] = d;
-      v.strides[2] = int64_t(seqlen) * d;
-    }
-    return v;
+    return layout_view(data, t, shape_, seqlen, heads, layout_);
   }
   std::vector<uint16_t> to_layout(const std::vector<uint16_t>& bshd, int seqlen, int heads) const {
-    return permute(bshd, seqlen, heads, /*to_bhsd=*/true);
+    return relayout(bshd, shape_, seqlen, heads, layout_, /*to_memory=*/true);
   }
   std::vector<uint16_t> from_layout(const std::vector<uint16_t>& mem, int seqlen, int heads) const {
-    return permute(mem, seqlen, heads, /*to_bhsd=*/false);
-  }
-  std::vector<uint16_t> permute(const std::vector<uint16_t>& in, int seqlen, int heads, bool to_bhsd) const {
-    if (layout_ == Layout::bshd) return in;
-    std::vector<uint16_t> out(in.size());
-    const int d = shape_.head_dim;
-    for (int b = 0; b < shape_.batch; ++b)
-      for (int s = 0; s < seqlen; ++s)
-        for (int h = 0; h < heads; ++h)
-          for (int c = 0; c < d; ++c) {
-            const size_t bshd = ((size_t(b) * seqlen + s) * heads + h) * d + c;
-            const size_t bhsd = ((size_t(b) * heads + h) * seqlen + s) * d + c;
-            if (to_bhsd) out[bhsd] = in[bshd];
-            else out[bshd] = in[bhsd];
-          }
-    return out;
+    return relayout(mem, shape_, seqlen, heads, layout_, /*to_memory=*/false);
   }
 
   AttentionShape shape_;

@@ -5,6 +5,7 @@
 #include <unordered_set>
 
 #include "flashjit/codegen/kernel_spec.hpp"
+#include "flashjit/codegen/render.hpp"
 #include "flashjit/error.hpp"
 
 using namespace flashjit;
@@ -143,4 +144,49 @@ TEST_CASE("JSON with unknown, missing or mistyped fields is rejected", "[spec]")
   j["softcap"] = 1;
   rejects(j, "'softcap' must be true or false");
   rejects(json::array(), "must be a JSON object");
+}
+
+TEST_CASE("fa2_bwd: tile rules, per-entry shared memory, names", "[spec]") {
+  const Arch hopper = Arch::parse("sm_90a"), ampere = Arch::parse("sm_80");
+  const KernelSpec base = default_spec(Family::fa2_bwd, hopper, DType::bf16, 128, MaskKind::causal);
+  CHECK(base.name() == "fa2_bwd_bf16_d128_m64n128w8s2_causal_sm90a");
+  auto with = [&](auto change) {
+    KernelSpec s = base;
+    change(s);
+    return s.validate();
+  };
+  struct Case {
+    const char* what;
+    std::optional<std::string> reason;
+    const char* expected;
+  };
+  const Case cases[] = {
+      {"6 warps", with([](KernelSpec& s) { s.num_warps = 6; }), "num_warps must be 4 or 8"},
+      {"block_m 48", with([](KernelSpec& s) { s.block_m = 48; }), "block_m must be 32, 64 or 128"},
+      {"block_n 96", with([](KernelSpec& s) { s.block_n = 96; }), "block_n must be 32, 64 or 128"},
+      {"3 stages", with([](KernelSpec& s) { s.num_stages = 3; }), "num_stages must be 1 or 2"},
+      {"too many accumulators", with([](KernelSpec& s) { s.head_dim = 256; s.num_warps = 4; }), "cannot fit in 255 registers"},
+      {"sm_80 shared memory", with([](KernelSpec& s) { s.arch = Arch::parse("sm_80"); }), "sm_80 allows"},
+  };
+  for (const auto& c : cases) {
+    INFO(c.what);
+    REQUIRE(c.reason.has_value());
+    CHECK_THAT(*c.reason, Catch::Contains(c.expected));
+  }
+  // Entries: preprocess and convert use no dynamic shared memory; the attribute covers the largest.
+  for (const Arch& arch : {ampere, hopper})
+    for (int d : {32, 64, 96, 128, 160, 192, 224, 256}) {
+      const KernelSpec s = default_spec(Family::fa2_bwd, arch, DType::fp16, d);
+      INFO(s.name());
+      REQUIRE(render(s).entry_names.size() == 5);
+      CHECK(entry_dynamic_smem_bytes(s, 0) == 0);
+      CHECK(entry_dynamic_smem_bytes(s, 4) == 0);
+      CHECK(entry_dynamic_smem_bytes(s, 1) == entry_dynamic_smem_bytes(s, 2));
+      int largest = 0;
+      for (int e = 0; e < 5; ++e) largest = std::max(largest, entry_dynamic_smem_bytes(s, e));
+      CHECK(largest == dynamic_smem_bytes(s));
+      CHECK(dynamic_smem_bytes(s) <= max_smem_per_block(arch));
+    }
+  CHECK_FALSE(is_forward_family(Family::fa2_bwd));
+  CHECK(is_forward_family(Family::fa2_fwd));
 }
