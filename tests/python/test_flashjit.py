@@ -244,3 +244,15 @@ def test_backward_argument_errors():
         flashjit._backward(out.half(), q, q, q, out, lse, None, False, -1, -1, 0.0, False)
     with pytest.raises(ValueError, match="lse: expected shape"):
         flashjit._backward(out, q, q, q, out, lse[:, :, :10], None, False, -1, -1, 0.0, False)
+
+
+def test_load_tuning_db_errors(tmp_path):
+    good = tmp_path / "tuning.json"
+    good.write_text('{"format": "flashjit-tuning-db", "version": 1, "entries": []}\n')
+    flashjit.load_tuning_db(good)
+    bad = tmp_path / "broken.json"
+    bad.write_text('{"format": "flashjit-tuning-db",\n "version": 1,\n "entries": [,]}\n')
+    with pytest.raises(ValueError, match=r"broken\.json:3:"):
+        flashjit.load_tuning_db(bad)
+    with pytest.raises(flashjit.FlashJitError, match="cannot read the tuning database"):
+        flashjit.load_tuning_db(tmp_path / "missing.json")

@@ -1,6 +1,8 @@
 // Dispatch heuristics on tabulated devices, and the shared-memory check at load time.
 #include <catch2/catch.hpp>
 
+#include <tuple>
+
 #include "dispatch.hpp"
 #include "flashjit/codegen/render.hpp"
 #include "flashjit/error.hpp"
@@ -141,4 +143,18 @@ TEST_CASE("backward dispatch: fa2_bwd defaults fit every arch, forced specs are 
   p.forced_kernel.reset();
   p.backend = Backend::reference;
   CHECK_THROWS_WITH(detail::select_backward_kernel(p, kH200), Catch::Contains("no reference backward kernel"));
+}
+
+TEST_CASE("backward workspace: the dQ accumulator starts aligned after the row statistics", "[dispatch]") {
+  for (auto [batch, seqlen, heads] : {std::tuple{1, 37, 1}, {3, 113, 5}, {2, 64, 4}}) {
+    auto q = TensorView::contiguous(arena, ScalarType::bfloat16, {batch, seqlen, heads, 64});
+    auto lse = TensorView::contiguous(arena, ScalarType::float32, {batch, heads, seqlen});
+    const auto p = detail::make_backward_problem(q, q, q, q, q, &lse, q, q, q, nullptr, AttentionOptions{});
+    INFO("batch " << batch << " seqlen " << seqlen << " heads " << heads);
+    CHECK(p.workspace_rows == batch * seqlen);
+    CHECK(p.delta_bytes() == size_t(heads) * batch * seqlen * 4);
+    CHECK(p.dq_accum_offset() >= p.delta_bytes());
+    CHECK(p.dq_accum_offset() % 256 == 0);  // float4 and red.v2 accesses
+    CHECK(p.dq_accum_bytes() == p.delta_bytes() * 64);
+  }
 }
