@@ -147,7 +147,18 @@ TEST_CASE("tuning db: round trip and strict parsing", "[tuning]") {
   expect_error(mutated([](auto& c) { c["entries"][0]["spec"]["block_m"] = 48; }), "entries[0].spec:");
   expect_error(mutated([](auto& c) { c["entries"][0]["spec"]["mask"] = "none"; }), "does not serve the problem");
   expect_error(mutated([](auto& c) { c["entries"][2]["median_ms"] = -1; }), "entries[2].median_ms must be a finite number");
-  CHECK(bundled_tuning_db().entries().size() >= 0);  // parses (a bad bundle would throw)
+}
+
+TEST_CASE("the bundled tuning database parses and every entry is usable", "[tuning]") {
+  const TuningDb* bundled = nullptr;
+  REQUIRE_NOTHROW(bundled = &bundled_tuning_db());  // strict parsing at first use
+  for (const TunedEntry& e : bundled->entries()) {
+    INFO(e.device.describe() << " " << e.problem.describe());
+    CHECK_FALSE(e.device.name.empty());
+    CHECK_FALSE(e.spec.validate().has_value());
+    CHECK(e.spec.family == e.problem.family);
+    CHECK(e.median_ms > 0);
+  }
 }
 
 TEST_CASE("tuning db: concurrent writers merge atomically, a bad file is left alone", "[tuning]") {
