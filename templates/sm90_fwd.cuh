@@ -11,7 +11,10 @@
 //   (panels of kBlockN rows), then the barriers; the base is aligned to 1024 bytes (the swizzle
 //   atom). TMA boxes are 64 values wide, so a head dim below the kernel's reads zeros.
 //   Not yet: ping-pong between the consumer groups, intra-warpgroup overlap of QK^T with the
-//   softmax, the persistent scheduler, varlen (dispatch falls back to fa2_fwd).
+//   softmax, the persistent scheduler.
+//   Varlen: the maps cover the packed rows as one batch entry; rows past a sequence's end belong
+//   to the next sequence, so its edge tiles are always masked and its rows past the end never
+//   written.
 #pragma once
 
 #include "common/sm90.cuh"
@@ -87,13 +90,16 @@ __device__ void sm90_fwd_kernel(const AttentionSm90FwdParams& params) {
   const int head = blockIdx.y, batch = blockIdx.z;
   const int m_block = kMask == MaskKind::kNone ? blockIdx.x : gridDim.x - 1 - blockIdx.x;
   const int m0 = m_block * kBlockM;
-  if (m0 >= p.seqlen_q) return;  // uniform across the CTA
+  const SequenceExtent seq = sequence_extent(p, batch);
+  if (m0 >= seq.seqlen_q) return;  // uniform across the CTA (varlen: a shorter sequence)
   const int kv_head = head / (p.num_heads_q / p.num_heads_kv);
+  // TMA coordinates: varlen tensors are packed rows of one batch entry.
+  const int q_row0 = seq.q_start + m0, k_row0 = seq.k_start, tma_batch = p.cu_seqlens_q != nullptr ? 0 : batch;
 
-  const int diagonal = p.seqlen_k - p.seqlen_q;
+  const int diagonal = seq.seqlen_k - seq.seqlen_q;
   const bool has_right = kMask != MaskKind::kNone && p.window_right >= 0;
   const bool has_left = kMask == MaskKind::kWindow && p.window_left >= 0;
-  int n_end = p.seqlen_k;
+  int n_end = seq.seqlen_k;
   if (has_right) n_end = min(n_end, m0 + kBlockM - 1 + diagonal + p.window_right + 1);
   const int n_begin = has_left ? max(0, m0 + diagonal - p.window_left) : 0;
   const int n_block_min = n_begin / kBlockN;
@@ -115,7 +121,7 @@ __device__ void sm90_fwd_kernel(const AttentionSm90FwdParams& params) {
     if (tid == 0) {
       mbarrier_arrive_expect_tx(bar_q, Shape::kQBytes);
       for (int panel = 0; panel < Shape::kPanels; ++panel)
-        tma_load_4d(sQ + panel * Shape::kQPanelBytes, params.q_map, bar_q, panel * 64, m0, head, batch);
+        tma_load_4d(sQ + panel * Shape::kQPanelBytes, params.q_map, bar_q, panel * 64, q_row0, head, tma_batch);
       for (int t = 0; t < num_tiles; ++t) {
         const int stage = t % kStages, round = t / kStages;
         mbarrier_wait(bar_empty(stage), (round & 1) ^ 1);  // a fresh barrier passes parity 1
@@ -123,8 +129,8 @@ __device__ void sm90_fwd_kernel(const AttentionSm90FwdParams& params) {
         mbarrier_arrive_expect_tx(bar_full(stage), 2 * Shape::kKVTileBytes);
         for (int panel = 0; panel < Shape::kPanels; ++panel) {
           const unsigned offset = stage * Shape::kKVTileBytes + panel * Shape::kKVPanelBytes;
-          tma_load_4d(sK + offset, params.k_map, bar_full(stage), panel * 64, n0, kv_head, batch);
-          tma_load_4d(sV + offset, params.v_map, bar_full(stage), panel * 64, n0, kv_head, batch);
+          tma_load_4d(sK + offset, params.k_map, bar_full(stage), panel * 64, k_row0 + n0, kv_head, tma_batch);
+          tma_load_4d(sV + offset, params.v_map, bar_full(stage), panel * 64, k_row0 + n0, kv_head, tma_batch);
         }
       }
     }
@@ -179,10 +185,11 @@ __device__ void sm90_fwd_kernel(const AttentionSm90FwdParams& params) {
 #pragma unroll
         for (int e = 0; e < 4; ++e) s[0][ni][e] = p.softcap * tanh_accurate(s[0][ni][e] * softcap_scale);
     }
-    const bool needs_mask = n0 + kBlockN > p.seqlen_k ||
+    // Varlen: rows past this sequence hold the next one's keys, not zeros; masking removes them.
+    const bool needs_mask = n0 + kBlockN > seq.seqlen_k ||
                             (has_right && n0 + kBlockN - 1 > m0 + diagonal + p.window_right) ||
                             (has_left && n0 < m0 + kBlockM - 1 + diagonal - p.window_left);
-    if (needs_mask) mask_tile<Warp, kMask>(s, p, thread_row0, n0, lane, p.seqlen_k, diagonal);
+    if (needs_mask) mask_tile<Warp, kMask>(s, p, thread_row0, n0, lane, seq.seqlen_k, diagonal);
     online_softmax<Warp>(st, s, scale_log2);
 
     // O += P V: P from the S registers (C layout of two n8 tiles = A layout of one k16 step), V
@@ -212,8 +219,8 @@ __device__ void sm90_fwd_kernel(const AttentionSm90FwdParams& params) {
   }
 
   // Epilogue: normalise and store O straight from the registers (4-byte pairs), and the LSE.
-  const SequenceExtent seq = sequence_extent(p, batch);
-  Element* gO = static_cast<Element*>(p.o) + seq.o_batch_offset + head * p.o_head_stride;
+  Element* gO = static_cast<Element*>(p.o) + seq.o_batch_offset + seq.q_start * p.o_row_stride +
+               head * p.o_head_stride;
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     float sum = st.row_sum[0][h];
@@ -221,7 +228,7 @@ __device__ void sm90_fwd_kernel(const AttentionSm90FwdParams& params) {
     sum += __shfl_xor_sync(0xffffffffu, sum, 2);
     const float inv_sum = sum > 0.f ? 1.f / sum : 0.f;
     const int row = thread_row0 + h * 8;
-    if (row >= p.seqlen_q) continue;
+    if (row >= seq.seqlen_q) continue;
     Element* out_row = gO + static_cast<long long>(row) * p.o_row_stride;
 #pragma unroll
     for (int nd = 0; nd < Warp::kOFrags; ++nd) {
@@ -232,7 +239,8 @@ __device__ void sm90_fwd_kernel(const AttentionSm90FwdParams& params) {
     }
     if (p.lse != nullptr && lane % 4 == 0) {
       const float max_natural = Config::kHasSoftcap ? st.row_max[0][h] : st.row_max[0][h] * p.softmax_scale;
-      p.lse[batch * p.lse_batch_stride + head * p.lse_head_stride + row] =
+      const long long lse_row = p.cu_seqlens_q != nullptr ? seq.q_start + row : row;
+      p.lse[batch * p.lse_batch_stride + head * p.lse_head_stride + lse_row] =
           sum > 0.f ? max_natural + logf(sum) : positive_infinity();
     }
   }

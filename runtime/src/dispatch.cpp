@@ -28,8 +28,6 @@ KernelSpec select_for_arch(const ForwardProblem& problem, const Arch& arch) {
     case Backend::reference: family = Family::reference_fwd; break;
     case Backend::fa2: family = Family::fa2_fwd; break;
     case Backend::sm90:
-      if (problem.is_varlen)
-        throw Error(ErrorCode::unsupported, "dispatch", "sm90_fwd does not take varlen batches yet (use backend fa2)");
       if (!arch.arch_specific || arch.sm != 90)
         throw Error(ErrorCode::unsupported, "dispatch",
                     fmt::format("sm90_fwd needs an sm_90 device, this one is {}", arch.name()));
@@ -48,8 +46,6 @@ void check_forced_kernel(const KernelSpec& spec, const ForwardProblem& problem, 
     return Error(ErrorCode::invalid_argument, operation,
                  fmt::format("options.kernel {} does not fit the problem: {}", spec.name(), what));
   };
-  if (spec.family == Family::sm90_fwd && problem.is_varlen)
-    throw bad("sm90_fwd does not take varlen batches yet");
   if (is_forward_family(spec.family) == backward)
     throw bad(fmt::format("family {} is not a {} family", to_string(spec.family), operation));
   if (spec.dtype != problem.dtype)

@@ -302,6 +302,8 @@ ForwardProblem make_forward_problem(const TensorView& q, const TensorView& k, co
     if (varlen->max_seqlen_k > k.shape[0])
       throw bad(fmt::format("max_seqlen_k {} exceeds total_k {}", varlen->max_seqlen_k, k.shape[0]));
     p.batch = to_int(cq.shape[0] - 1, "batch");
+    p.total_q = to_int(q.shape[0], "total_q");
+    p.total_k = to_int(k.shape[0], "total_k");
     p.seqlen_q = varlen->max_seqlen_q;
     p.seqlen_k = varlen->max_seqlen_k;
     a.cu_seqlens_q = static_cast<const int*>(cq.data);

@@ -18,6 +18,7 @@ struct ForwardProblem {
   int heads_kv = 0;
   int head_dim = 0;
   bool is_varlen = false;
+  int total_q = 0, total_k = 0;  // varlen: the packed rows of q and k
   MaskKind mask = MaskKind::none;
   bool has_softcap = false;
   Backend backend = Backend::automatic;

@@ -79,14 +79,18 @@ struct Runtime::Impl {
     const KernelSpec spec = select_forward_kernel(problem, device, &tuning);
     const LoadedKernel& kernel = modules.get(spec, device);
     if (spec.family == Family::sm90_fwd) {
+      // Varlen tensors are mapped as one batch entry of packed rows.
       const AttentionFwdParams& a = problem.params;
+      const int rows_q = problem.is_varlen ? problem.total_q : a.seqlen_q;
+      const int rows_k = problem.is_varlen ? problem.total_k : a.seqlen_k;
+      const int batches = problem.is_varlen ? 1 : a.batch;
       AttentionSm90FwdParams params;
       params.fwd = a;
-      params.q_map = make_attention_tma_map(a.q, problem.dtype, a.head_dim, a.seqlen_q, a.num_heads_q, a.batch,
+      params.q_map = make_attention_tma_map(a.q, problem.dtype, a.head_dim, rows_q, a.num_heads_q, batches,
                                             a.q_row_stride, a.q_head_stride, a.q_batch_stride, spec.block_m);
-      params.k_map = make_attention_tma_map(a.k, problem.dtype, a.head_dim, a.seqlen_k, a.num_heads_kv, a.batch,
+      params.k_map = make_attention_tma_map(a.k, problem.dtype, a.head_dim, rows_k, a.num_heads_kv, batches,
                                             a.k_row_stride, a.k_head_stride, a.k_batch_stride, spec.block_n);
-      params.v_map = make_attention_tma_map(a.v, problem.dtype, a.head_dim, a.seqlen_k, a.num_heads_kv, a.batch,
+      params.v_map = make_attention_tma_map(a.v, problem.dtype, a.head_dim, rows_k, a.num_heads_kv, batches,
                                             a.v_row_stride, a.v_head_stride, a.v_batch_stride, spec.block_n);
       launch(kernel, spec, 0, forward_grid(spec, problem), problem.stream, params);
       return;

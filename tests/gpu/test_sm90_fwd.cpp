@@ -62,3 +62,15 @@ TEST_CASE("sm90_fwd: awkward seqlen pairs, windows, softcap, strides", "[sm90]")
     check(big, DType::bf16, seed++, Oracle::gpu_reference);
   }
 }
+
+TEST_CASE("sm90_fwd: varlen with empty, single and long sequences", "[sm90]") {
+  if (!on_hopper()) return;
+  uint64_t seed = 23000;
+  for (bool causal : {false, true}) {
+    AttentionShape s = AttentionShape::make(4, 0, 0, 8, 2, 128);
+    s.seqlens_q = {0, 1, 2049, 77};
+    s.seqlens_k = {5, 0, 2049, 300};
+    s.causal = causal;
+    check(s, DType::bf16, seed++);
+  }
+}
