@@ -188,8 +188,12 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
         if t.dim() != 4:
             raise ValueError(f"{name}: expected 4 dims (batch, seqlen, heads, head_dim), got shape {tuple(t.shape)}")
     _same_device((q, k, v), ("q", "k", "v"))
-    out, lse = _ops().attention(q, k, v, softmax_scale, bool(causal), int(window_size[0]), int(window_size[1]),
-                                float(softcap), backend, bool(deterministic))
+    if _needs_autograd_or_tracing(q, k, v):
+        out, lse = _ops().attention(q, k, v, softmax_scale, bool(causal), int(window_size[0]), int(window_size[1]),
+                                    float(softcap), backend, bool(deterministic))
+    else:  # inference: the raw call, without the custom op's dispatch
+        out, lse = _forward(q, k, v, softmax_scale, bool(causal), int(window_size[0]), int(window_size[1]),
+                            float(softcap), backend)
     return (out, lse) if return_lse else out
 
 
@@ -206,10 +210,24 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
         if t.dim() != 3:
             raise ValueError(f"{name}: expected 3 dims (total, heads, head_dim), got shape {tuple(t.shape)}")
     _same_device((q, k, v, cu_seqlens_q, cu_seqlens_k), ("q", "k", "v", "cu_seqlens_q", "cu_seqlens_k"))
-    out, lse = _ops().attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k),
-                                       softmax_scale, bool(causal), int(window_size[0]), int(window_size[1]),
-                                       float(softcap), backend, bool(deterministic))
+    if _needs_autograd_or_tracing(q, k, v):
+        out, lse = _ops().attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k),
+                                           softmax_scale, bool(causal), int(window_size[0]), int(window_size[1]),
+                                           float(softcap), backend, bool(deterministic))
+    else:
+        out, lse = _forward_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k),
+                                   softmax_scale, bool(causal), int(window_size[0]), int(window_size[1]),
+                                   float(softcap), backend)
     return (out, lse) if return_lse else out
+
+
+def _needs_autograd_or_tracing(*tensors):
+    """The custom op is needed to record a backward or to be traced by torch.compile; a plain
+    inference call skips its dispatch."""
+    torch = _torch()
+    if torch.compiler.is_compiling():
+        return True
+    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
 
 
 def _ops():

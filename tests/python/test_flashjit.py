@@ -256,3 +256,17 @@ def test_load_tuning_db_errors(tmp_path):
         flashjit.load_tuning_db(bad)
     with pytest.raises(flashjit.FlashJitError, match="cannot read the tuning database"):
         flashjit.load_tuning_db(tmp_path / "missing.json")
+
+
+def test_inference_and_autograd_paths_agree():
+    """No-grad calls skip the custom op; both paths run the same kernel and give the same bits."""
+    torch.manual_seed(11)
+    q = torch.randn(2, 200, 4, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    k = torch.randn(2, 200, 2, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    v = torch.randn(2, 200, 2, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    with_graph = flash_attn_func(q, k, v, causal=True)
+    assert with_graph.requires_grad
+    with torch.no_grad():
+        plain = flash_attn_func(q, k, v, causal=True)
+    assert not plain.requires_grad
+    assert torch.equal(with_graph.detach(), plain)
