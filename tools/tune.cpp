@@ -11,6 +11,7 @@
 #include "flashjit/flashjit.hpp"
 #include "flashjit/kernel_cache.hpp"
 #include "flashjit/tuning.hpp"
+#include "json_text.hpp"
 #include "problem.hpp"
 
 using namespace flashjit;
@@ -65,20 +66,7 @@ std::vector<TuneShape> read_shapes_file(const std::string& path, const Options& 
   if (!in) throw usage("--shapes", fmt::format("cannot read {}", path));
   std::stringstream buffer;
   buffer << in.rdbuf();
-  const std::string text = buffer.str();
-  json j;
-  try {
-    j = json::parse(text);
-  } catch (const json::parse_error& e) {
-    size_t line = 1, column = 1;
-    for (size_t i = 0; i + 1 < e.byte && i < text.size(); ++i) {
-      if (text[i] == '\n') line++, column = 1;
-      else column++;
-    }
-    std::string reason = e.what();
-    if (auto at = reason.find("syntax error"); at != std::string::npos) reason = reason.substr(at);
-    throw usage("--shapes", fmt::format("{}:{}:{}: malformed JSON: {}", path, line, column, reason));
-  }
+  const json j = detail::parse_json_text(buffer.str(), path, "--shapes");
   if (!j.is_array()) throw usage("--shapes", fmt::format("{}: expected a JSON array of shapes", path));
   static const std::vector<std::string> kRequired{"batch", "seqlen_q", "seqlen_k", "heads_q", "heads_kv", "head_dim"};
   static const std::vector<std::string> kOptional{"causal", "dtype", "pass"};

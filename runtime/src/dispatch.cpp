@@ -84,7 +84,7 @@ const DeviceStamp& device_stamp(const DeviceProperties& device) {
 // A tuned spec for this problem on this device, if one is recorded and still legal here.
 std::optional<KernelSpec> tuned_spec(const TuningSources* tuning, const ForwardProblem& problem,
                                      const DeviceProperties& device, Family family) {
-  if (tuning == nullptr) return std::nullopt;
+  if (tuning == nullptr || tuning->empty()) return std::nullopt;
   const auto entry = tuning->lookup(device_stamp(device), detail::problem_key(problem, family));
   if (!entry || entry->spec.arch != device.arch() || entry->spec.validate()) return std::nullopt;
   return entry->spec;

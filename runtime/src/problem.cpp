@@ -113,6 +113,16 @@ void check_shape(const TensorView& t, const char* name, std::initializer_list<in
   }
 }
 
+// The kernels' strides of a (batch, seqlen, heads, head_dim) view, or of a varlen (rows, heads,
+// head_dim) view, which has no batch stride.
+void kernel_strides(const TensorView& t, bool varlen, long long& batch_stride, long long& row_stride,
+                    long long& head_stride) {
+  const int s = varlen ? 0 : 1;  // the seqlen (rows) dim
+  batch_stride = varlen ? 0 : t.strides[0];
+  row_stride = t.strides[s];
+  head_stride = t.strides[s + 1];
+}
+
 int to_int(int64_t value, const char* what) {
   if (value > (1LL << 31) - 1) throw bad(fmt::format("{} {} does not fit in 32 bits", what, value));
   return static_cast<int>(value);
@@ -249,7 +259,6 @@ ForwardProblem make_forward_problem(const TensorView& q, const TensorView& k, co
   check_same(q, "q", out, "out");
   if (q.device < 0) throw bad(fmt::format("q: device {} is not a CUDA device ordinal", q.device));
 
-  const int s = p.is_varlen ? 0 : 1;  // index of the seqlen dim
   const int64_t head_dim = q.shape[rank - 1];
   const int64_t heads_q = q.shape[rank - 2], heads_kv = k.shape[rank - 2];
   if (head_dim > kMaxHeadDim || head_dim % 8 != 0 || head_dim == 0)
@@ -359,16 +368,10 @@ ForwardProblem make_forward_problem(const TensorView& q, const TensorView& k, co
   a.k = k.data;
   a.v = v.data;
   a.o = out.data;
-  auto strides = [&](const TensorView& t, long long& batch_stride, long long& row_stride,
-                     long long& head_stride) {
-    batch_stride = p.is_varlen ? 0 : t.strides[0];
-    row_stride = t.strides[s];
-    head_stride = t.strides[s + 1];
-  };
-  strides(q, a.q_batch_stride, a.q_row_stride, a.q_head_stride);
-  strides(k, a.k_batch_stride, a.k_row_stride, a.k_head_stride);
-  strides(v, a.v_batch_stride, a.v_row_stride, a.v_head_stride);
-  strides(out, a.o_batch_stride, a.o_row_stride, a.o_head_stride);
+  kernel_strides(q, p.is_varlen, a.q_batch_stride, a.q_row_stride, a.q_head_stride);
+  kernel_strides(k, p.is_varlen, a.k_batch_stride, a.k_row_stride, a.k_head_stride);
+  kernel_strides(v, p.is_varlen, a.v_batch_stride, a.v_row_stride, a.v_head_stride);
+  kernel_strides(out, p.is_varlen, a.o_batch_stride, a.o_row_stride, a.o_head_stride);
   a.batch = p.batch;
   a.num_heads_q = p.heads_q;
   a.num_heads_kv = p.heads_kv;
@@ -414,24 +417,17 @@ BackwardProblem make_backward_problem(const TensorView& q, const TensorView& k, 
 
   const ForwardProblem& f = b.forward;
   b.deterministic = options.deterministic;
-  b.workspace_rows = f.is_varlen ? to_int(q.shape[0], "total_q") : to_int(int64_t(f.batch) * f.seqlen_q, "batch x seqlen_q");
   AttentionBwdParams& a = b.params;
   a.fwd = f.params;
   a.d_o = dout.data;
   a.dq = dq.data;
   a.dk = dk.data;
   a.dv = dv.data;
-  const int s = f.is_varlen ? 0 : 1;
-  auto strides = [&](const TensorView& t, long long& batch_stride, long long& row_stride, long long& head_stride) {
-    batch_stride = f.is_varlen ? 0 : t.strides[0];
-    row_stride = t.strides[s];
-    head_stride = t.strides[s + 1];
-  };
-  strides(dout, a.do_batch_stride, a.do_row_stride, a.do_head_stride);
-  strides(dq, a.dq_batch_stride, a.dq_row_stride, a.dq_head_stride);
-  strides(dk, a.dk_batch_stride, a.dk_row_stride, a.dk_head_stride);
-  strides(dv, a.dv_batch_stride, a.dv_row_stride, a.dv_head_stride);
-  a.workspace_rows = b.workspace_rows;
+  kernel_strides(dout, f.is_varlen, a.do_batch_stride, a.do_row_stride, a.do_head_stride);
+  kernel_strides(dq, f.is_varlen, a.dq_batch_stride, a.dq_row_stride, a.dq_head_stride);
+  kernel_strides(dk, f.is_varlen, a.dk_batch_stride, a.dk_row_stride, a.dk_head_stride);
+  kernel_strides(dv, f.is_varlen, a.dv_batch_stride, a.dv_row_stride, a.dv_head_stride);
+  a.workspace_rows = f.is_varlen ? to_int(q.shape[0], "total_q") : to_int(int64_t(f.batch) * f.seqlen_q, "batch x seqlen_q");
   return b;
 }
 

@@ -38,9 +38,8 @@ struct BackwardProblem {
   ForwardProblem forward;  // q, k, v, out, lse, options: validated exactly as the forward's
   bool deterministic = false;
   AttentionBwdParams params{};  // workspaces (delta, dq_accum) left null for the launcher
-  int workspace_rows = 0;
 
-  size_t delta_bytes() const { return size_t(forward.heads_q) * workspace_rows * sizeof(float); }
+  size_t delta_bytes() const { return size_t(forward.heads_q) * params.workspace_rows * sizeof(float); }
   size_t dq_accum_bytes() const { return delta_bytes() * forward.head_dim; }
   // Where the dQ accumulator starts in the workspace: after delta, aligned for its float4 accesses.
   size_t dq_accum_offset() const { return (delta_bytes() + 255) / 256 * 256; }

@@ -9,6 +9,7 @@
 #include <cstdio>
 #include <cstring>
 #include <fstream>
+#include <atomic>
 #include <mutex>
 #include <set>
 #include <sstream>
@@ -20,6 +21,7 @@
 #include "flashjit/error.hpp"
 #include "flashjit/kernel_cache.hpp"
 #include "flashjit/tuning.hpp"
+#include "json_text.hpp"
 
 namespace flashjit {
 
@@ -221,20 +223,6 @@ json entry_json(const TunedEntry& e) {
               {"median_ms", e.median_ms},      {"runner_ups", runner_ups},          {"tuned_at", e.tuned_at}};
 }
 
-// 1-based line and column of a byte offset.
-std::pair<size_t, size_t> line_and_column(const std::string& text, size_t offset) {
-  size_t line = 1, column = 1;
-  for (size_t i = 0; i < offset && i < text.size(); ++i) {
-    if (text[i] == '\n') {
-      ++line;
-      column = 1;
-    } else {
-      ++column;
-    }
-  }
-  return {line, column};
-}
-
 Error io_error(const std::string& path, const std::string& what) {
   return Error(ErrorCode::io_error, "tuning db", fmt::format("{}: {}: {}", path, what, std::strerror(errno)));
 }
@@ -245,17 +233,7 @@ Error io_error(const std::string& path, const std::string& what) {
 // TuningDb
 
 TuningDb TuningDb::parse(const std::string& text, const std::string& origin) {
-  json j;
-  try {
-    j = json::parse(text);
-  } catch (const json::parse_error& e) {
-    // nlohmann's byte offset is one past the offending character.
-    const auto [line, column] = line_and_column(text, e.byte > 0 ? e.byte - 1 : 0);
-    std::string reason = e.what();
-    if (auto at = reason.find("syntax error"); at != std::string::npos) reason = reason.substr(at);
-    throw Error(ErrorCode::invalid_argument, "tuning db",
-                fmt::format("{}:{}:{}: malformed JSON: {}", origin, line, column, reason));
-  }
+  const json j = detail::parse_json_text(text, origin, "tuning db");
   const Reader r(j, "", origin);
   r.expect_fields({"format", "version", "entries"});
   if (r.text("format") != kFormat)
@@ -363,10 +341,16 @@ const TuningDb& bundled_tuning_db() {
 
 struct TuningSources::Impl {
   std::function<void(const std::string&)> warn;
+  std::atomic<bool> has_entries{false};
   mutable std::mutex mutex;
   TuningDb in_memory, user, bundled;
   std::string user_origin = "the user tuning database";
   mutable std::set<std::string> warned;  // "<origin>|<device>"
+
+  void update_has_entries() {  // under the mutex
+    has_entries.store(!in_memory.entries().empty() || !user.entries().empty() || !bundled.entries().empty(),
+                      std::memory_order_release);
+  }
 
   // Entries of `db` for this problem exist, but none for this device: say so once.
   const TunedEntry* find(const TuningDb& db, const std::string& origin, const DeviceStamp& device,
@@ -392,18 +376,23 @@ TuningSources::~TuningSources() = default;
 void TuningSources::add_in_memory(TunedEntry entry) {
   std::lock_guard<std::mutex> lock(impl_->mutex);
   impl_->in_memory.upsert(std::move(entry));
+  impl_->update_has_entries();
 }
 
 void TuningSources::set_user_db(TuningDb db, std::string origin) {
   std::lock_guard<std::mutex> lock(impl_->mutex);
   impl_->user = std::move(db);
   impl_->user_origin = std::move(origin);
+  impl_->update_has_entries();
 }
 
 void TuningSources::set_bundled_db(TuningDb db) {
   std::lock_guard<std::mutex> lock(impl_->mutex);
   impl_->bundled = std::move(db);
+  impl_->update_has_entries();
 }
+
+bool TuningSources::empty() const { return !impl_->has_entries.load(std::memory_order_acquire); }
 
 std::optional<TunedEntry> TuningSources::lookup(const DeviceStamp& device, const ProblemKey& problem) const {
   std::lock_guard<std::mutex> lock(impl_->mutex);

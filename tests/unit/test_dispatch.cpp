@@ -151,7 +151,7 @@ TEST_CASE("backward workspace: the dQ accumulator starts aligned after the row s
     auto lse = TensorView::contiguous(arena, ScalarType::float32, {batch, heads, seqlen});
     const auto p = detail::make_backward_problem(q, q, q, q, q, &lse, q, q, q, nullptr, AttentionOptions{});
     INFO("batch " << batch << " seqlen " << seqlen << " heads " << heads);
-    CHECK(p.workspace_rows == batch * seqlen);
+    CHECK(p.params.workspace_rows == batch * seqlen);
     CHECK(p.delta_bytes() == size_t(heads) * batch * seqlen * 4);
     CHECK(p.dq_accum_offset() >= p.delta_bytes());
     CHECK(p.dq_accum_offset() % 256 == 0);  // float4 and red.v2 accesses

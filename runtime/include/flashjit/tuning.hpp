@@ -111,6 +111,9 @@ class TuningSources {
   void set_user_db(TuningDb db, std::string origin);
   void set_bundled_db(TuningDb db);
 
+  // True while no source holds an entry: dispatch then skips the lookup (no lock on the call path).
+  bool empty() const;
+
   // The first entry for this device and problem: in-memory, user, bundled; nullopt if none.
   // Copies out, so the result stays valid while sources change.
   std::optional<TunedEntry> lookup(const DeviceStamp& device, const ProblemKey& problem) const;
