@@ -1,17 +1,24 @@
-// Hopper forward (sm_90a): FlashAttention-3's structure on TMA, mbarriers and wgmma. DRAFT: written
-// without a GPU; the tests in tests/gpu/test_sm90_fwd.cpp have not run yet.
-//   Warp specialisation: warpgroup 0 is the producer (one thread issues TMA loads of the Q tile
-//   once and of K/V tiles into a ring of kNumStages stages, gated by full/empty mbarriers; the
-//   group gives its registers away with setmaxnreg); warpgroups 1 and 2 each own 64 query rows
-//   of the 128-row tile: S = Q K^T by wgmma with both operands in shared memory (K-major,
-//   128-byte swizzle), online softmax in base 2 in registers (the accumulator layout is mma.sync's
-//   C layout warp by warp, so common/softmax.cuh serves both families), then O += P V by wgmma
-//   with P from registers and V read MN-major from shared memory.
-//   Shared memory: Q (kHeadDim / 64 panels of 128 rows x 128 bytes), kNumStages K and V tiles
-//   (panels of kBlockN rows), then the barriers; the base is aligned to 1024 bytes (the swizzle
-//   atom). TMA boxes are 64 values wide, so a head dim below the kernel's reads zeros.
-//   Not yet: ping-pong between the consumer groups, intra-warpgroup overlap of QK^T with the
-//   softmax, the persistent scheduler.
+// Hopper forward (sm_90a): FlashAttention-3's structure on TMA, mbarriers and wgmma.
+//   Warp specialisation: warpgroup 0 is the producer (one thread issues TMA loads: the Q tile, then
+//   K and V tiles into a ring of kStages stages, K and V on separate full/empty barrier pairs, K one
+//   tile ahead of V; the group gives its registers away with setmaxnreg); the kConsumers
+//   warpgroups after it own 64 query rows each.
+//   A consumer step (intra-warpgroup overlap): issue S' = Q K'^T for the next key tile and
+//   O += P V for the current one (P from registers, V MN-major in shared memory), both async; wait
+//   for S' only (then free K's slot) and run its softmax while the PV GEMM still runs; then wait
+//   for PV, free V's slot and rescale O. Ping-pong: a named-barrier token passes between the consumer warpgroups so
+//   that they issue their GEMMs in turn, and one's softmax overlaps the other's GEMMs.
+//   Persistent: gridDim.x CTAs (the SMs, less any the caller keeps free) walk the work tiles
+//   (query block, head, batch) with a fixed stride, in sections of (batch, head) pairs whose K/V fit
+//   in L2 together, longest query blocks first within a section. (The fixed stride can load CTAs
+//   unevenly under causal masks when a section's tiles and the grid do not divide: head dim 256 at
+//   16k tokens; a dynamic counter is the next step.)
+//   ptxas serializes wgmma (warning C7520) when a wgmma sits on a path it cannot prove warp-uniform,
+//   which would undo the overlap: uniform values go through warp_uniform(), and the barrier waits
+//   come before the first wgmma of a step, never between two.
+//   Shared memory: Q (kPanels panels of kBlockM rows x 128 bytes), kStages K and V tiles (panels
+//   of kBlockN rows), then the barriers; the base is aligned to 1024 bytes (the swizzle atom). TMA
+//   boxes are 64 values wide, so columns past the tensor's head dim read zeros.
 //   Varlen: the maps cover the packed rows as one batch entry; rows past a sequence's end belong
 //   to the next sequence, so its edge tiles are always masked and its rows past the end never
 //   written.
@@ -27,17 +34,25 @@ template <class Config>
 struct Sm90FwdShape {
   using Element = typename Config::Element;
   static constexpr int kHeadDim = Config::kHeadDim;
-  static constexpr int kBlockM = Config::kBlockM;  // 128: two consumer warpgroups of 64 rows
+  static constexpr int kBlockM = Config::kBlockM;
   static constexpr int kBlockN = Config::kBlockN;
   static constexpr int kStages = Config::kNumStages;
-  static constexpr int kThreads = Config::kNumWarps * 32;  // 384
-  static constexpr int kPanels = kHeadDim / 64;            // 128-byte-wide column panels
+  static constexpr int kConsumers = kBlockM / 64;  // consumer warpgroups of 64 rows
+  static constexpr int kThreads = Config::kNumWarps * 32;
+  static constexpr int kPanels = (kHeadDim + 63) / 64;  // 128-byte-wide column panels
   static constexpr int kQPanelBytes = kBlockM * 128;
   static constexpr int kQBytes = kPanels * kQPanelBytes;
   static constexpr int kKVPanelBytes = kBlockN * 128;
   static constexpr int kKVTileBytes = kPanels * kKVPanelBytes;
-  static constexpr int kBarrierBytes = 8 * (1 + 2 * kStages);
+  // q_full, q_empty, then k_full, v_full, k_empty and v_empty per stage.
+  static constexpr int kBarrierBytes = 8 * (2 + 4 * kStages);
   static constexpr int kSmemBytes = 1024 + kQBytes + 2 * kStages * kKVTileBytes + kBarrierBytes;
+  // setmaxnreg split of the 64K registers (FlashAttention-3's): the producer keeps a few.
+  static constexpr int kProducerRegisters = kConsumers == 2 ? 24 : 32;
+  static constexpr int kConsumerRegisters = kConsumers == 2 ? 240 : 160;
+  // Ping-pong pays where the softmax is a large share of a step (FlashAttention-3 uses it up to
+  // head dim 128); above that the GEMMs dominate and the token only adds waits.
+  static constexpr bool kPingPong = kHeadDim <= 128;
 
   // One consumer warp's share of the softmax: 16 rows, kBlockN keys, kHeadDim output columns.
   struct Warp {
@@ -47,9 +62,12 @@ struct Sm90FwdShape {
     static constexpr int kOFrags = kHeadDim / 8;
   };
 
-  static_assert(kBlockM == 128 && kThreads == 384, "one producer and two consumer warpgroups");
-  static_assert(kHeadDim % 64 == 0, "head dims in whole 64-value panels");
+  static_assert(kBlockM % 64 == 0 && kThreads == 128 * (1 + kConsumers), "one producer and kConsumers warpgroups");
+  static_assert(kHeadDim % 32 == 0 && kBlockN % 16 == 0 && kStages >= 2, "whole k16 steps, two stages to overlap");
 };
+
+// `value` as lane 0 has it: the same in every lane, and visibly so to ptxas (see the kernel).
+__device__ __forceinline__ int warp_uniform(int value) { return __shfl_sync(0xffffffffu, value, 0); }
 
 // Keeps the compiler from moving reads or writes of wgmma operands across the asynchronous MMA
 // (it cannot see that the hardware still reads or writes them until wgmma.wait_group).
@@ -66,12 +84,46 @@ __device__ __forceinline__ void fence_operands(unsigned (&r)[kRows][kN]) {
     for (int j = 0; j < kN; ++j) asm volatile("" : "+r"(r[i][j])::"memory");
 }
 
+// Work tile `index` of the persistent schedule: sections of `section_pairs` (batch, head) pairs,
+// query blocks from the last (longest when causal) to the first, pairs fastest within a block.
+struct Sm90WorkTile {
+  int m_block, head, batch;
+};
+__device__ __forceinline__ Sm90WorkTile sm90_work_tile(const AttentionSm90FwdParams& params, int index) {
+  const int pairs = params.fwd.num_heads_q * params.fwd.batch;
+  const int section_tiles = params.section_pairs * params.num_m_blocks;
+  const int section = index / section_tiles, within = index - section * section_tiles;
+  const int section_begin = section * params.section_pairs;
+  const int pairs_here = min(params.section_pairs, pairs - section_begin);
+  const int pair = section_begin + within % pairs_here;
+  return {params.num_m_blocks - 1 - within / pairs_here, pair % params.fwd.num_heads_q,
+          pair / params.fwd.num_heads_q};
+}
+
+// Key tiles [n_block_min, n_block_max) that query block m0 must visit; walked from the last.
+struct KeyTileRange {
+  int n_block_min, n_block_max;
+  int count() const { return n_block_max - n_block_min; }
+};
+template <int kBlockM, int kBlockN, MaskKind kMask>
+__device__ __forceinline__ KeyTileRange key_tile_range(const AttentionFwdParams& p, const SequenceExtent& seq,
+                                                       int m0) {
+  const int diagonal = seq.seqlen_k - seq.seqlen_q;
+  int n_end = seq.seqlen_k;
+  if (kMask != MaskKind::kNone && p.window_right >= 0)
+    n_end = min(n_end, m0 + kBlockM - 1 + diagonal + p.window_right + 1);
+  const int n_begin = kMask == MaskKind::kWindow && p.window_left >= 0 ? max(0, m0 + diagonal - p.window_left) : 0;
+  const int n_block_min = n_begin / kBlockN;
+  return {n_block_min, n_end > n_begin ? (n_end + kBlockN - 1) / kBlockN : n_block_min};
+}
+
 template <class Config>
 __device__ void sm90_fwd_kernel(const AttentionSm90FwdParams& params) {
   using Shape = Sm90FwdShape<Config>;
   using Warp = typename Shape::Warp;
   using Element = typename Shape::Element;
   constexpr int kBlockM = Shape::kBlockM, kBlockN = Shape::kBlockN, kStages = Shape::kStages;
+  constexpr int kConsumers = Shape::kConsumers;
   constexpr MaskKind kMask = Config::kMask;
   constexpr float kLog2e = 1.4426950408889634f;
   const AttentionFwdParams& p = params.fwd;
@@ -80,105 +132,109 @@ __device__ void sm90_fwd_kernel(const AttentionSm90FwdParams& params) {
   require_dynamic_smem(Shape::kSmemBytes);
   const unsigned base = (shared_address(smem) + 1023u) & ~1023u;
   const unsigned sQ = base;
-  const unsigned sK = sQ + Shape::kQBytes;                       // kStages tiles
-  const unsigned sV = sK + kStages * Shape::kKVTileBytes;        // kStages tiles
-  const unsigned bar_q = sV + kStages * Shape::kKVTileBytes;
-  auto bar_full = [&](int stage) { return bar_q + 8 + 8 * stage; };
-  auto bar_empty = [&](int stage) { return bar_q + 8 + 8 * kStages + 8 * stage; };
+  const unsigned sK = sQ + Shape::kQBytes;                 // kStages tiles
+  const unsigned sV = sK + kStages * Shape::kKVTileBytes;  // kStages tiles
+  const unsigned bar_q_full = sV + kStages * Shape::kKVTileBytes, bar_q_empty = bar_q_full + 8;
+  auto bar_k_full = [&](int stage) { return bar_q_full + 16 + 8 * stage; };
+  auto bar_v_full = [&](int stage) { return bar_q_full + 16 + 8 * (kStages + stage); };
+  auto bar_k_empty = [&](int stage) { return bar_q_full + 16 + 8 * (2 * kStages + stage); };
+  auto bar_v_empty = [&](int stage) { return bar_q_full + 16 + 8 * (3 * kStages + stage); };
 
-  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, group = warp / 4;
-  const int head = blockIdx.y, batch = blockIdx.z;
-  const int m_block = kMask == MaskKind::kNone ? blockIdx.x : gridDim.x - 1 - blockIdx.x;
-  const int m0 = m_block * kBlockM;
-  const SequenceExtent seq = sequence_extent(p, batch);
-  if (m0 >= seq.seqlen_q) return;  // uniform across the CTA (varlen: a shorter sequence)
-  const int kv_head = head / (p.num_heads_q / p.num_heads_kv);
-  // TMA coordinates: varlen tensors are packed rows of one batch entry.
-  const int q_row0 = seq.q_start + m0, k_row0 = seq.k_start, tma_batch = p.cu_seqlens_q != nullptr ? 0 : batch;
-
-  const int diagonal = seq.seqlen_k - seq.seqlen_q;
-  const bool has_right = kMask != MaskKind::kNone && p.window_right >= 0;
-  const bool has_left = kMask == MaskKind::kWindow && p.window_left >= 0;
-  int n_end = seq.seqlen_k;
-  if (has_right) n_end = min(n_end, m0 + kBlockM - 1 + diagonal + p.window_right + 1);
-  const int n_begin = has_left ? max(0, m0 + diagonal - p.window_left) : 0;
-  const int n_block_min = n_begin / kBlockN;
-  const int n_block_max = n_end > n_begin ? (n_end + kBlockN - 1) / kBlockN : n_block_min;
-  const int num_tiles = n_block_max - n_block_min;
+  // Warp-uniform values go through a shuffle so that ptxas can see they are uniform: a wgmma on a
+  // path it must treat as divergent is serialized (C7520), and the overlap is lost.
+  const int tid = threadIdx.x, lane = tid % 32;
+  const int warp = warp_uniform(tid / 32), group = warp / 4;
+  const int num_work_tiles = params.num_m_blocks * p.num_heads_q * p.batch;
+  const bool varlen = p.cu_seqlens_q != nullptr;
 
   if (tid == 0) {
-    mbarrier_init(bar_q, 1);
+    mbarrier_init(bar_q_full, 1);
+    mbarrier_init(bar_q_empty, 4 * kConsumers);  // lane 0 of each consumer warp
     for (int s = 0; s < kStages; ++s) {
-      mbarrier_init(bar_full(s), 1);
-      mbarrier_init(bar_empty(s), 8);  // lane 0 of each consumer warp
+      mbarrier_init(bar_k_full(s), 1);
+      mbarrier_init(bar_v_full(s), 1);
+      mbarrier_init(bar_k_empty(s), 4 * kConsumers);
+      mbarrier_init(bar_v_empty(s), 4 * kConsumers);
     }
     fence_barrier_init();
   }
   __syncthreads();
 
   if (group == 0) {  // producer
-    registers_decrease<40>();
-    if (tid == 0) {
-      mbarrier_arrive_expect_tx(bar_q, Shape::kQBytes);
+    registers_decrease<Shape::kProducerRegisters>();
+    if (tid != 0) return;
+    int kv_count = 0, q_count = 0;  // loads so far: they select the stage and the barrier phase
+    for (int index = blockIdx.x; index < num_work_tiles; index += gridDim.x) {
+      const Sm90WorkTile work = sm90_work_tile(params, index);
+      const int m0 = work.m_block * kBlockM;
+      const SequenceExtent seq = sequence_extent(p, work.batch);
+      if (m0 >= seq.seqlen_q) continue;  // varlen: a shorter sequence (the consumers skip it too)
+      const int kv_head = work.head / (p.num_heads_q / p.num_heads_kv), tma_batch = varlen ? 0 : work.batch;
+      const KeyTileRange keys = key_tile_range<kBlockM, kBlockN, kMask>(p, seq, m0);
+
+      mbarrier_wait(bar_q_empty, (q_count++ & 1) ^ 1);  // a fresh barrier passes parity 1
+      mbarrier_arrive_expect_tx(bar_q_full, Shape::kQBytes);
       for (int panel = 0; panel < Shape::kPanels; ++panel)
-        tma_load_4d(sQ + panel * Shape::kQPanelBytes, params.q_map, bar_q, panel * 64, q_row0, head, tma_batch);
-      for (int t = 0; t < num_tiles; ++t) {
-        const int stage = t % kStages, round = t / kStages;
-        mbarrier_wait(bar_empty(stage), (round & 1) ^ 1);  // a fresh barrier passes parity 1
-        const int n0 = (n_block_max - 1 - t) * kBlockN;
-        mbarrier_arrive_expect_tx(bar_full(stage), 2 * Shape::kKVTileBytes);
-        for (int panel = 0; panel < Shape::kPanels; ++panel) {
-          const unsigned offset = stage * Shape::kKVTileBytes + panel * Shape::kKVPanelBytes;
-          tma_load_4d(sK + offset, params.k_map, bar_full(stage), panel * 64, k_row0 + n0, kv_head, tma_batch);
-          tma_load_4d(sV + offset, params.v_map, bar_full(stage), panel * 64, k_row0 + n0, kv_head, tma_batch);
-        }
+        tma_load_4d(sQ + panel * Shape::kQPanelBytes, params.q_map, bar_q_full, panel * 64, seq.q_start + m0,
+                    work.head, tma_batch);
+      // Tile i of this work tile is key block n_block_max - 1 - i, in ring slot kv_count + i. K runs
+      // one tile ahead of V: the consumers free a K slot as soon as its QK^T is done but a V slot
+      // only after the next tile's softmax, so the next K never queues behind a V slot in use.
+      auto load = [&](unsigned smem_ring, const TmaDescriptor& map, unsigned full, unsigned empty, int i) {
+        const int slot = kv_count + i, stage = slot % kStages, n0 = (keys.n_block_max - 1 - i) * kBlockN;
+        mbarrier_wait(empty + 8 * stage, ((slot / kStages) & 1) ^ 1);
+        mbarrier_arrive_expect_tx(full + 8 * stage, Shape::kKVTileBytes);
+        for (int panel = 0; panel < Shape::kPanels; ++panel)
+          tma_load_4d(smem_ring + stage * Shape::kKVTileBytes + panel * Shape::kKVPanelBytes, map, full + 8 * stage,
+                      panel * 64, seq.k_start + n0, kv_head, tma_batch);
+      };
+      for (int i = 0; i <= keys.count() && keys.count() > 0; ++i) {
+        if (i < keys.count()) load(sK, params.k_map, bar_k_full(0), bar_k_empty(0), i);
+        if (i > 0) load(sV, params.v_map, bar_v_full(0), bar_v_empty(0), i - 1);
       }
+      kv_count += keys.count();
     }
     return;
   }
 
   // Consumers.
-  registers_increase<232>();
+  registers_increase<Shape::kConsumerRegisters>();
   const int consumer = group - 1, warp_in_group = warp % 4;
   const int warp_row0 = consumer * 64 + warp_in_group * 16;  // this warp's rows in the tile
-  const int thread_row0 = m0 + warp_row0 + lane / 4;
-
-  RowSoftmaxState<Warp> st;
-#pragma unroll
-  for (int nd = 0; nd < Warp::kOFrags; ++nd)
-#pragma unroll
-    for (int e = 0; e < 4; ++e) st.o[0][nd][e] = 0.f;
-  st.row_max[0][0] = st.row_max[0][1] = -positive_infinity();
-  st.row_sum[0][0] = st.row_sum[0][1] = 0.f;
-  float(&o_flat)[Shape::kHeadDim / 2] = reinterpret_cast<float(&)[Shape::kHeadDim / 2]>(st.o);
+  // Ping-pong token: consumer c waits on barrier 1 + c (its own 128 threads plus the previous
+  // consumer's 128 arriving), then passes the token on. The first consumer starts holding it.
+  const int my_turn = 1 + consumer, next_turn = 1 + (consumer + 1) % kConsumers;
+  if (Shape::kPingPong && consumer == 0) named_barrier_arrive(my_turn, 256);
+  auto wait_turn = [&] { if (Shape::kPingPong) named_barrier_sync(my_turn, 256); };
+  auto pass_turn = [&] { if (Shape::kPingPong) named_barrier_arrive(next_turn, 256); };
 
   const float scale_log2 = Config::kHasSoftcap ? kLog2e : p.softmax_scale * kLog2e;
   const float softcap_scale = Config::kHasSoftcap ? p.softmax_scale / p.softcap : 0.f;
 
-  mbarrier_wait(bar_q, 0);
-  for (int t = 0; t < num_tiles; ++t) {
-    const int stage = t % kStages, round = t / kStages;
-    const int n0 = (n_block_max - 1 - t) * kBlockN;
-    mbarrier_wait(bar_full(stage), round & 1);
-
-    // S = Q K^T: 16 k-steps of 16 values per 64-value panel advance the descriptors by 32 bytes.
-    float s[1][Warp::kSFrags][4];
-    float(&s_flat)[kBlockN / 2] = reinterpret_cast<float(&)[kBlockN / 2]>(s);
-    fence_operands(s_flat);
-    wgmma_fence();
+  // S = Q K^T into `s` (async; the caller commits): 16-value k-steps advance both K-major
+  // descriptors by 32 bytes inside a 64-value panel.
+  auto issue_qk = [&](float (&s)[kBlockN / 2], int stage) {
+    unsigned long long q_tile = smem_descriptor_sw128(sQ + consumer * 64 * 128, 16, 1024);
+    launder(q_tile);
+    const unsigned long long k_tile = smem_descriptor_sw128(sK + stage * Shape::kKVTileBytes, 16, 1024);
 #pragma unroll
     for (int ks = 0; ks < Shape::kHeadDim / 16; ++ks) {
       const unsigned k_bytes = (ks % 4) * 32;
-      const unsigned long long desc_q = smem_descriptor_sw128(
-          sQ + (ks / 4) * Shape::kQPanelBytes + consumer * 64 * 128 + k_bytes, 16, 1024);
-      const unsigned long long desc_k = smem_descriptor_sw128(
-          sK + stage * Shape::kKVTileBytes + (ks / 4) * Shape::kKVPanelBytes + k_bytes, 16, 1024);
-      wgmma_ss<Element, kBlockN>(s_flat, desc_q, desc_k, ks > 0);
+      Config::wgmma_qk(s, smem_descriptor_advance(q_tile, (ks / 4) * Shape::kQPanelBytes + k_bytes),
+                       smem_descriptor_advance(k_tile, (ks / 4) * Shape::kKVPanelBytes + k_bytes), ks > 0);
     }
-    wgmma_commit();
-    wgmma_wait<0>();
-    fence_operands(s_flat);
-
+  };
+  // O += P V (async): V is MN-major, each 16-key step is 16 rows (2048 bytes) further, and the
+  // 64-dim panels are kKVPanelBytes apart (the descriptor's leading offset).
+  auto issue_pv = [&](float (&o)[Shape::kHeadDim / 2], unsigned (&a)[kBlockN / 16][4], int stage) {
+    const unsigned long long v_tile =
+        smem_descriptor_sw128(sV + stage * Shape::kKVTileBytes, Shape::kKVPanelBytes, 1024);
+#pragma unroll
+    for (int ks = 0; ks < kBlockN / 16; ++ks) Config::wgmma_pv(o, a[ks], smem_descriptor_advance(v_tile, ks * 16 * 128), true);
+  };
+  // Softcap and the mask of tile n0 on fresh scores, then the softmax's first half.
+  auto scores_to_probabilities = [&](RowSoftmaxState<Warp>& st, float (&s)[1][Warp::kSFrags][4],
+                                     const SequenceExtent& seq, int m0, int n0) {
     if constexpr (Config::kHasSoftcap) {
 #pragma unroll
       for (int ni = 0; ni < Warp::kSFrags; ++ni)
@@ -186,15 +242,16 @@ __device__ void sm90_fwd_kernel(const AttentionSm90FwdParams& params) {
         for (int e = 0; e < 4; ++e) s[0][ni][e] = p.softcap * tanh_accurate(s[0][ni][e] * softcap_scale);
     }
     // Varlen: rows past this sequence hold the next one's keys, not zeros; masking removes them.
-    const bool needs_mask = n0 + kBlockN > seq.seqlen_k ||
-                            (has_right && n0 + kBlockN - 1 > m0 + diagonal + p.window_right) ||
-                            (has_left && n0 < m0 + kBlockM - 1 + diagonal - p.window_left);
-    if (needs_mask) mask_tile<Warp, kMask>(s, p, thread_row0, n0, lane, seq.seqlen_k, diagonal);
-    online_softmax<Warp>(st, s, scale_log2);
-
-    // O += P V: P from the S registers (C layout of two n8 tiles = A layout of one k16 step), V
-    // MN-major: each k-step is 16 key rows further (2048 bytes); panels of 64 dims are kKVPanelBytes apart.
-    unsigned a[kBlockN / 16][4];
+    const int diagonal = seq.seqlen_k - seq.seqlen_q;
+    const bool needs_mask =
+        n0 + kBlockN > seq.seqlen_k ||
+        (kMask != MaskKind::kNone && p.window_right >= 0 && n0 + kBlockN - 1 > m0 + diagonal + p.window_right) ||
+        (kMask == MaskKind::kWindow && p.window_left >= 0 && n0 < m0 + kBlockM - 1 + diagonal - p.window_left);
+    if (warp_uniform(needs_mask)) mask_tile<Warp, kMask>(s, p, m0 + warp_row0 + lane / 4, n0, lane, seq.seqlen_k, diagonal);
+    return softmax_scores<Warp>(st, s, scale_log2);
+  };
+  // P as wgmma A fragments: the C layout of two n8 tiles is the A layout of one k16 step.
+  auto pack_probabilities = [&](unsigned (&a)[kBlockN / 16][4], const float (&s)[1][Warp::kSFrags][4]) {
 #pragma unroll
     for (int ks = 0; ks < kBlockN / 16; ++ks) {
       a[ks][0] = pack2<Element>(s[0][2 * ks][0], s[0][2 * ks][1]);
@@ -202,46 +259,124 @@ __device__ void sm90_fwd_kernel(const AttentionSm90FwdParams& params) {
       a[ks][2] = pack2<Element>(s[0][2 * ks + 1][0], s[0][2 * ks + 1][1]);
       a[ks][3] = pack2<Element>(s[0][2 * ks + 1][2], s[0][2 * ks + 1][3]);
     }
-    fence_operands(a);
-    fence_operands(o_flat);
-    wgmma_fence();
-#pragma unroll
-    for (int ks = 0; ks < kBlockN / 16; ++ks) {
-      const unsigned long long desc_v =
-          smem_descriptor_sw128(sV + stage * Shape::kKVTileBytes + ks * 16 * 128, Shape::kKVPanelBytes, 1024);
-      wgmma_rs_b_mn_major<Element, Shape::kHeadDim>(o_flat, a[ks], desc_v, true);
-    }
-    wgmma_commit();
-    wgmma_wait<0>();
-    fence_operands(o_flat);
-    fence_operands(a);
-    if (lane == 0) mbarrier_arrive(bar_empty(stage));  // this warp is done with K and V of the stage
-  }
+  };
+  // This warp is done with the K (or V) tile of a stage.
+  auto release = [&](unsigned empty_barrier) {
+    if (lane == 0) mbarrier_arrive(empty_barrier);
+  };
 
-  // Epilogue: normalise and store O straight from the registers (4-byte pairs), and the LSE.
-  Element* gO = static_cast<Element*>(p.o) + seq.o_batch_offset + seq.q_start * p.o_row_stride +
-               head * p.o_head_stride;
+  int kv_count = 0, q_count = 0;
+  for (int index = blockIdx.x; index < num_work_tiles; index += gridDim.x) {
+    const Sm90WorkTile work = sm90_work_tile(params, index);
+    const int m0 = work.m_block * kBlockM;
+    const SequenceExtent seq = sequence_extent(p, work.batch);
+    if (warp_uniform(m0 >= seq.seqlen_q)) continue;
+    KeyTileRange keys = key_tile_range<kBlockM, kBlockN, kMask>(p, seq, m0);
+    keys.n_block_min = warp_uniform(keys.n_block_min);
+    keys.n_block_max = warp_uniform(keys.n_block_max);
+
+    RowSoftmaxState<Warp> st;
 #pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    float sum = st.row_sum[0][h];
-    sum += __shfl_xor_sync(0xffffffffu, sum, 1);
-    sum += __shfl_xor_sync(0xffffffffu, sum, 2);
-    const float inv_sum = sum > 0.f ? 1.f / sum : 0.f;
-    const int row = thread_row0 + h * 8;
-    if (row >= seq.seqlen_q) continue;
-    Element* out_row = gO + static_cast<long long>(row) * p.o_row_stride;
+    for (int nd = 0; nd < Warp::kOFrags; ++nd)
 #pragma unroll
-    for (int nd = 0; nd < Warp::kOFrags; ++nd) {
-      const int col = nd * 8 + (lane % 4) * 2;
-      if (col < p.head_dim)
-        *reinterpret_cast<unsigned*>(out_row + col) =
-            pack2<Element>(st.o[0][nd][2 * h] * inv_sum, st.o[0][nd][2 * h + 1] * inv_sum);
+      for (int e = 0; e < 4; ++e) st.o[0][nd][e] = 0.f;
+    st.row_max[0][0] = st.row_max[0][1] = -positive_infinity();
+    st.row_sum[0][0] = st.row_sum[0][1] = 0.f;
+    float(&o_flat)[Shape::kHeadDim / 2] = reinterpret_cast<float(&)[Shape::kHeadDim / 2]>(st.o);
+
+    mbarrier_wait(bar_q_full, q_count++ & 1);
+    if (keys.count() > 0) {
+      // The first (last in key order) tile: S, then its softmax; O is still zero.
+      int stage = kv_count % kStages;
+      unsigned a[kBlockN / 16][4];
+      {
+        float s[1][Warp::kSFrags][4];
+        float(&s_flat)[kBlockN / 2] = reinterpret_cast<float(&)[kBlockN / 2]>(s);
+        mbarrier_wait(bar_k_full(stage), (kv_count / kStages) & 1);
+        wait_turn();
+        fence_operands(s_flat);
+        wgmma_fence();
+        issue_qk(s_flat, stage);
+        wgmma_commit();
+        pass_turn();
+        wgmma_wait<0>();
+        fence_operands(s_flat);
+        release(bar_k_empty(stage));
+        scores_to_probabilities(st, s, seq, m0, (keys.n_block_max - 1) * kBlockN);
+        pack_probabilities(a, s);
+      }
+      for (int n_block = keys.n_block_max - 2; n_block >= keys.n_block_min; --n_block) {
+        const int next = (kv_count + 1) % kStages;
+        float s[1][Warp::kSFrags][4];
+        float(&s_flat)[kBlockN / 2] = reinterpret_cast<float(&)[kBlockN / 2]>(s);
+        mbarrier_wait(bar_k_full(next), ((kv_count + 1) / kStages) & 1);
+        mbarrier_wait(bar_v_full(stage), (kv_count / kStages) & 1);
+        wait_turn();
+        fence_operands(s_flat);
+        fence_operands(o_flat);
+        fence_operands(a);
+        wgmma_fence();
+        issue_qk(s_flat, next);
+        wgmma_commit();
+        issue_pv(o_flat, a, stage);
+        wgmma_commit();
+        pass_turn();
+        wgmma_wait<1>();  // S of the next tile is ready; P V still runs
+        fence_operands(s_flat);
+        release(bar_k_empty(next));
+        const OutputRescale<Warp> rescale = scores_to_probabilities(st, s, seq, m0, n_block * kBlockN);
+        wgmma_wait<0>();
+        fence_operands(o_flat);
+        fence_operands(a);
+        release(bar_v_empty(stage));
+        rescale_output(st, rescale);
+        pack_probabilities(a, s);
+        stage = next;
+        ++kv_count;
+      }
+      // Q is no longer read: the producer may load the next work tile's.
+      if (lane == 0) mbarrier_arrive(bar_q_empty);
+      mbarrier_wait(bar_v_full(stage), (kv_count / kStages) & 1);
+      fence_operands(o_flat);
+      fence_operands(a);
+      wgmma_fence();
+      issue_pv(o_flat, a, stage);
+      wgmma_commit();
+      wgmma_wait<0>();
+      fence_operands(o_flat);
+      fence_operands(a);
+      release(bar_v_empty(stage));
+      ++kv_count;
+    } else if (lane == 0) {
+      mbarrier_arrive(bar_q_empty);
     }
-    if (p.lse != nullptr && lane % 4 == 0) {
-      const float max_natural = Config::kHasSoftcap ? st.row_max[0][h] : st.row_max[0][h] * p.softmax_scale;
-      const long long lse_row = p.cu_seqlens_q != nullptr ? seq.q_start + row : row;
-      p.lse[batch * p.lse_batch_stride + head * p.lse_head_stride + lse_row] =
-          sum > 0.f ? max_natural + logf(sum) : positive_infinity();
+
+    // Epilogue: normalise and store O straight from the registers (4-byte pairs), and the LSE.
+    Element* gO = static_cast<Element*>(p.o) + seq.o_batch_offset + seq.q_start * p.o_row_stride +
+                  work.head * p.o_head_stride;
+    const int thread_row0 = m0 + warp_row0 + lane / 4;
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      float sum = st.row_sum[0][h];
+      sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+      sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+      const float inv_sum = sum > 0.f ? 1.f / sum : 0.f;
+      const int row = thread_row0 + h * 8;
+      if (row >= seq.seqlen_q) continue;
+      Element* out_row = gO + static_cast<long long>(row) * p.o_row_stride;
+#pragma unroll
+      for (int nd = 0; nd < Warp::kOFrags; ++nd) {
+        const int col = nd * 8 + (lane % 4) * 2;
+        if (col < p.head_dim)
+          *reinterpret_cast<unsigned*>(out_row + col) =
+              pack2<Element>(o_flat[4 * nd + 2 * h] * inv_sum, o_flat[4 * nd + 2 * h + 1] * inv_sum);
+      }
+      if (p.lse != nullptr && lane % 4 == 0) {
+        const float max_natural = Config::kHasSoftcap ? st.row_max[0][h] : st.row_max[0][h] * p.softmax_scale;
+        const long long lse_row = varlen ? seq.q_start + row : row;
+        p.lse[work.batch * p.lse_batch_stride + work.head * p.lse_head_stride + lse_row] =
+            sum > 0.f ? max_natural + logf(sum) : positive_infinity();
+      }
     }
   }
 }

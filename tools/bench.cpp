@@ -157,7 +157,11 @@ int run(const Options& o) {
     }
     if (o.sweep) {
       // Every legal candidate that compiles without spills, timed; the fastest is kept in options.
-      const Family family = o.backward ? Family::fa2_bwd : Family::fa2_fwd;
+      const Family family =
+          o.backward ? Family::fa2_bwd
+                     : detail::forward_family(detail::make_forward_problem(view(q), view(k), view(v), view(out),
+                                                                           &lse_view, nullptr, options),
+                                              device.arch());
       const auto candidates = candidate_specs(family, device.arch(), dtype,
                                               detail::kernel_head_dim(family, r.head_dim),
                                               r.causal ? MaskKind::causal : MaskKind::none, false);
@@ -260,7 +264,7 @@ int main(int argc, char** argv) {
   app.add_option("--tokens", o.tokens, "batch x seqlen per row");
   app.add_option("--hidden", o.hidden, "heads x head_dim per row");
   app.add_option("--dtype", o.dtype, "bf16 or fp16");
-  app.add_option("--backend", o.backend, "auto, reference, fa2 or sm90 (draft)");
+  app.add_option("--backend", o.backend, "auto, reference, fa2 or sm90");
   app.add_option("--warmup", o.warmup, "Untimed calls first");
   app.add_option("--iters", o.iters, "Timed calls (median reported)");
   app.add_option("--device", o.device, "CUDA device ordinal");

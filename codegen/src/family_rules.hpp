@@ -36,6 +36,8 @@ struct FamilyRules {
   int (*dynamic_smem_bytes)(const KernelSpec&);  // the most any entry needs (the smem attribute)
   // What entry `index` is launched with; null: every entry uses dynamic_smem_bytes.
   int (*entry_smem_bytes)(const KernelSpec&, int index) = nullptr;
+  // Extra members of the rendered Config (e.g. the wgmma wrappers of the spec's shapes); null: none.
+  std::string (*config_members)(const KernelSpec&) = nullptr;
 };
 
 const FamilyRules& family_rules(Family family);

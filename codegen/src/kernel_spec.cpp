@@ -53,6 +53,12 @@ bool family_covers(Family family, const Arch& arch, int head_dim) {
          std::find(rules.head_dims.begin(), rules.head_dims.end(), head_dim) != rules.head_dims.end();
 }
 
+std::optional<int> family_kernel_head_dim(Family family, int head_dim) {
+  for (int kernel_head_dim : family_rules(family).head_dims)  // ascending
+    if (kernel_head_dim >= head_dim) return kernel_head_dim;
+  return std::nullopt;
+}
+
 // ---------------------------------------------------------------------------------------------
 // Arch
 

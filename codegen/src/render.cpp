@@ -53,11 +53,13 @@ Source render(const KernelSpec& spec) {
                  "  static constexpr flashjit::kernels::MaskKind kMask = {};\n"
                  "  static constexpr bool kHasSoftcap = {};\n"
                  "  static constexpr int kArch = {};\n"
+                 "{}"
                  "}};\n"
                  "}}  // namespace flashjit_generated\n",
                  source.spec_name, rules.template_include, element_type(spec.dtype),
                  spec.head_dim, spec.block_m, spec.block_n, spec.num_warps, spec.num_stages,
-                 mask_constant(spec.mask), spec.has_softcap ? "true" : "false", spec.arch.sm);
+                 mask_constant(spec.mask), spec.has_softcap ? "true" : "false", spec.arch.sm,
+                 rules.config_members ? rules.config_members(spec) : std::string());
 
   const int threads = rules.threads(spec);
   for (const auto& entry : rules.entries) {

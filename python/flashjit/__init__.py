@@ -66,7 +66,8 @@ def _view(tensor, name):
     return t
 
 
-def _options(tensor, softmax_scale, causal, window_left, window_right, softcap, backend="auto", deterministic=False):
+def _options(tensor, softmax_scale, causal, window_left, window_right, softcap, backend="auto", deterministic=False,
+             sm_margin=0):
     o = _capi.AttentionOptions()
     _lib.flashjit_attention_options_init(ctypes.byref(o))
     if softmax_scale is not None:
@@ -76,6 +77,7 @@ def _options(tensor, softmax_scale, causal, window_left, window_right, softcap, 
     o.softcap = float(softcap)
     o.backend = _capi.BACKENDS[backend]
     o.deterministic = bool(deterministic)
+    o.sm_margin = int(sm_margin)
     o.stream = _torch().cuda.current_stream(tensor.device).cuda_stream
     return o
 
@@ -96,12 +98,12 @@ def _kernel_ready(t):
 
 # The raw calls, on the current stream of the tensors' device. The custom ops in _torch_ops wrap them.
 
-def _forward(q, k, v, softmax_scale, causal, window_left, window_right, softcap, backend):
+def _forward(q, k, v, softmax_scale, causal, window_left, window_right, softcap, backend, sm_margin):
     torch = _torch()
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     lse = torch.empty((q.shape[0], q.shape[2], q.shape[1]), dtype=torch.float32, device=q.device)
     with torch.cuda.device(q.device):
-        options = _options(q, softmax_scale, causal, window_left, window_right, softcap, backend)
+        options = _options(q, softmax_scale, causal, window_left, window_right, softcap, backend, sm_margin=sm_margin)
         _check(_lib.flashjit_forward(ctypes.byref(_view(q, "q")), ctypes.byref(_view(k, "k")),
                                      ctypes.byref(_view(v, "v")), ctypes.byref(_view(out, "out")),
                                      ctypes.byref(_view(lse, "lse")), ctypes.byref(options)))
@@ -122,12 +124,12 @@ def _backward(dout, q, k, v, out, lse, softmax_scale, causal, window_left, windo
 
 
 def _forward_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
-                    window_left, window_right, softcap, backend):
+                    window_left, window_right, softcap, backend, sm_margin):
     torch = _torch()
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     lse = torch.empty((q.shape[1], q.shape[0]), dtype=torch.float32, device=q.device)
     with torch.cuda.device(q.device):
-        options = _options(q, softmax_scale, causal, window_left, window_right, softcap, backend)
+        options = _options(q, softmax_scale, causal, window_left, window_right, softcap, backend, sm_margin=sm_margin)
         _check(_lib.flashjit_forward_varlen(
             ctypes.byref(_view(q, "q")), ctypes.byref(_view(k, "k")), ctypes.byref(_view(v, "v")),
             ctypes.byref(_view(out, "out")), ctypes.byref(_view(lse, "lse")),
@@ -172,7 +174,7 @@ def _same_device(tensors, names):
 
 def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
                     softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False,
-                    return_lse=False, backend="auto"):
+                    return_lse=False, backend="auto", sm_margin=0):
     """softmax(q k^T * scale + mask) v, differentiable in q, k and v.
 
     q: (batch, seqlen_q, heads_q, head_dim); k, v: (batch, seqlen_k, heads_kv, head_dim), fp16 or bf16,
@@ -180,6 +182,7 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
     causal is bottom-right aligned; window_size=(left, right) with -1 for unbounded. Returns out
     (like q), and with return_lse=True also the float32 logsumexp (batch, heads_q, seqlen_q), which
     is not differentiable. deterministic=True makes the backward bitwise reproducible (slower).
+    sm_margin: SMs the persistent Hopper forward leaves free for other kernels (as in FlashAttention-3).
     A torch custom op (torch.ops.flashjit.attention), so torch.compile traces through it.
     """
     _unsupported(dropout_p, alibi_slopes, return_attn_probs)
@@ -190,17 +193,17 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
     _same_device((q, k, v), ("q", "k", "v"))
     if _needs_autograd_or_tracing(q, k, v):
         out, lse = _ops().attention(q, k, v, softmax_scale, bool(causal), int(window_size[0]), int(window_size[1]),
-                                    float(softcap), backend, bool(deterministic))
+                                    float(softcap), backend, int(sm_margin), bool(deterministic))
     else:  # inference: the raw call, without the custom op's dispatch
         out, lse = _forward(q, k, v, softmax_scale, bool(causal), int(window_size[0]), int(window_size[1]),
-                            float(softcap), backend)
+                            float(softcap), backend, int(sm_margin))
     return (out, lse) if return_lse else out
 
 
 def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
                            softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
                            alibi_slopes=None, deterministic=False, return_attn_probs=False, return_lse=False,
-                           backend="auto"):
+                           backend="auto", sm_margin=0):
     """Variable-length batch, packed: q (total_q, heads_q, head_dim), k and v (total_k, heads_kv,
     head_dim); sequence b is rows cu_seqlens[b]:cu_seqlens[b+1] (int32, on the device). Returns out,
     and with return_lse=True the float32 logsumexp (heads_q, total_q). Differentiable in q, k, v."""
@@ -213,11 +216,11 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     if _needs_autograd_or_tracing(q, k, v):
         out, lse = _ops().attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k),
                                            softmax_scale, bool(causal), int(window_size[0]), int(window_size[1]),
-                                           float(softcap), backend, bool(deterministic))
+                                           float(softcap), backend, int(sm_margin), bool(deterministic))
     else:
         out, lse = _forward_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k),
                                    softmax_scale, bool(causal), int(window_size[0]), int(window_size[1]),
-                                   float(softcap), backend)
+                                   float(softcap), backend, int(sm_margin))
     return (out, lse) if return_lse else out
 
 

@@ -32,6 +32,7 @@ class AttentionOptions(ctypes.Structure):
         ("backend", ctypes.c_int32),
         ("stream", ctypes.c_void_p),
         ("deterministic", ctypes.c_int32),
+        ("sm_margin", ctypes.c_int32),
     ]
 
 

@@ -13,11 +13,12 @@ def register(impl):
 
     @torch.library.custom_op("flashjit::attention", mutates_args=(), device_types="cuda")
     def attention(q: Tensor, k: Tensor, v: Tensor, softmax_scale: Optional[float], causal: bool, window_left: int,
-                  window_right: int, softcap: float, backend: str, deterministic: bool) -> Tuple[Tensor, Tensor]:
-        return impl._forward(q, k, v, softmax_scale, causal, window_left, window_right, softcap, backend)
+                  window_right: int, softcap: float, backend: str, sm_margin: int,
+                  deterministic: bool) -> Tuple[Tensor, Tensor]:
+        return impl._forward(q, k, v, softmax_scale, causal, window_left, window_right, softcap, backend, sm_margin)
 
     @attention.register_fake
-    def _(q, k, v, softmax_scale, causal, window_left, window_right, softcap, backend, deterministic):
+    def _(q, k, v, softmax_scale, causal, window_left, window_right, softcap, backend, sm_margin, deterministic):
         return (torch.empty(q.shape, dtype=q.dtype, device=q.device),
                 torch.empty((q.shape[0], q.shape[2], q.shape[1]), dtype=torch.float32, device=q.device))
 
@@ -33,7 +34,7 @@ def register(impl):
         return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
     def setup_context(ctx, inputs, output):
-        q, k, v, softmax_scale, causal, window_left, window_right, softcap, _backend, deterministic = inputs
+        q, k, v, softmax_scale, causal, window_left, window_right, softcap, _backend, _sm_margin, deterministic = inputs
         out, lse = output
         ctx.mark_non_differentiable(lse)  # a loss through the LSE fails loudly instead of losing its gradient
         ctx.save_for_backward(q, k, v, out, lse)
@@ -42,21 +43,21 @@ def register(impl):
     def backward(ctx, dout, _dlse):  # the LSE output is not differentiable (as in flash-attn)
         q, k, v, out, lse = ctx.saved_tensors
         dq, dk, dv = attention_backward(dout, q, k, v, out, lse, *ctx.options)
-        return dq, dk, dv, None, None, None, None, None, None, None
+        return (dq, dk, dv) + (None,) * 8
 
     attention.register_autograd(backward, setup_context=setup_context)
 
     @torch.library.custom_op("flashjit::attention_varlen", mutates_args=(), device_types="cuda")
     def attention_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor,
                          max_seqlen_q: int, max_seqlen_k: int, softmax_scale: Optional[float], causal: bool,
-                         window_left: int, window_right: int, softcap: float, backend: str,
+                         window_left: int, window_right: int, softcap: float, backend: str, sm_margin: int,
                          deterministic: bool) -> Tuple[Tensor, Tensor]:
         return impl._forward_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
-                                    causal, window_left, window_right, softcap, backend)
+                                    causal, window_left, window_right, softcap, backend, sm_margin)
 
     @attention_varlen.register_fake
     def _(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal, window_left,
-          window_right, softcap, backend, deterministic):
+          window_right, softcap, backend, sm_margin, deterministic):
         return (torch.empty(q.shape, dtype=q.dtype, device=q.device),
                 torch.empty((q.shape[1], q.shape[0]), dtype=torch.float32, device=q.device))
 
@@ -75,7 +76,7 @@ def register(impl):
 
     def setup_context_varlen(ctx, inputs, output):
         (q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal, window_left,
-         window_right, softcap, _backend, deterministic) = inputs
+         window_right, softcap, _backend, _sm_margin, deterministic) = inputs
         out, lse = output
         ctx.mark_non_differentiable(lse)
         ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k)
@@ -85,7 +86,7 @@ def register(impl):
     def backward_varlen(ctx, dout, _dlse):
         q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k = ctx.saved_tensors
         dq, dk, dv = attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *ctx.options)
-        return (dq, dk, dv) + (None,) * 11
+        return (dq, dk, dv) + (None,) * 12
 
     attention_varlen.register_autograd(backward_varlen, setup_context=setup_context_varlen)
 

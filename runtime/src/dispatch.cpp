@@ -7,33 +7,41 @@
 
 #include <fmt/format.h>
 
+#include "tma.hpp"
+
 namespace flashjit {
 namespace detail {
 
 int kernel_head_dim(Family family, int head_dim) {
-  // Kernels come in multiples of 32 up to 256; the Hopper family's in whole 64-value TMA panels.
-  const int step = family == Family::sm90_fwd ? 64 : 32;
-  const int rounded = (head_dim + step - 1) / step * step;
-  if (rounded > 256)
+  const auto kernel_head_dim = family_kernel_head_dim(family, head_dim);
+  if (!kernel_head_dim)
     throw Error(ErrorCode::unsupported, "dispatch", fmt::format("head_dim {} is over 256", head_dim));
-  return rounded;
+  return *kernel_head_dim;
+}
+
+Family forward_family(const ForwardProblem& problem, const Arch& arch) {
+  const bool hopper = arch.arch_specific && arch.sm == 90;
+  switch (problem.backend) {
+    case Backend::automatic:
+      // The Hopper family reads q, k and v through TMA maps; layouts TMA cannot describe fall back.
+      return hopper && !tma_unusable_reason(problem) ? Family::sm90_fwd : Family::fa2_fwd;
+    case Backend::reference: return Family::reference_fwd;
+    case Backend::fa2: return Family::fa2_fwd;
+    case Backend::sm90:
+      if (!hopper)
+        throw Error(ErrorCode::unsupported, "dispatch",
+                    fmt::format("sm90_fwd needs an sm_90 device, this one is {}", arch.name()));
+      if (auto reason = tma_unusable_reason(problem))
+        throw Error(ErrorCode::invalid_argument, "forward", fmt::format("backend sm90: {}", *reason));
+      return Family::sm90_fwd;
+  }
+  return Family::fa2_fwd;
 }
 
 namespace {
 
 KernelSpec select_for_arch(const ForwardProblem& problem, const Arch& arch) {
-  Family family = Family::fa2_fwd;
-  switch (problem.backend) {
-    case Backend::automatic: break;
-    case Backend::reference: family = Family::reference_fwd; break;
-    case Backend::fa2: family = Family::fa2_fwd; break;
-    case Backend::sm90:
-      if (!arch.arch_specific || arch.sm != 90)
-        throw Error(ErrorCode::unsupported, "dispatch",
-                    fmt::format("sm90_fwd needs an sm_90 device, this one is {}", arch.name()));
-      family = Family::sm90_fwd;
-      break;
-  }
+  const Family family = forward_family(problem, arch);
   return default_spec(family, arch, problem.dtype, kernel_head_dim(family, problem.head_dim),
                       problem.mask, problem.has_softcap);
 }
@@ -60,6 +68,8 @@ void check_forced_kernel(const KernelSpec& spec, const ForwardProblem& problem, 
   if (spec.arch != arch)
     throw bad(fmt::format("arch {} but the device is {}", spec.arch.name(), arch.name()));
   if (auto reason = spec.validate()) throw bad(*reason);
+  if (spec.family == Family::sm90_fwd)
+    if (auto reason = tma_unusable_reason(problem)) throw bad(*reason);
 }
 
 Arch checked_arch(const DeviceProperties& device) {
@@ -112,7 +122,7 @@ KernelSpec select_forward_kernel(const ForwardProblem& problem, const DeviceProp
     return *problem.forced_kernel;
   }
   if (problem.backend != Backend::reference)
-    if (auto spec = tuned_spec(tuning, problem, device, Family::fa2_fwd)) return *spec;
+    if (auto spec = tuned_spec(tuning, problem, device, forward_family(problem, arch))) return *spec;
   return select_for_arch(problem, arch);
 }
 

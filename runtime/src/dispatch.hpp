@@ -11,6 +11,11 @@ namespace flashjit::detail {
 // The smallest kernel head dim of `family` that holds `head_dim`.
 int kernel_head_dim(Family family, int head_dim);
 
+// The forward family for a problem on `arch`: the backend's, or for the automatic backend sm90_fwd
+// on sm_90 devices when TMA can read the tensors and fa2_fwd otherwise. Throws when a forced
+// backend cannot run the problem here.
+Family forward_family(const ForwardProblem& problem, const Arch& arch);
+
 // The tuning key of a problem for `family` (fa2_fwd or fa2_bwd).
 ProblemKey problem_key(const ForwardProblem& problem, Family family);
 

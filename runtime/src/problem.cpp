@@ -360,7 +360,10 @@ ForwardProblem make_forward_problem(const TensorView& q, const TensorView& k, co
   if (window_left >= 0 || window_right >= 0)
     p.mask = window_left < 0 && window_right == 0 ? MaskKind::causal : MaskKind::window;
   p.has_softcap = options.softcap > 0.f;
+  if (options.sm_margin < 0)
+    throw bad(fmt::format("sm_margin must be >= 0 (SMs to leave free), got {}", options.sm_margin));
   p.backend = options.backend;
+  p.sm_margin = options.sm_margin;
   p.forced_kernel = options.kernel;
   p.stream = options.stream;
 

@@ -22,6 +22,7 @@ struct ForwardProblem {
   MaskKind mask = MaskKind::none;
   bool has_softcap = false;
   Backend backend = Backend::automatic;
+  int sm_margin = 0;
   std::optional<KernelSpec> forced_kernel;
   void* stream = nullptr;
   AttentionFwdParams params{};

@@ -1,3 +1,5 @@
+#include <algorithm>
+
 #include <fmt/format.h>
 
 #include "dispatch.hpp"
@@ -26,6 +28,41 @@ Grid forward_grid(const KernelSpec& spec, const ForwardProblem& p) {
 }
 
 unsigned blocks(int extent, int tile) { return static_cast<unsigned>((extent + tile - 1) / tile); }
+
+// The Hopper forward's arguments: TMA maps (varlen tensors mapped as one batch entry of packed
+// rows) and its persistent schedule.
+AttentionSm90FwdParams sm90_forward_params(const KernelSpec& spec, const ForwardProblem& problem,
+                                           const DeviceProperties& device) {
+  const AttentionFwdParams& a = problem.params;
+  const int rows_q = problem.is_varlen ? problem.total_q : a.seqlen_q;
+  const int rows_k = problem.is_varlen ? problem.total_k : a.seqlen_k;
+  const int batches = problem.is_varlen ? 1 : a.batch;
+  AttentionSm90FwdParams params;
+  params.fwd = a;
+  params.q_map = make_attention_tma_map(a.q, problem.dtype, a.head_dim, rows_q, a.num_heads_q, batches,
+                                        a.q_row_stride, a.q_head_stride, a.q_batch_stride, spec.block_m);
+  params.k_map = make_attention_tma_map(a.k, problem.dtype, a.head_dim, rows_k, a.num_heads_kv, batches,
+                                        a.k_row_stride, a.k_head_stride, a.k_batch_stride, spec.block_n);
+  params.v_map = make_attention_tma_map(a.v, problem.dtype, a.head_dim, rows_k, a.num_heads_kv, batches,
+                                        a.v_row_stride, a.v_head_stride, a.v_batch_stride, spec.block_n);
+  params.num_m_blocks = static_cast<int>(blocks(problem.seqlen_q, spec.block_m));
+  // Sections of (batch, head) pairs whose K/V (shared by a GQA group) fill half the L2, so the
+  // CTAs working on a section reread K/V from L2 rather than HBM.
+  const long long kv_bytes_per_pair =
+      std::max(1ll, 4ll * problem.seqlen_k * spec.head_dim / (problem.heads_q / problem.heads_kv));
+  params.section_pairs = static_cast<int>(std::clamp(device.l2_bytes / 2 / kv_bytes_per_pair, 1ll,
+                                                     static_cast<long long>(problem.heads_q) * problem.batch));
+  return params;
+}
+
+Grid sm90_persistent_grid(const KernelSpec& spec, const ForwardProblem& problem, const DeviceProperties& device) {
+  if (problem.sm_margin >= device.sm_count)
+    throw Error(ErrorCode::invalid_argument, "forward",
+                fmt::format("sm_margin {} leaves none of the device's {} SMs", problem.sm_margin, device.sm_count));
+  const long long work_tiles = static_cast<long long>(blocks(problem.seqlen_q, spec.block_m)) * problem.heads_q *
+                               problem.batch;
+  return {static_cast<unsigned>(std::min<long long>(work_tiles, device.sm_count - problem.sm_margin)), 1, 1};
+}
 
 // Entry indices of the fa2_bwd family, in its fixed order (codegen/src/families/fa2_bwd.cpp).
 enum BwdEntry { kPreprocess, kDkdvAtomicDq, kDkdv, kDq, kConvertDq };
@@ -79,20 +116,8 @@ struct Runtime::Impl {
     const KernelSpec spec = select_forward_kernel(problem, device, &tuning);
     const LoadedKernel& kernel = modules.get(spec, device);
     if (spec.family == Family::sm90_fwd) {
-      // Varlen tensors are mapped as one batch entry of packed rows.
-      const AttentionFwdParams& a = problem.params;
-      const int rows_q = problem.is_varlen ? problem.total_q : a.seqlen_q;
-      const int rows_k = problem.is_varlen ? problem.total_k : a.seqlen_k;
-      const int batches = problem.is_varlen ? 1 : a.batch;
-      AttentionSm90FwdParams params;
-      params.fwd = a;
-      params.q_map = make_attention_tma_map(a.q, problem.dtype, a.head_dim, rows_q, a.num_heads_q, batches,
-                                            a.q_row_stride, a.q_head_stride, a.q_batch_stride, spec.block_m);
-      params.k_map = make_attention_tma_map(a.k, problem.dtype, a.head_dim, rows_k, a.num_heads_kv, batches,
-                                            a.k_row_stride, a.k_head_stride, a.k_batch_stride, spec.block_n);
-      params.v_map = make_attention_tma_map(a.v, problem.dtype, a.head_dim, rows_k, a.num_heads_kv, batches,
-                                            a.v_row_stride, a.v_head_stride, a.v_batch_stride, spec.block_n);
-      launch(kernel, spec, 0, forward_grid(spec, problem), problem.stream, params);
+      launch(kernel, spec, 0, sm90_persistent_grid(spec, problem, device), problem.stream,
+             sm90_forward_params(spec, problem, device));
       return;
     }
     launch(kernel, spec, 0, forward_grid(spec, problem), problem.stream, problem.params);

@@ -1,6 +1,9 @@
 #include "tma.hpp"
 
+#include <cstdint>
 #include <cstring>
+
+#include <fmt/format.h>
 
 #include "driver.hpp"
 
@@ -31,6 +34,34 @@ TmaDescriptor make_attention_tma_map(const void* data, DType dtype, int head_dim
   TmaDescriptor descriptor;
   std::memcpy(&descriptor, &map, sizeof map);
   return descriptor;
+}
+
+std::optional<std::string> tma_unusable_reason(const ForwardProblem& problem) {
+  const AttentionFwdParams& a = problem.params;
+  const int rows_q = problem.is_varlen ? problem.total_q : a.seqlen_q;
+  const int rows_k = problem.is_varlen ? problem.total_k : a.seqlen_k;
+  const int batches = problem.is_varlen ? 1 : a.batch;
+  struct Operand {
+    const char* name;
+    const void* data;
+    long long row_stride, head_stride, batch_stride;
+    int rows, heads;
+  };
+  const Operand operands[] = {
+      {"q", a.q, a.q_row_stride, a.q_head_stride, a.q_batch_stride, rows_q, a.num_heads_q},
+      {"k", a.k, a.k_row_stride, a.k_head_stride, a.k_batch_stride, rows_k, a.num_heads_kv},
+      {"v", a.v, a.v_row_stride, a.v_head_stride, a.v_batch_stride, rows_k, a.num_heads_kv}};
+  for (const Operand& t : operands) {
+    if (reinterpret_cast<uintptr_t>(t.data) % 16 != 0)
+      return fmt::format("{}: data pointer {} is not 16-byte aligned (TMA needs it)", t.name, t.data);
+    const std::pair<long long, int> strides[] = {{t.row_stride, t.rows}, {t.head_stride, t.heads},
+                                                 {t.batch_stride, batches}};
+    for (const auto& [stride, extent] : strides)
+      if (extent > 1 && (stride * 2 % 16 != 0 || stride * 2 >= (1ll << 40)))
+        return fmt::format("{}: a stride of {} elements is not a multiple of 16 bytes below 2^40 (TMA needs it)",
+                           t.name, stride);
+  }
+  return std::nullopt;
 }
 
 }  // namespace flashjit::detail

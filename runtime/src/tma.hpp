@@ -2,8 +2,12 @@
 // the driver and copied into the kernels' __grid_constant__ parameters.
 #pragma once
 
+#include <optional>
+#include <string>
+
 #include "common/params.cuh"
 #include "flashjit/codegen/kernel_spec.hpp"
+#include "problem.hpp"
 
 namespace flashjit::detail {
 
@@ -13,5 +17,9 @@ namespace flashjit::detail {
 TmaDescriptor make_attention_tma_map(const void* data, DType dtype, int head_dim, int seqlen, int heads, int batch,
                                      long long row_stride, long long head_stride, long long batch_stride,
                                      int box_rows);
+
+// Why q, k or v cannot be read through TMA maps (a base address not 16-byte aligned, a stride of a
+// dim longer than one that is not a multiple of 16 bytes), or nothing when all three can.
+std::optional<std::string> tma_unusable_reason(const ForwardProblem& problem);
 
 }  // namespace flashjit::detail

@@ -68,7 +68,6 @@ TuneResult tune(Runtime& runtime, const TuneShape& shape, const TuneOptions& o) 
   const auto started = std::chrono::steady_clock::now();
   const DeviceProperties& device = device_properties(o.device);
   make_context_current(o.device);
-  const Family family = shape.backward ? Family::fa2_bwd : Family::fa2_fwd;
   const DType dtype = shape.dtype;
   const ScalarType scalar = dtype == DType::bf16 ? ScalarType::bfloat16 : ScalarType::float16;
   auto report = [&](const char* stage, size_t done, size_t total) {
@@ -118,6 +117,7 @@ TuneResult tune(Runtime& runtime, const TuneShape& shape, const TuneOptions& o) 
   const ForwardProblem problem = make_forward_problem(q_view(buffers[0]->q), kv_view(buffers[0]->k),
                                                       kv_view(buffers[0]->v), q_view(buffers[0]->out), nullptr,
                                                       nullptr, base);
+  const Family family = shape.backward ? Family::fa2_bwd : forward_family(problem, device.arch());
 
   // One call of the pass being tuned, on buffer set `set`.
   auto run = [&](const AttentionOptions& options, size_t set) {

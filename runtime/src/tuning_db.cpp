@@ -178,8 +178,9 @@ ProblemKey read_problem(const Reader& r) {
   r.expect_fields({"family", "dtype", "head_dim", "mask", "softcap", "seqlen_bucket", "batch_heads_bucket"});
   ProblemKey p;
   p.family = r.parsed("family", parse_family);
-  if (p.family != Family::fa2_fwd && p.family != Family::fa2_bwd)
-    throw r.fail(fmt::format("{}: {} is not tuned (fa2_fwd, fa2_bwd)", r.path("family"), to_string(p.family)));
+  if (p.family == Family::reference_fwd)
+    throw r.fail(fmt::format("{}: {} is not tuned (fa2_fwd, fa2_bwd, sm90_fwd)", r.path("family"),
+                             to_string(p.family)));
   p.dtype = r.parsed("dtype", parse_dtype);
   p.head_dim = static_cast<int>(r.integer("head_dim", 1));
   p.mask = r.parsed("mask", parse_mask);

@@ -44,11 +44,16 @@ struct alignas(64) TmaDescriptor {
 
 // Hopper forward (sm90_fwd): the forward's arguments plus TMA maps of q, k and v, each a 4-D tensor
 // (head_dim, seqlen, heads, batch) with 64-value, 128-byte-swizzled boxes.
+// The kernel is persistent: its work tiles are (query block, head, batch), num_m_blocks of
+// kBlockM rows per sequence (the longest, when varlen), ordered in sections of `section_pairs`
+// (batch, head) pairs whose K/V share the L2; CTA c takes tiles c, c + gridDim.x, ...
 struct AttentionSm90FwdParams {
   TmaDescriptor q_map;
   TmaDescriptor k_map;
   TmaDescriptor v_map;
   AttentionFwdParams fwd;
+  int num_m_blocks;
+  int section_pairs;
 };
 
 // Backward attention (fa2_bwd). `fwd` holds the forward's inputs and options: q, k, v, o, the

@@ -37,14 +37,24 @@ __device__ __forceinline__ void mask_tile(float (&s)[Shape::kMFrags][Shape::kSFr
       }
 }
 
-// Online softmax over one tile: new running max, rescale O and the sums, S becomes P (fp32).
+// Online softmax over one tile, in two halves so that a caller can run the first while an
+// asynchronous GEMM still accumulates into O (the Hopper family's intra-warpgroup overlap):
+//   softmax_scores: new running max and sums, S becomes P (fp32); returns the factors O must be
+//     scaled by, and whether any row of the warp moved its max (else they are all 1);
+//   rescale_output: applies them.
 // Once the running max has settled (most tiles after the first few), no row of the warp changes
 // and the O rescale (kOFrags * 4 multiplies per row pair) is skipped with one warp vote.
 template <class Shape>
-__device__ __forceinline__ void online_softmax(RowSoftmaxState<Shape>& st,
-                                               float (&s)[Shape::kMFrags][Shape::kSFrags][4],
-                                               float scale_log2) {
-  float rescale[Shape::kMFrags][2];
+struct OutputRescale {
+  float factor[Shape::kMFrags][2];
+  bool any_moved;
+};
+
+template <class Shape>
+__device__ __forceinline__ OutputRescale<Shape> softmax_scores(RowSoftmaxState<Shape>& st,
+                                                               float (&s)[Shape::kMFrags][Shape::kSFrags][4],
+                                                               float scale_log2) {
+  OutputRescale<Shape> rescale;
   bool max_moved = false;
 #pragma unroll
   for (int mi = 0; mi < Shape::kMFrags; ++mi)
@@ -59,7 +69,7 @@ __device__ __forceinline__ void online_softmax(RowSoftmaxState<Shape>& st,
       // A row with no visible key so far keeps max -inf; subtracting 0 then keeps exp2 at 0.
       const float max_scaled = tile_max == -positive_infinity() ? 0.f : tile_max * scale_log2;
       max_moved = max_moved || tile_max != st.row_max[mi][h];
-      rescale[mi][h] = exp2_approx(st.row_max[mi][h] * scale_log2 - max_scaled);
+      rescale.factor[mi][h] = exp2_approx(st.row_max[mi][h] * scale_log2 - max_scaled);
       st.row_max[mi][h] = tile_max;
       float sum = 0.f;
 #pragma unroll
@@ -69,16 +79,28 @@ __device__ __forceinline__ void online_softmax(RowSoftmaxState<Shape>& st,
           s[mi][ni][e] = exp2_approx(fmaf(s[mi][ni][e], scale_log2, -max_scaled));
           sum += s[mi][ni][e];
         }
-      st.row_sum[mi][h] = fmaf(st.row_sum[mi][h], rescale[mi][h], sum);
+      st.row_sum[mi][h] = fmaf(st.row_sum[mi][h], rescale.factor[mi][h], sum);
     }
-  if (__any_sync(0xffffffffu, max_moved)) {
+  rescale.any_moved = __any_sync(0xffffffffu, max_moved);
+  return rescale;
+}
+
+template <class Shape>
+__device__ __forceinline__ void rescale_output(RowSoftmaxState<Shape>& st, const OutputRescale<Shape>& rescale) {
+  if (!rescale.any_moved) return;
 #pragma unroll
-    for (int mi = 0; mi < Shape::kMFrags; ++mi)
+  for (int mi = 0; mi < Shape::kMFrags; ++mi)
 #pragma unroll
-      for (int nd = 0; nd < Shape::kOFrags; ++nd)
+    for (int nd = 0; nd < Shape::kOFrags; ++nd)
 #pragma unroll
-        for (int e = 0; e < 4; ++e) st.o[mi][nd][e] *= rescale[mi][e / 2];
-  }
+      for (int e = 0; e < 4; ++e) st.o[mi][nd][e] *= rescale.factor[mi][e / 2];
+}
+
+template <class Shape>
+__device__ __forceinline__ void online_softmax(RowSoftmaxState<Shape>& st,
+                                               float (&s)[Shape::kMFrags][Shape::kSFrags][4],
+                                               float scale_log2) {
+  rescale_output(st, softmax_scores(st, s, scale_log2));
 }
 
 }  // namespace flashjit::kernels

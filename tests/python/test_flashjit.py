@@ -222,7 +222,7 @@ def test_custom_op_registration_and_torch_compile():
     v = torch.randn(2, 128, 2, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     flash_attn_func(q, k, v)  # registers the ops
     torch.library.opcheck(torch.ops.flashjit.attention.default,
-                          (q, k, v, None, True, -1, -1, 0.0, "auto", False))
+                          (q, k, v, None, True, -1, -1, 0.0, "auto", 0, False))
 
     def loss(q, k, v):
         return (flash_attn_func(q, k, v, causal=True).float() ** 2).sum()
@@ -236,7 +236,7 @@ def test_custom_op_registration_and_torch_compile():
 
 def test_backward_argument_errors():
     q = torch.randn(1, 64, 4, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    out, lse = flashjit._forward(q, q, q, None, False, -1, -1, 0.0, "auto")
+    out, lse = flashjit._forward(q, q, q, None, False, -1, -1, 0.0, "auto", 0)
     with pytest.raises(ValueError, match="dout: shape"):
         flashjit._backward(torch.randn(1, 63, 4, 64, device="cuda", dtype=torch.bfloat16), q, q, q, out, lse,
                            None, False, -1, -1, 0.0, False)
@@ -270,3 +270,21 @@ def test_inference_and_autograd_paths_agree():
         plain = flash_attn_func(q, k, v, causal=True)
     assert not plain.requires_grad
     assert torch.equal(with_graph.detach(), plain)
+
+
+def test_hopper_and_fa2_backends_agree_and_sm_margin():
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the sm90 backend needs an sm_90 GPU")
+    torch.manual_seed(9)
+    q = torch.randn(2, 1000, 8, 128, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(2, 1000, 2, 128, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn(2, 1000, 2, 128, device="cuda", dtype=torch.bfloat16)
+    fa2 = flash_attn_func(q, k, v, causal=True, backend="fa2")
+    hopper = flash_attn_func(q, k, v, causal=True, backend="sm90")
+    assert (fa2.float() - hopper.float()).abs().max() < 2e-2
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    assert torch.equal(flash_attn_func(q, k, v, causal=True, backend="sm90", sm_margin=sms - 8), hopper)
+    with pytest.raises(ValueError, match="sm_margin must be >= 0"):
+        flash_attn_func(q, k, v, sm_margin=-1)
+    with pytest.raises(ValueError, match="sm_margin"):
+        flash_attn_func(q, k, v, backend="sm90", sm_margin=sms)

@@ -54,15 +54,49 @@ TEST_CASE("dispatch targets the device's arch", "[dispatch]") {
 }
 
 TEST_CASE("dispatch rounds head dims up and carries mask and dtype", "[dispatch]") {
-  const std::pair<int, int> rounding[] = {{8, 32}, {32, 32}, {40, 64}, {72, 96}, {128, 128},
-                                          {136, 160}, {200, 224}, {248, 256}, {256, 256}};
-  for (auto [given, kernel] : rounding) {
+  // fa2_fwd has kernels every 32 dims; sm90_fwd at 64, 96, 128, 192 and 256.
+  const std::tuple<int, int, int> rounding[] = {{8, 32, 64},     {32, 32, 64},    {40, 64, 64},
+                                                {72, 96, 96},    {128, 128, 128}, {136, 160, 192},
+                                                {200, 224, 256}, {248, 256, 256}, {256, 256, 256}};
+  for (auto [given, fa2, sm90] : rounding) {
     INFO("head_dim " << given);
-    CHECK(detail::select_forward_kernel(problem(given), kH200).head_dim == kernel);
+    CHECK(detail::select_forward_kernel(problem(given), kA100).head_dim == fa2);
+    const KernelSpec hopper = detail::select_forward_kernel(problem(given), kH200);
+    CHECK(hopper.family == Family::sm90_fwd);
+    CHECK(hopper.head_dim == sm90);
   }
   const KernelSpec causal = detail::select_forward_kernel(problem(64, true, ScalarType::float16), kA100);
   CHECK(causal.mask == MaskKind::causal);
   CHECK(causal.dtype == DType::fp16);
+}
+
+TEST_CASE("sm_90 picks sm90_fwd unless TMA cannot read the tensors", "[dispatch]") {
+  CHECK(detail::select_forward_kernel(problem(128), kH200).family == Family::sm90_fwd);
+  CHECK(detail::select_forward_kernel(problem(128), kA100).family == Family::fa2_fwd);
+  // The problem checks already demand the 16-byte alignment TMA needs, so these layouts are made by
+  // hand: the fallback and the error guard whatever the checks accept in future.
+  detail::ForwardProblem odd_stride = problem(64);
+  odd_stride.params.q_row_stride = 12;
+  CHECK(detail::select_forward_kernel(odd_stride, kH200).family == Family::fa2_fwd);
+  detail::ForwardProblem odd_base = problem(64);
+  odd_base.params.k = arena + 8;
+  CHECK(detail::select_forward_kernel(odd_base, kH200).family == Family::fa2_fwd);
+  // Forcing the Hopper backend on them names the tensor and the reason.
+  odd_stride.backend = Backend::sm90;
+  CHECK_THROWS_WITH(detail::select_forward_kernel(odd_stride, kH200),
+                    Catch::Contains("q: a stride of 12 elements is not a multiple of 16 bytes"));
+  odd_base.backend = Backend::sm90;
+  CHECK_THROWS_WITH(detail::select_forward_kernel(odd_base, kH200), Catch::Contains("16-byte aligned"));
+  detail::ForwardProblem on_a100 = problem(128);
+  on_a100.backend = Backend::sm90;
+  CHECK_THROWS_WITH(detail::select_forward_kernel(on_a100, kA100), Catch::Contains("needs an sm_90 device"));
+}
+
+TEST_CASE("sm_margin must not be negative", "[dispatch]") {
+  auto q = TensorView::contiguous(arena, ScalarType::bfloat16, {1, 16, 2, 64});
+  AttentionOptions o;
+  o.sm_margin = -1;
+  CHECK_THROWS_WITH(detail::make_forward_problem(q, q, q, q, nullptr, nullptr, o), Catch::Contains("sm_margin must be >= 0"));
 }
 
 TEST_CASE("options become mask kinds and kernel arguments", "[dispatch]") {

@@ -189,15 +189,14 @@ TEST_CASE("dispatch order: forced, in-memory, user, bundled, heuristic; other de
   const DeviceProperties device = tabulated_h200();
   const DeviceStamp here = DeviceStamp::of(device);
   const detail::ForwardProblem problem = causal_problem(2, 4096, 16, 128);
-  const ProblemKey key = detail::problem_key(problem, Family::fa2_fwd);
+  // On an H200 the forward's family is sm90_fwd, whose default block_n at head dim 128 is 128.
+  const ProblemKey key = detail::problem_key(problem, Family::sm90_fwd);
   auto entry_with = [&](int block_n, const DeviceStamp& stamp) {
     TunedEntry e;
     e.device = stamp;
     e.problem = key;
-    e.spec = default_spec(Family::fa2_fwd, device.arch(), DType::bf16, 128, MaskKind::causal);
-    e.spec.block_m = 64;
+    e.spec = default_spec(Family::sm90_fwd, device.arch(), DType::bf16, 128, MaskKind::causal);
     e.spec.block_n = block_n;
-    e.spec.num_stages = 1;
     REQUIRE_FALSE(e.spec.validate().has_value());
     e.median_ms = 1;
     e.tuned_at = "2026-11-30T00:00:00Z";
@@ -209,14 +208,14 @@ TEST_CASE("dispatch order: forced, in-memory, user, bundled, heuristic; other de
   CHECK(heuristic == heuristic_forward_spec(device.arch(), DType::bf16, 128, MaskKind::causal));
 
   TuningDb bundled, user;
-  bundled.upsert(entry_with(32, here));
+  bundled.upsert(entry_with(64, here));
   sources.set_bundled_db(bundled);
-  CHECK(detail::select_forward_kernel(problem, device, &sources).block_n == 32);
-  user.upsert(entry_with(64, here));
-  sources.set_user_db(user, "user.json");
   CHECK(detail::select_forward_kernel(problem, device, &sources).block_n == 64);
-  sources.add_in_memory(entry_with(128, here));
-  CHECK(detail::select_forward_kernel(problem, device, &sources).block_n == 128);
+  user.upsert(entry_with(96, here));
+  sources.set_user_db(user, "user.json");
+  CHECK(detail::select_forward_kernel(problem, device, &sources).block_n == 96);
+  sources.add_in_memory(entry_with(112, here));
+  CHECK(detail::select_forward_kernel(problem, device, &sources).block_n == 112);
   // A forced spec beats every database; the backward's key is its own.
   detail::ForwardProblem forced = problem;
   forced.forced_kernel = heuristic;
@@ -232,7 +231,7 @@ TEST_CASE("dispatch order: forced, in-memory, user, bundled, heuristic; other de
   newer_driver.driver_version += 10;
   TuningSources stale([&](const std::string& w) { warnings.push_back(w); });
   TuningDb old;
-  old.upsert(entry_with(32, newer_driver));
+  old.upsert(entry_with(64, newer_driver));
   stale.set_user_db(old, "old.json");
   for (int call = 0; call < 3; ++call)
     CHECK(detail::select_forward_kernel(problem, device, &stale) ==

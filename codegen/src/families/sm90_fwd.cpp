@@ -1,32 +1,46 @@
-// Rules of the Hopper forward family (templates/sm90_fwd.cuh): 128-row query tiles over three
-// warpgroups (a TMA producer and two wgmma consumers), K/V tiles of block_n keys in a ring of
-// num_stages stages. The shared-memory arithmetic mirrors Sm90FwdShape in the template.
+// Rules of the Hopper forward family (templates/sm90_fwd.cuh): query tiles of block_m rows over a
+// TMA producer warpgroup and block_m / 64 wgmma consumer warpgroups, K/V tiles of block_n keys in
+// a ring of num_stages stages. The shared-memory arithmetic mirrors Sm90FwdShape in the template.
 #include <fmt/format.h>
 
 #include "../family_rules.hpp"
+#include "../wgmma.hpp"
 #include "flashjit/codegen/render.hpp"
 
 namespace flashjit::codegen_detail {
 namespace {
 
+int consumers(const KernelSpec& s) { return s.block_m / 64; }
+int panels(const KernelSpec& s) { return (s.head_dim + 63) / 64; }
+
 int smem_bytes(const KernelSpec& s) {
-  const int panels = s.head_dim / 64;
-  const int q_bytes = panels * s.block_m * 128, kv_tile_bytes = panels * s.block_n * 128;
-  return 1024 + q_bytes + 2 * s.num_stages * kv_tile_bytes + 8 * (1 + 2 * s.num_stages);
+  const int q_bytes = panels(s) * s.block_m * 128, kv_tile_bytes = panels(s) * s.block_n * 128;
+  return 1024 + q_bytes + 2 * s.num_stages * kv_tile_bytes + 8 * (2 + 4 * s.num_stages);
 }
 
+// A consumer thread holds O (head_dim / 2 fp32), the next tile's scores (block_n / 2) and the
+// current tile's probabilities as 16-bit pairs (block_n / 4) at once, plus about 56 registers of
+// addresses, indices and softmax state (what ptxas needed to stay spill-free at the edges: d256 n64,
+// d128 n160, d64 m192 n96), within its setmaxnreg budget.
+int consumer_register_budget(const KernelSpec& s) { return consumers(s) == 2 ? 240 : 160; }
+int consumer_registers_needed(const KernelSpec& s) { return s.head_dim / 2 + 3 * s.block_n / 4 + 56; }
+
 std::optional<std::string> validate_tiles(const KernelSpec& s) {
-  if (s.num_warps != 12)
-    return fmt::format("sm90_fwd runs three warpgroups (a producer and two consumers): num_warps must be 12, got {}",
-                       s.num_warps);
-  if (s.block_m != 128)
-    return fmt::format("sm90_fwd's two consumer warpgroups own 64 rows each: block_m must be 128, got {}", s.block_m);
-  if (s.block_n != 64 && s.block_n != 128)
-    return fmt::format("block_n must be 64 or 128 for sm90_fwd, got {}", s.block_n);
-  if (s.head_dim > 128 && s.block_n != 64)
-    return fmt::format("head_dim {} keeps {} fp32 O accumulators per thread; with block_n {} the scores do not fit "
-                       "as well (block_n must be 64 above head dim 128)", s.head_dim, s.head_dim / 2, s.block_n);
-  if (s.num_stages < 1 || s.num_stages > 4) return fmt::format("num_stages must be 1 to 4, got {}", s.num_stages);
+  if (s.block_m != 128 && s.block_m != 192)
+    return fmt::format("sm90_fwd runs one consumer warpgroup per 64 query rows, two or three: block_m must be 128 or "
+                       "192, got {}", s.block_m);
+  if (s.num_warps != 4 * (1 + consumers(s)))
+    return fmt::format("sm90_fwd runs a producer warpgroup and {} consumers for block_m {}: num_warps must be {}, "
+                       "got {}", consumers(s), s.block_m, 4 * (1 + consumers(s)), s.num_warps);
+  if (s.block_n < 64 || s.block_n > 256 || s.block_n % 16 != 0)
+    return fmt::format("block_n must be a multiple of 16 from 64 to 256 for sm90_fwd, got {}", s.block_n);
+  if (consumer_registers_needed(s) > consumer_register_budget(s))
+    return fmt::format("head_dim {} with block_n {} needs about {} registers per consumer thread, over the {} that "
+                       "{} consumer warpgroups get", s.head_dim, s.block_n, consumer_registers_needed(s),
+                       consumer_register_budget(s), consumers(s));
+  if (s.num_stages < 2 || s.num_stages > 4)
+    return fmt::format("num_stages must be 2 to 4 for sm90_fwd (one tile computes while the next loads), got {}",
+                       s.num_stages);
   if (smem_bytes(s) > max_smem_per_block(s.arch))
     return fmt::format("needs {} bytes of shared memory per block, {} allows {}", smem_bytes(s), s.arch.name(),
                        max_smem_per_block(s.arch));
@@ -34,13 +48,29 @@ std::optional<std::string> validate_tiles(const KernelSpec& s) {
 }
 
 void set_default_tiles(KernelSpec& s) {
-  s.num_warps = 12;
-  s.block_m = 128;
-  s.block_n = s.head_dim <= 128 ? 128 : 64;
-  s.num_stages = 2;
+  // FlashAttention-3's shapes cut to what stays spill-free with P kept in registers.
+  auto set = [&](int block_m, int block_n, int stages) {
+    s.block_m = block_m;
+    s.block_n = block_n;
+    s.num_warps = 4 * (1 + block_m / 64);
+    s.num_stages = stages;
+  };
+  // A softcap's tanh needs registers: at head dim 64 two consumer warpgroups (240 registers each)
+  // instead of three (160), and at 192 a narrower key tile.
+  if (s.head_dim <= 64) s.has_softcap ? set(128, 128, 2) : set(192, 96, 2);
+  else if (s.head_dim <= 128) set(128, 128, 2);
+  else if (s.head_dim <= 192) set(128, s.has_softcap ? 96 : 112, 2);
+  else set(128, 64, 2);
 }
 
 int threads(const KernelSpec& s) { return 32 * s.num_warps; }
+
+// S = Q K^T over block_n keys (both operands in shared memory) and O += P V over head_dim columns
+// (P from registers).
+std::string config_members(const KernelSpec& s) {
+  return wgmma_member_function("wgmma_qk", s.block_n, s.dtype, WgmmaOperands::ss_k_major) +
+         wgmma_member_function("wgmma_pv", s.head_dim, s.dtype, WgmmaOperands::rs_b_mn_major);
+}
 
 }  // namespace
 
@@ -52,12 +82,14 @@ const FamilyRules kSm90FwdRules{
     {{"flashjit_sm90_fwd", "flashjit::AttentionSm90FwdParams", "flashjit::kernels::sm90_fwd_kernel", true}},
     /*min_sm=*/90,
     /*needs_arch_specific=*/true,
-    /*head_dims=*/{64, 128, 192, 256},
+    /*head_dims=*/{64, 96, 128, 192, 256},
     /*min_blocks_per_sm=*/1,
     validate_tiles,
     set_default_tiles,
     threads,
     smem_bytes,
+    /*entry_smem_bytes=*/nullptr,
+    config_members,
 };
 
 }  // namespace flashjit::codegen_detail

@@ -33,7 +33,7 @@ typedef enum flashjit_backend {
   FLASHJIT_BACKEND_AUTO = 0,
   FLASHJIT_BACKEND_REFERENCE = 1,
   FLASHJIT_BACKEND_FA2 = 2,
-  FLASHJIT_BACKEND_SM90 = 3 /* Hopper family (draft): forced only */
+  FLASHJIT_BACKEND_SM90 = 3 /* Hopper family (TMA, wgmma); auto picks it on sm_90 when TMA can read q, k, v */
 } flashjit_backend;
 
 /* A strided view of device memory; strides in elements. */
@@ -55,6 +55,7 @@ typedef struct flashjit_attention_options {
   int32_t backend;     /* flashjit_backend */
   void* stream;        /* CUstream, NULL = legacy default stream */
   int32_t deterministic; /* backward: bitwise-reproducible dQ (slower) */
+  int32_t sm_margin;     /* forward on sm_90: SMs the persistent kernel leaves free */
 } flashjit_attention_options;
 
 /* Fills the defaults: no mask, no softcap, automatic backend, default scale and stream. */

@@ -42,6 +42,8 @@ struct TensorView {
 
 // Which kernel family serves a call. `automatic` is the dispatcher's choice; the others force a
 // family (tests, benchmarks) and fail with Error(unsupported) where it cannot serve the problem.
+// The forward family: automatic = sm90 on sm_90 devices when TMA can read q, k and v (16-byte
+// aligned bases and strides), fa2 otherwise. The backward is fa2_bwd whatever the backend.
 enum class Backend { automatic, reference, fa2, sm90 };
 
 struct AttentionOptions {
@@ -60,6 +62,9 @@ struct AttentionOptions {
   // instead of atomics), so reruns are bitwise identical; the backward takes 1.27-1.38x as long
   // (H200, head dim 256; about 1.35x at 64 and 128).
   bool deterministic = false;
+  // forward() on sm_90 (the persistent Hopper kernel): SMs to leave free for kernels running beside
+  // it, such as communication (FlashAttention-3's sm_margin). 0 to the SM count minus one.
+  int sm_margin = 0;
   void* stream = nullptr;              // CUstream; nullptr = the legacy default stream
 };
 

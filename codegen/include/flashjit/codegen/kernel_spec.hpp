@@ -86,5 +86,7 @@ bool is_forward_family(Family family);
 // Whether `family` has kernels for this arch and kernel head dim (its arch floor, the 'a' suffix
 // where it needs one, and its list of head dims); tile fields aside.
 bool family_covers(Family family, const Arch& arch, int head_dim);
+// The smallest kernel head dim of `family` that holds a problem's `head_dim`; none above its largest.
+std::optional<int> family_kernel_head_dim(Family family, int head_dim);
 
 }  // namespace flashjit

@@ -1,6 +1,8 @@
-// fa2_fwd against the float64 reference (and the GPU reference kernel for large shapes) over the
-// awkward-shape set: seqlen pairs, batch 1 and 3, GQA 1/4/8, every head dim, causal, window,
-// softcap, varlen with empty and long sequences, strided layouts, and bitwise reruns.
+// The forward families against the float64 reference (and the GPU reference kernel for large
+// shapes) over the awkward-shape set: seqlen pairs, batch 1 and 3, GQA 1/4/8, every head dim,
+// causal, window, softcap, varlen with empty and long sequences, strided layouts, and bitwise
+// reruns. Every case runs fa2_fwd, and on sm_90 devices sm90_fwd too, whose output must also agree
+// with fa2_fwd's.
 #include <catch2/catch.hpp>
 
 #include <cstring>
@@ -17,22 +19,54 @@ struct Run {
   DType dtype = DType::bf16;
   Layout layout = Layout::bshd;
   Oracle oracle = Oracle::cpu_float64;
-  std::optional<KernelSpec> kernel;  // forced spec; default: dispatch's fa2 choice
+  std::optional<KernelSpec> kernel;  // forced spec; default: each family's dispatch choice
 };
+
+bool on_hopper() { return device_properties(0).arch().name() == "sm_90a"; }
+
+// The families this device runs: fa2_fwd, and sm90_fwd on sm_90.
+std::vector<Backend> forward_backends() {
+  if (on_hopper()) return {Backend::fa2, Backend::sm90};
+  return {Backend::fa2};
+}
+
+// Both families are within `t` of the truth, so within twice that of each other.
+void check_agreement(const std::vector<uint16_t>& fa2, const std::vector<uint16_t>& sm90, DType dtype, Tolerance t) {
+  Comparison c;
+  for (size_t i = 0; i < fa2.size(); ++i) {
+    const double a = from_storage(dtype, fa2[i]), b = from_storage(dtype, sm90[i]);
+    compare(c, b, a, Tolerance{2 * t.atol, 2 * t.rtol}, "out[" + std::to_string(i) + "]");
+  }
+  INFO("sm90_fwd against fa2_fwd: " << c.bad << " of " << c.checked << " apart; first " << c.first_bad);
+  CHECK(c.ok());
+}
 
 void check(const Run& r, uint64_t seed) {
   AttentionCase c(r.shape, r.dtype, seed, r.layout, r.oracle);
-  AttentionOptions options;
-  options.backend = Backend::fa2;
-  options.kernel = r.kernel;
-  c.run(test_runtime(), options);
-  INFO(c.describe() << (r.kernel ? " kernel " + r.kernel->name() : std::string(" default kernel")));
-  check_against_oracle(c, tensor_core_output_tolerance(r.dtype), tensor_core_lse_tolerance());
+  const Tolerance tolerance = tensor_core_output_tolerance(r.dtype);
+  if (r.kernel) {
+    AttentionOptions options;
+    options.kernel = r.kernel;
+    c.run(test_runtime(), options);
+    INFO(c.describe() << " kernel " << r.kernel->name());
+    check_against_oracle(c, tolerance, tensor_core_lse_tolerance());
+    return;
+  }
+  std::vector<uint16_t> fa2_output;
+  for (Backend backend : forward_backends()) {
+    AttentionOptions options;
+    options.backend = backend;
+    c.run(test_runtime(), options);
+    INFO(c.describe() << (backend == Backend::fa2 ? " fa2_fwd" : " sm90_fwd"));
+    check_against_oracle(c, tolerance, tensor_core_lse_tolerance());
+    if (backend == Backend::fa2) fa2_output = c.output_bits();
+    else check_agreement(fa2_output, c.output_bits(), r.dtype, tolerance);
+  }
 }
 
 }  // namespace
 
-TEST_CASE("fa2_fwd: every head dim, kernel or rounded up", "[fa2]") {
+TEST_CASE("forward: every head dim, kernel or rounded up", "[forward]") {
   uint64_t seed = 1000;
   for (int d : {8, 32, 40, 64, 72, 96, 128, 136, 160, 192, 200, 224, 256})
     for (bool causal : {false, true}) {
@@ -44,7 +78,7 @@ TEST_CASE("fa2_fwd: every head dim, kernel or rounded up", "[fa2]") {
     }
 }
 
-TEST_CASE("fa2_fwd: awkward seqlen pairs, batch 1 and 3, GQA 1/4/8", "[fa2]") {
+TEST_CASE("forward: awkward seqlen pairs, batch 1 and 3, GQA 1/4/8", "[forward]") {
   const std::pair<int, int> pairs[] = {{1, 1}, {1, 4096}, {239, 1}, {113, 203}, {1023, 1024}};
   uint64_t seed = 2000;
   for (auto [sq, sk] : pairs)
@@ -57,7 +91,7 @@ TEST_CASE("fa2_fwd: awkward seqlen pairs, batch 1 and 3, GQA 1/4/8", "[fa2]") {
       }
 }
 
-TEST_CASE("fa2_fwd: 4224 x 4224 against the GPU reference kernel", "[fa2]") {
+TEST_CASE("forward: 4224 x 4224 against the GPU reference kernel", "[forward]") {
   uint64_t seed = 3000;
   for (int d : {64, 128, 256})
     for (bool causal : {false, true}) {
@@ -69,7 +103,7 @@ TEST_CASE("fa2_fwd: 4224 x 4224 against the GPU reference kernel", "[fa2]") {
     }
 }
 
-TEST_CASE("fa2_fwd: sliding windows and softcap", "[fa2]") {
+TEST_CASE("forward: sliding windows and softcap", "[forward]") {
   uint64_t seed = 4000;
   struct Window {
     int left, right;
@@ -94,7 +128,7 @@ TEST_CASE("fa2_fwd: sliding windows and softcap", "[fa2]") {
   check(r, seed++);
 }
 
-TEST_CASE("fa2_fwd: varlen batches with empty, single and long sequences", "[fa2]") {
+TEST_CASE("forward: varlen batches with empty, single and long sequences", "[forward]") {
   uint64_t seed = 5000;
   for (bool causal : {false, true})
     for (int d : {64, 128}) {
@@ -114,7 +148,7 @@ TEST_CASE("fa2_fwd: varlen batches with empty, single and long sequences", "[fa2
   check(r, seed++);
 }
 
-TEST_CASE("fa2_fwd: head-major (BHSD) strides", "[fa2]") {
+TEST_CASE("forward: head-major (BHSD) strides", "[forward]") {
   Run r;
   r.shape = AttentionShape::make(3, 257, 300, 4, 2, 128);
   r.layout = Layout::bhsd;
@@ -124,7 +158,7 @@ TEST_CASE("fa2_fwd: head-major (BHSD) strides", "[fa2]") {
   check(r, 6001);
 }
 
-TEST_CASE("fa2_fwd: tile shapes, warps and pipeline depths", "[fa2]") {
+TEST_CASE("fa2_fwd: tile shapes, warps and pipeline depths", "[forward]") {
   // The autotuner's candidates must all be right, not only the defaults.
   const Arch arch = device_properties(0).arch();
   uint64_t seed = 7000;
@@ -153,23 +187,25 @@ TEST_CASE("fa2_fwd: tile shapes, warps and pipeline depths", "[fa2]") {
     }
 }
 
-TEST_CASE("fa2_fwd: reruns are bitwise identical", "[fa2]") {
+TEST_CASE("forward: reruns are bitwise identical", "[forward]") {
   AttentionShape s = AttentionShape::make(2, 1000, 1500, 8, 2, 128);
   s.causal = true;
   AttentionCase c(s, DType::bf16, 8000);
-  AttentionOptions options;
-  options.backend = Backend::fa2;
-  c.run(test_runtime(), options);
-  const auto out = c.output_bits();
-  const auto lse = c.lse_values();
-  for (int i = 0; i < 3; ++i) {
+  for (Backend backend : forward_backends()) {
+    AttentionOptions options;
+    options.backend = backend;
     c.run(test_runtime(), options);
-    CHECK(c.output_bits() == out);
-    CHECK(std::memcmp(c.lse_values().data(), lse.data(), lse.size() * 4) == 0);
+    const auto out = c.output_bits();
+    const auto lse = c.lse_values();
+    for (int i = 0; i < 3; ++i) {
+      c.run(test_runtime(), options);
+      CHECK(c.output_bits() == out);
+      CHECK(std::memcmp(c.lse_values().data(), lse.data(), lse.size() * 4) == 0);
+    }
   }
 }
 
-TEST_CASE("fa2_fwd: a forced kernel that does not fit the problem is refused", "[fa2]") {
+TEST_CASE("forward: a forced kernel that does not fit the problem is refused", "[forward]") {
   AttentionShape s = AttentionShape::make(1, 64, 64, 2, 2, 128);
   AttentionCase c(s, DType::bf16, 9000);
   AttentionOptions options;
@@ -181,7 +217,7 @@ TEST_CASE("fa2_fwd: a forced kernel that does not fit the problem is refused", "
   CHECK_THROWS_WITH(c.run(test_runtime(), options), Catch::Contains("mask causal but the options ask for none"));
 }
 
-TEST_CASE("fa2_fwd: bad cu_seqlens are refused before anything runs", "[fa2]") {
+TEST_CASE("forward: bad cu_seqlens are refused before anything runs", "[forward]") {
   DeviceBuffer q(300 * 4 * 64 * 2), cu_q(4 * 4), cu_k(4 * 4);
   auto qv = TensorView::contiguous(q.get(), ScalarType::bfloat16, {300, 4, 64});
   auto run = [&](std::vector<int> q_offsets, std::vector<int> k_offsets, int max_q, int max_k) {
@@ -201,4 +237,50 @@ TEST_CASE("fa2_fwd: bad cu_seqlens are refused before anything runs", "[fa2]") {
   CHECK_THROWS_WITH(run({5, 100, 200, 300}, {0, 50, 250, 300}, 100, 200),
                     Catch::Contains("cu_seqlens_q[0] is 5, expected 0"));
   synchronize();
+}
+
+TEST_CASE("sm90_fwd: tile shapes, stages and consumer counts", "[forward][sm90]") {
+  if (!on_hopper()) {
+    WARN("sm90_fwd needs an sm_90 device; skipped");
+    return;
+  }
+  const Arch arch = device_properties(0).arch();
+  uint64_t seed = 7500;
+  struct Tiles {
+    int d, block_m, block_n, stages;
+  };
+  for (Tiles t : {Tiles{64, 128, 192, 2}, Tiles{64, 192, 64, 3}, Tiles{96, 128, 144, 2}, Tiles{128, 128, 64, 3},
+                  Tiles{128, 128, 160, 2}, Tiles{192, 128, 80, 2}, Tiles{192, 128, 64, 3}})
+    for (MaskKind mask : {MaskKind::none, MaskKind::causal}) {
+      Run r;
+      r.shape = AttentionShape::make(2, 333, 590, 4, 2, t.d);
+      r.shape.causal = mask == MaskKind::causal;
+      KernelSpec spec = default_spec(Family::sm90_fwd, arch, DType::bf16, t.d, mask);
+      spec.block_m = t.block_m;
+      spec.block_n = t.block_n;
+      spec.num_warps = 4 * (1 + t.block_m / 64);
+      spec.num_stages = t.stages;
+      REQUIRE_FALSE(spec.validate().has_value());
+      r.kernel = spec;
+      check(r, seed++);
+    }
+}
+
+TEST_CASE("sm90_fwd: sm_margin leaves SMs free and changes nothing else", "[forward][sm90]") {
+  if (!on_hopper()) {
+    WARN("sm90_fwd needs an sm_90 device; skipped");
+    return;
+  }
+  AttentionShape s = AttentionShape::make(2, 1500, 1500, 8, 2, 128);
+  s.causal = true;
+  AttentionCase c(s, DType::bf16, 7600);
+  AttentionOptions options;
+  options.backend = Backend::sm90;
+  c.run(test_runtime(), options);
+  const auto out = c.output_bits();
+  options.sm_margin = device_properties(0).sm_count - 1;  // one persistent CTA does every tile
+  c.run(test_runtime(), options);
+  CHECK(c.output_bits() == out);
+  options.sm_margin = device_properties(0).sm_count;
+  CHECK_THROWS_WITH(c.run(test_runtime(), options), Catch::Contains("sm_margin"));
 }
