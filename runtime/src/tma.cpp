@@ -52,6 +52,7 @@ std::optional<std::string> tma_unusable_reason(const ForwardProblem& problem) {
       {"k", a.k, a.k_row_stride, a.k_head_stride, a.k_batch_stride, rows_k, a.num_heads_kv},
       {"v", a.v, a.v_row_stride, a.v_head_stride, a.v_batch_stride, rows_k, a.num_heads_kv}};
   for (const Operand& t : operands) {
+    if (t.rows == 0) return fmt::format("{}: no rows (a TMA map needs every extent positive)", t.name);
     if (reinterpret_cast<uintptr_t>(t.data) % 16 != 0)
       return fmt::format("{}: data pointer {} is not 16-byte aligned (TMA needs it)", t.name, t.data);
     const std::pair<long long, int> strides[] = {{t.row_stride, t.rows}, {t.head_stride, t.heads},

@@ -18,8 +18,9 @@ TmaDescriptor make_attention_tma_map(const void* data, DType dtype, int head_dim
                                      long long row_stride, long long head_stride, long long batch_stride,
                                      int box_rows);
 
-// Why q, k or v cannot be read through TMA maps (a base address not 16-byte aligned, a stride of a
-// dim longer than one that is not a multiple of 16 bytes), or nothing when all three can.
+// Why q, k or v cannot be read through TMA maps (no rows, such as seqlen_k = 0; a base address not
+// 16-byte aligned; a stride of a dim longer than one that is not a multiple of 16 bytes), or
+// nothing when all three can.
 std::optional<std::string> tma_unusable_reason(const ForwardProblem& problem);
 
 }  // namespace flashjit::detail

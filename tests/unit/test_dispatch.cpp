@@ -81,6 +81,11 @@ TEST_CASE("sm_90 picks sm90_fwd unless TMA cannot read the tensors", "[dispatch]
   detail::ForwardProblem odd_base = problem(64);
   odd_base.params.k = arena + 8;
   CHECK(detail::select_forward_kernel(odd_base, kH200).family == Family::fa2_fwd);
+  // No keys (O = 0, LSE = +inf): a TMA map cannot have an empty dim, so fa2_fwd writes that.
+  auto q = TensorView::contiguous(arena, ScalarType::bfloat16, {2, 64, 4, 64});
+  auto no_keys = TensorView::contiguous(arena, ScalarType::bfloat16, {2, 0, 4, 64});
+  const detail::ForwardProblem keyless = detail::make_forward_problem(q, no_keys, no_keys, q, nullptr, nullptr, {});
+  CHECK(detail::select_forward_kernel(keyless, kH200).family == Family::fa2_fwd);
   // Forcing the Hopper backend on them names the tensor and the reason.
   odd_stride.backend = Backend::sm90;
   CHECK_THROWS_WITH(detail::select_forward_kernel(odd_stride, kH200),
