@@ -37,8 +37,8 @@ std::string wgmma_member_function(std::string_view name, int n, DType dtype, Wgm
       a_in_registers ? "const unsigned (&a)[4]" : "unsigned long long desc_a";
 
   return fmt::format(
-      "  static __device__ __forceinline__ void {name}(float (&d)[{acc}], {a_param}, unsigned long long desc_b,\n"
-      "                                                bool accumulate) {{\n"
+      "  static __device__ __forceinline__ void {name}(float (&d)[{acc}], {a_param},\n"
+      "      unsigned long long desc_b, bool accumulate) {{\n"
       "    asm volatile(\n"
       "        \"{{\\n.reg .pred p;\\nsetp.ne.b32 p, %{acc_idx}, 0;\\n\"\n"
       "        \"wgmma.mma_async.sync.aligned.m64n{n}k16.f32.{type}.{type} {{{d_list}}}, {a_text}, %{b_idx}, p, "

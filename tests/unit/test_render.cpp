@@ -41,6 +41,23 @@ TEST_CASE("render output matches the golden", "[render]") {
   check_golden("reference_fwd_bf16_d128_causal_sm80.cu", source.text);
 }
 
+TEST_CASE("sm90_fwd's Config carries the wgmma instructions of its tile widths", "[render]") {
+  // Any multiple of 16 is a legal block_n, so the generator writes each width's asm statement.
+  KernelSpec s = default_spec(Family::sm90_fwd, Arch::parse("sm_90a"), DType::bf16, 128);
+  s.block_n = 80;
+  const Source source = render(s);
+  check_golden("sm90_fwd_bf16_d128_m128n80w12s2_sm90a.cu", source.text);
+  // S = Q K^T: 40 accumulators, then both descriptors (K-major, no transposes).
+  CHECK_THAT(source.text, Catch::Contains("wgmma.mma_async.sync.aligned.m64n80k16.f32.bf16.bf16 {%0, %1,") &&
+                              Catch::Contains("%38, %39}, %40, %41, p, 1, 1, 0, 0;") &&
+                              Catch::Contains("\"+f\"(d[39])\n        : \"l\"(desc_a), \"l\"(desc_b)"));
+  // O += P V: 64 accumulators, P in four registers, V transposed (MN-major).
+  CHECK_THAT(source.text, Catch::Contains("m64n128k16.f32.bf16.bf16") &&
+                              Catch::Contains("%63}, {%64, %65, %66, %67}, %68, p, 1, 1, 1;"));
+  s.dtype = DType::fp16;
+  CHECK_THAT(render(s).text, Catch::Contains("m64n80k16.f32.f16.f16") && Catch::Contains("m64n128k16.f32.f16.f16"));
+}
+
 TEST_CASE("variants differ only after the fixed include block", "[render]") {
   // Same includes, then constexpr values: keeps NVRTC's precompiled-header path open.
   const auto a = render(default_spec(Family::reference_fwd, Arch::parse("sm_80"), DType::bf16, 64));
