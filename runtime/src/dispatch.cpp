@@ -151,11 +151,17 @@ KernelSpec select_backward_kernel(const ForwardProblem& problem, const DevicePro
 
 KernelSpec heuristic_forward_spec(const Arch& arch, DType dtype, int head_dim, MaskKind mask,
                                   bool has_softcap) {
+  // A problem with rows, in a layout TMA can read (null bases and zero strides are aligned): the
+  // choice for the common case, where the Hopper family is eligible.
   detail::ForwardProblem problem;
   problem.dtype = dtype;
   problem.head_dim = head_dim;
   problem.mask = mask;
   problem.has_softcap = has_softcap;
+  problem.batch = problem.heads_q = problem.heads_kv = 1;
+  problem.seqlen_q = problem.seqlen_k = 1;
+  problem.params.batch = problem.params.num_heads_q = problem.params.num_heads_kv = 1;
+  problem.params.seqlen_q = problem.params.seqlen_k = 1;
   return detail::select_for_arch(problem, arch);
 }
 

@@ -4,6 +4,7 @@
 #include <tuple>
 
 #include "dispatch.hpp"
+#include "flashjit/dispatch.hpp"
 #include "flashjit/codegen/render.hpp"
 #include "flashjit/error.hpp"
 #include "module_cache.hpp"
@@ -73,6 +74,9 @@ TEST_CASE("dispatch rounds head dims up and carries mask and dtype", "[dispatch]
 TEST_CASE("sm_90 picks sm90_fwd unless TMA cannot read the tensors", "[dispatch]") {
   CHECK(detail::select_forward_kernel(problem(128), kH200).family == Family::sm90_fwd);
   CHECK(detail::select_forward_kernel(problem(128), kA100).family == Family::fa2_fwd);
+  // What flashjit-warm's presets compile ahead of time is what dispatch runs.
+  CHECK(heuristic_forward_spec(kH200.arch(), DType::bf16, 128, MaskKind::causal) ==
+        detail::select_forward_kernel(problem(128, true), kH200));
   // The problem checks already demand the 16-byte alignment TMA needs, so these layouts are made by
   // hand: the fallback and the error guard whatever the checks accept in future.
   detail::ForwardProblem odd_stride = problem(64);
