@@ -4,6 +4,8 @@
 #   bench/device_run.sh [build-dir] [what...]
 #   what: tests | python | sweep | grid | peers | fwdbwd | tune | profile (default: tests); FLASHJIT_BENCH_ARGS adds
 #   arguments to the flashjit-bench steps, PEERS_ARGS to the peers step, FWDBWD_ARGS to fwdbwd.
+#   STEP_TIMEOUT (seconds, default 480) bounds each program, so a hang costs one step, not the call;
+#   budget it generously: a fresh machine compiles every kernel first (the grid alone takes ~100 s).
 set -uo pipefail
 build=${1:-build}
 shift || true
@@ -15,15 +17,21 @@ export LD_LIBRARY_PATH=$(dirname "$nvrtc"):${LD_LIBRARY_PATH:-}
 export FLASHJIT_CACHE_DIR=/tmp/flashjit-cache
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,temperature.gpu --format=csv,noheader
 status=0
+bounded() {
+  timeout --kill-after=10 "${STEP_TIMEOUT:-480}" "$@"
+  local rc=$?
+  [[ $rc -eq 124 || $rc -eq 137 ]] && echo "device_run: '$1' stopped after ${STEP_TIMEOUT:-480} s" >&2
+  return $rc
+}
 for step in $what; do
   case $step in
     tests)
       # GPU_TEST_FILTER: a Catch2 test spec (e.g. "[fa2_bwd]") to run a subset.
-      GPU_TEST_REPORT=$out/pipeline_costs.jsonl "$build/tests/flashjit_gpu_tests" ${GPU_TEST_FILTER:+"$GPU_TEST_FILTER"} \
+      GPU_TEST_REPORT=$out/pipeline_costs.jsonl bounded "$build/tests/flashjit_gpu_tests" ${GPU_TEST_FILTER:+"$GPU_TEST_FILTER"} \
           --durations yes 2>&1 | tee "$out/gpu_tests.log" | grep -vE '^[0-9.]+ s: ' | tail -40
       [[ ${PIPESTATUS[0]} -eq 0 ]] || status=1 ;;
     sweep)
-      "$build/tools/flashjit-bench" --sweep --seqlens 4096 ${FLASHJIT_BENCH_ARGS:-} --json > "$out/sweep.json" || status=1
+      bounded "$build/tools/flashjit-bench" --sweep --seqlens 4096 ${FLASHJIT_BENCH_ARGS:-} --json > "$out/sweep.json" || status=1
       python3 -c "
 import json; r = json.load(open('$out/sweep.json'))
 for row in r['rows']:
@@ -31,7 +39,7 @@ for row in r['rows']:
     print(row['head_dim'], row['seqlen'], 'causal' if row['causal'] else 'full', round(row['tflops'], 1), 'TFLOP/s', [(n.split('_')[3], round(ms, 3)) for n, ms in best])
 " ;;
     grid)
-      "$build/tools/flashjit-bench" ${FLASHJIT_BENCH_ARGS:-} --json > "$out/grid.json" || status=1
+      bounded "$build/tools/flashjit-bench" ${FLASHJIT_BENCH_ARGS:-} --json > "$out/grid.json" || status=1
       python3 -c "
 import json; r = json.load(open('$out/grid.json'))
 for row in r['rows']: print(row['head_dim'], row['seqlen'], 'causal' if row['causal'] else 'full', round(row['tflops'], 1), row['spec'])
@@ -39,32 +47,32 @@ for row in r['rows']: print(row['head_dim'], row['seqlen'], 'causal' if row['cau
     tune)
       # flashjit-tune over the forward grid (TUNE_ARGS adds e.g. --pass fwd,bwd), then the grid
       # timed with the heuristic and with the tuned database, for the per-row gain.
-      "$build/tools/flashjit-tune" --grid --causal off,on ${TUNE_ARGS:-} --output "$out/tuning.json" 2>&1 | tail -80
+      bounded "$build/tools/flashjit-tune" --grid --causal off,on ${TUNE_ARGS:-} --output "$out/tuning.json" 2>&1 | tail -80
       [[ ${PIPESTATUS[0]} -eq 0 ]] || status=1
-      "$build/tools/flashjit-bench" ${FLASHJIT_BENCH_ARGS:-} --json > "$out/grid_heuristic.json" || status=1
-      "$build/tools/flashjit-bench" ${FLASHJIT_BENCH_ARGS:-} --tuning-db "$out/tuning.json" --json > "$out/grid_tuned.json" || status=1
+      bounded "$build/tools/flashjit-bench" ${FLASHJIT_BENCH_ARGS:-} --json > "$out/grid_heuristic.json" || status=1
+      bounded "$build/tools/flashjit-bench" ${FLASHJIT_BENCH_ARGS:-} --tuning-db "$out/tuning.json" --json > "$out/grid_tuned.json" || status=1
       python3 -c "
 import json; h = json.load(open('$out/grid_heuristic.json'))['rows']; t = json.load(open('$out/grid_tuned.json'))['rows']
 for a, b in zip(h, t): print(a['head_dim'], a['seqlen'], 'causal' if a['causal'] else 'full', round(a['tflops'], 1), '->', round(b['tflops'], 1), round(b['tflops'] / a['tflops'], 3), b['spec'])
 " ;;
     python)
-      tests/python/run_tests.sh "$build/runtime/libflashjit.so" 2>&1 | tail -15
+      bounded tests/python/run_tests.sh "$build/runtime/libflashjit.so" 2>&1 | tail -15
       [[ ${PIPESTATUS[0]} -eq 0 ]] || status=1 ;;
     profile)
       # Nsight Compute on the default kernels at one shape per head dim (FLASHJIT_PROFILE_DIMS).
       for d in ${FLASHJIT_PROFILE_DIMS:-64 128 256}; do
-        ncu --clock-control none -k regex:flashjit_fa2 -c 1 --section SpeedOfLight --section WarpStateStats \
+        ncu --clock-control none -k regex:flashjit_ -c 1 --section SpeedOfLight --section WarpStateStats \
             --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis_Tables --section Occupancy \
             "$build/tools/flashjit-bench" --head-dims $d --seqlens 4096 --causal off --iters 1 --warmup 1 \
             > "$out/ncu_d$d.txt" 2>&1 || status=1
         grep -E "Duration|Throughput|Pipe|Stall|Bank|Occupancy|Registers|Issued|Eligible|No Eligible" "$out/ncu_d$d.txt" | head -40
       done ;;
     peers)
-      python3 bench/peers.py ${PEERS_ARGS:-} > "$out/peers.json" 2> "$out/peers.log" || status=1
+      bounded python3 bench/peers.py ${PEERS_ARGS:-} > "$out/peers.json" 2> "$out/peers.log" || status=1
       tail -n 40 "$out/peers.log" ;;
     fwdbwd)
       # Forward + backward: flashjit (Python package) beside SDPA FLASH and CUDNN, one process.
-      FLASHJIT_LIBRARY=$build/runtime/libflashjit.so python3 bench/peers.py --mode fwdbwd \
+      FLASHJIT_LIBRARY=$build/runtime/libflashjit.so bounded python3 bench/peers.py --mode fwdbwd \
           --backends flashjit,flash,cudnn ${FWDBWD_ARGS:-} > "$out/fwdbwd.json" 2> "$out/fwdbwd.log" || status=1
       tail -n 60 "$out/fwdbwd.log" ;;
     *) echo "unknown step $step"; status=2 ;;
