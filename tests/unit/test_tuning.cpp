@@ -147,6 +147,8 @@ TEST_CASE("tuning db: round trip and strict parsing", "[tuning]") {
   expect_error(mutated([](auto& c) { c["entries"][0]["spec"]["block_m"] = 48; }), "entries[0].spec:");
   expect_error(mutated([](auto& c) { c["entries"][0]["spec"]["mask"] = "none"; }), "does not serve the problem");
   expect_error(mutated([](auto& c) { c["entries"][2]["median_ms"] = -1; }), "entries[2].median_ms must be a finite number");
+  expect_error(mutated([](auto& c) { c["entries"][0]["problem"]["family"] = "reference_fwd"; }),
+               "entries[0].problem.family: reference_fwd is not tuned (fa2_fwd, fa2_bwd, sm90_fwd)");
 }
 
 TEST_CASE("the bundled tuning database parses and every entry is usable", "[tuning]") {
