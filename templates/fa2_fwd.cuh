@@ -253,9 +253,7 @@ __device__ void fa2_fwd_kernel(const AttentionFwdParams& p) {
   for (int mi = 0; mi < Shape::kMFrags; ++mi)
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-      float sum = st.row_sum[mi][h];
-      sum += __shfl_xor_sync(0xffffffffu, sum, 1);
-      sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+      const float sum = quad_sum(st.row_sum[mi][h]);
       const float inv_sum = sum > 0.f ? 1.f / sum : 0.f;
       const int local_row = warp_row0 + mi * 16 + lane / 4 + h * 8;
 #pragma unroll
@@ -265,10 +263,9 @@ __device__ void fa2_fwd_kernel(const AttentionFwdParams& p) {
       }
       const int row = m0 + local_row;
       if (p.lse != nullptr && lane % 4 == 0 && row < seq.seqlen_q) {
-        const float max_natural = Config::kHasSoftcap ? st.row_max[mi][h] : st.row_max[mi][h] * p.softmax_scale;
         const long long lse_row = p.cu_seqlens_q != nullptr ? seq.q_start + row : row;
         p.lse[batch * p.lse_batch_stride + head * p.lse_head_stride + lse_row] =
-            sum > 0.f ? max_natural + logf(sum) : positive_infinity();
+            row_logsumexp<Config::kHasSoftcap>(p, st.row_max[mi][h], sum);
       }
     }
   __syncthreads();

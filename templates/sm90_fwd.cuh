@@ -357,9 +357,7 @@ __device__ void sm90_fwd_kernel(const AttentionSm90FwdParams& params) {
     const int thread_row0 = m0 + warp_row0 + lane / 4;
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-      float sum = st.row_sum[0][h];
-      sum += __shfl_xor_sync(0xffffffffu, sum, 1);
-      sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+      const float sum = quad_sum(st.row_sum[0][h]);
       const float inv_sum = sum > 0.f ? 1.f / sum : 0.f;
       const int row = thread_row0 + h * 8;
       if (row >= seq.seqlen_q) continue;
@@ -372,10 +370,9 @@ __device__ void sm90_fwd_kernel(const AttentionSm90FwdParams& params) {
               pack2<Element>(o_flat[4 * nd + 2 * h] * inv_sum, o_flat[4 * nd + 2 * h + 1] * inv_sum);
       }
       if (p.lse != nullptr && lane % 4 == 0) {
-        const float max_natural = Config::kHasSoftcap ? st.row_max[0][h] : st.row_max[0][h] * p.softmax_scale;
         const long long lse_row = varlen ? seq.q_start + row : row;
         p.lse[work.batch * p.lse_batch_stride + work.head * p.lse_head_stride + lse_row] =
-            sum > 0.f ? max_natural + logf(sum) : positive_infinity();
+            row_logsumexp<Config::kHasSoftcap>(p, st.row_max[0][h], sum);
       }
     }
   }

@@ -40,8 +40,7 @@ Family forward_family(const ForwardProblem& problem, const Arch& arch) {
 
 namespace {
 
-KernelSpec select_for_arch(const ForwardProblem& problem, const Arch& arch) {
-  const Family family = forward_family(problem, arch);
+KernelSpec heuristic_spec(const ForwardProblem& problem, const Arch& arch, Family family) {
   return default_spec(family, arch, problem.dtype, kernel_head_dim(family, problem.head_dim),
                       problem.mask, problem.has_softcap);
 }
@@ -121,9 +120,10 @@ KernelSpec select_forward_kernel(const ForwardProblem& problem, const DeviceProp
     check_forced_kernel(*problem.forced_kernel, problem, arch, /*backward=*/false);
     return *problem.forced_kernel;
   }
+  const Family family = forward_family(problem, arch);
   if (problem.backend != Backend::reference)
-    if (auto spec = tuned_spec(tuning, problem, device, forward_family(problem, arch))) return *spec;
-  return select_for_arch(problem, arch);
+    if (auto spec = tuned_spec(tuning, problem, device, family)) return *spec;
+  return heuristic_spec(problem, arch, family);
 }
 
 KernelSpec select_backward_kernel(const ForwardProblem& problem, const DeviceProperties& device,
@@ -162,7 +162,7 @@ KernelSpec heuristic_forward_spec(const Arch& arch, DType dtype, int head_dim, M
   problem.seqlen_q = problem.seqlen_k = 1;
   problem.params.batch = problem.params.num_heads_q = problem.params.num_heads_kv = 1;
   problem.params.seqlen_q = problem.params.seqlen_k = 1;
-  return detail::select_for_arch(problem, arch);
+  return detail::heuristic_spec(problem, arch, detail::forward_family(problem, arch));
 }
 
 KernelSpec heuristic_backward_spec(const Arch& arch, DType dtype, int head_dim, MaskKind mask,

@@ -29,14 +29,11 @@ Grid forward_grid(const KernelSpec& spec, const ForwardProblem& p) {
 
 unsigned blocks(int extent, int tile) { return static_cast<unsigned>((extent + tile - 1) / tile); }
 
-// The Hopper forward's arguments: TMA maps (varlen tensors mapped as one batch entry of packed
-// rows) and its persistent schedule.
+// The Hopper forward's arguments: TMA maps and its persistent schedule.
 AttentionSm90FwdParams sm90_forward_params(const KernelSpec& spec, const ForwardProblem& problem,
                                            const DeviceProperties& device) {
   const AttentionFwdParams& a = problem.params;
-  const int rows_q = problem.is_varlen ? problem.total_q : a.seqlen_q;
-  const int rows_k = problem.is_varlen ? problem.total_k : a.seqlen_k;
-  const int batches = problem.is_varlen ? 1 : a.batch;
+  const auto [rows_q, rows_k, batches] = tma_extents(problem);
   AttentionSm90FwdParams params;
   params.fwd = a;
   params.q_map = make_attention_tma_map(a.q, problem.dtype, a.head_dim, rows_q, a.num_heads_q, batches,
@@ -55,12 +52,13 @@ AttentionSm90FwdParams sm90_forward_params(const KernelSpec& spec, const Forward
   return params;
 }
 
-Grid sm90_persistent_grid(const KernelSpec& spec, const ForwardProblem& problem, const DeviceProperties& device) {
+// One CTA per SM the caller leaves to it, or per work tile when there are fewer.
+Grid sm90_persistent_grid(const AttentionSm90FwdParams& params, const ForwardProblem& problem,
+                          const DeviceProperties& device) {
   if (problem.sm_margin >= device.sm_count)
     throw Error(ErrorCode::invalid_argument, "forward",
                 fmt::format("sm_margin {} leaves none of the device's {} SMs", problem.sm_margin, device.sm_count));
-  const long long work_tiles = static_cast<long long>(blocks(problem.seqlen_q, spec.block_m)) * problem.heads_q *
-                               problem.batch;
+  const long long work_tiles = static_cast<long long>(params.num_m_blocks) * problem.heads_q * problem.batch;
   return {static_cast<unsigned>(std::min<long long>(work_tiles, device.sm_count - problem.sm_margin)), 1, 1};
 }
 
@@ -116,8 +114,8 @@ struct Runtime::Impl {
     const KernelSpec spec = select_forward_kernel(problem, device, &tuning);
     const LoadedKernel& kernel = modules.get(spec, device);
     if (spec.family == Family::sm90_fwd) {
-      launch(kernel, spec, 0, sm90_persistent_grid(spec, problem, device), problem.stream,
-             sm90_forward_params(spec, problem, device));
+      const AttentionSm90FwdParams params = sm90_forward_params(spec, problem, device);
+      launch(kernel, spec, 0, sm90_persistent_grid(params, problem, device), problem.stream, params);
       return;
     }
     launch(kernel, spec, 0, forward_grid(spec, problem), problem.stream, problem.params);

@@ -36,11 +36,15 @@ TmaDescriptor make_attention_tma_map(const void* data, DType dtype, int head_dim
   return descriptor;
 }
 
+TmaExtents tma_extents(const ForwardProblem& problem) {
+  const AttentionFwdParams& a = problem.params;
+  if (problem.is_varlen) return {problem.total_q, problem.total_k, 1};
+  return {a.seqlen_q, a.seqlen_k, a.batch};
+}
+
 std::optional<std::string> tma_unusable_reason(const ForwardProblem& problem) {
   const AttentionFwdParams& a = problem.params;
-  const int rows_q = problem.is_varlen ? problem.total_q : a.seqlen_q;
-  const int rows_k = problem.is_varlen ? problem.total_k : a.seqlen_k;
-  const int batches = problem.is_varlen ? 1 : a.batch;
+  const auto [rows_q, rows_k, batches] = tma_extents(problem);
   struct Operand {
     const char* name;
     const void* data;

@@ -18,6 +18,12 @@ TmaDescriptor make_attention_tma_map(const void* data, DType dtype, int head_dim
                                      long long row_stride, long long head_stride, long long batch_stride,
                                      int box_rows);
 
+// The extents the maps describe: varlen tensors are one batch entry of packed rows.
+struct TmaExtents {
+  int rows_q, rows_k, batches;
+};
+TmaExtents tma_extents(const ForwardProblem& problem);
+
 // Why q, k or v cannot be read through TMA maps (no rows, such as seqlen_k = 0; a base address not
 // 16-byte aligned; a stride of a dim longer than one that is not a multiple of 16 bytes), or
 // nothing when all three can.

@@ -14,6 +14,21 @@ struct RowSoftmaxState {
   float row_sum[Shape::kMFrags][2];            // this thread's columns only; quad-reduced at the end
 };
 
+// A row's total over the quad of lanes that hold its columns.
+__device__ __forceinline__ float quad_sum(float value) {
+  value += __shfl_xor_sync(0xffffffffu, value, 1);
+  return value + __shfl_xor_sync(0xffffffffu, value, 2);
+}
+
+// A finished row's logsumexp of the scaled scores, from its running max (raw score units; with a
+// softcap the softcapped scores, which include the scale) and quad-reduced sum; +inf for a row
+// that saw no key.
+template <bool kHasSoftcap>
+__device__ __forceinline__ float row_logsumexp(const AttentionFwdParams& p, float row_max, float sum) {
+  const float max_natural = kHasSoftcap ? row_max : row_max * p.softmax_scale;
+  return sum > 0.f ? max_natural + logf(sum) : positive_infinity();
+}
+
 // The masks of one key tile, element by element. Only called on tiles that straddle an edge.
 template <class Shape, MaskKind kMask>
 __device__ __forceinline__ void mask_tile(float (&s)[Shape::kMFrags][Shape::kSFrags][4],

@@ -24,6 +24,13 @@ struct Run {
 
 bool on_hopper() { return device_properties(0).arch().name() == "sm_90a"; }
 
+// For cases that only sm90_fwd has: false, with a warning, elsewhere.
+bool hopper_or_skip() {
+  if (on_hopper()) return true;
+  WARN("sm90_fwd needs an sm_90 device; skipped");
+  return false;
+}
+
 // The families this device runs: fa2_fwd, and sm90_fwd on sm_90.
 std::vector<Backend> forward_backends() {
   if (on_hopper()) return {Backend::fa2, Backend::sm90};
@@ -240,10 +247,7 @@ TEST_CASE("forward: bad cu_seqlens are refused before anything runs", "[forward]
 }
 
 TEST_CASE("sm90_fwd: tile shapes, stages and consumer counts", "[forward][sm90]") {
-  if (!on_hopper()) {
-    WARN("sm90_fwd needs an sm_90 device; skipped");
-    return;
-  }
+  if (!hopper_or_skip()) return;
   const Arch arch = device_properties(0).arch();
   uint64_t seed = 7500;
   struct Tiles {
@@ -267,10 +271,7 @@ TEST_CASE("sm90_fwd: tile shapes, stages and consumer counts", "[forward][sm90]"
 }
 
 TEST_CASE("sm90_fwd: sm_margin leaves SMs free and changes nothing else", "[forward][sm90]") {
-  if (!on_hopper()) {
-    WARN("sm90_fwd needs an sm_90 device; skipped");
-    return;
-  }
+  if (!hopper_or_skip()) return;
   AttentionShape s = AttentionShape::make(2, 1500, 1500, 8, 2, 128);
   s.causal = true;
   AttentionCase c(s, DType::bf16, 7600);
