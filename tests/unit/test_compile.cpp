@@ -15,15 +15,16 @@ using namespace flashjit;
 
 namespace {
 
-// Representative specs of each family: every kernel head dim and dtype, with and without the
-// masks and softcap that add code.
+// Representative specs of each family: every kernel head dim and dtype, with each mask kind, and
+// with a window and a softcap together (the most code).
 std::vector<KernelSpec> sweep_specs(const Arch& arch) {
   std::vector<KernelSpec> specs;
   for (Family f : all_families())
     for (int d : {32, 64, 96, 128, 160, 192, 224, 256})
       for (DType t : {DType::fp16, DType::bf16}) {
         if (!family_covers(f, arch, d)) continue;  // e.g. sm90_fwd on sm_80, or head dim 96 there
-        specs.push_back(default_spec(f, arch, t, d, MaskKind::none, false));
+        for (MaskKind mask : {MaskKind::none, MaskKind::causal, MaskKind::window})
+          specs.push_back(default_spec(f, arch, t, d, mask, false));
         specs.push_back(default_spec(f, arch, t, d, MaskKind::window, true));
       }
   return specs;

@@ -55,11 +55,12 @@ void set_default_tiles(KernelSpec& s) {
     s.num_warps = 4 * (1 + block_m / 64);
     s.num_stages = stages;
   };
-  // A softcap's tanh needs registers: at head dim 64 two consumer warpgroups (240 registers each)
-  // instead of three (160), and at 192 a narrower key tile.
-  if (s.head_dim <= 64) s.has_softcap ? set(128, 128, 2) : set(192, 96, 2);
+  // A softcap's tanh and a window's two-sided mask need registers: with either, head dim 64 takes
+  // two consumer warpgroups (240 registers each) instead of three (160), and 192 a narrower key tile.
+  const bool heavy_scores = s.has_softcap || s.mask == MaskKind::window;
+  if (s.head_dim <= 64) heavy_scores ? set(128, 128, 2) : set(192, 96, 2);
   else if (s.head_dim <= 128) set(128, 128, 2);
-  else if (s.head_dim <= 192) set(128, s.has_softcap ? 96 : 112, 2);
+  else if (s.head_dim <= 192) set(128, heavy_scores ? 96 : 112, 2);
   else set(128, 64, 2);
 }
 
