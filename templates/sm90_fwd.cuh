@@ -8,11 +8,11 @@
 //   for S' only (then free K's slot) and run its softmax while the PV GEMM still runs; then wait
 //   for PV, free V's slot and rescale O. Ping-pong: a named-barrier token passes between the consumer warpgroups so
 //   that they issue their GEMMs in turn, and one's softmax overlaps the other's GEMMs.
-//   Persistent: gridDim.x CTAs (the SMs, less any the caller keeps free) walk the work tiles
-//   (query block, head, batch) with a fixed stride, in sections of (batch, head) pairs whose K/V fit
-//   in L2 together, longest query blocks first within a section. (The fixed stride can load CTAs
-//   unevenly under causal masks when a section's tiles and the grid do not divide: head dim 256 at
-//   16k tokens; a dynamic counter is the next step.)
+//   Persistent: gridDim.x CTAs (the SMs, less any the caller keeps free) take work tiles (query
+//   block, head, batch) from a global counter, in sections of (batch, head) pairs whose K/V fit in
+//   L2 together, longest query blocks first within a section: a CTA that finishes early takes the
+//   next tile, which balances causal work. The producer fetches each tile and publishes it to the
+//   consumers in shared memory with the Q tile (on q_full); -1 ends the loop.
 //   ptxas serializes wgmma (warning C7520) when a wgmma sits on a path it cannot prove warp-uniform,
 //   which would undo the overlap: uniform values go through warp_uniform(), and the barrier waits
 //   come before the first wgmma of a step, never between two.
@@ -46,7 +46,8 @@ struct Sm90FwdShape {
   static constexpr int kKVTileBytes = kPanels * kKVPanelBytes;
   // q_full, q_empty, then k_full, v_full, k_empty and v_empty per stage.
   static constexpr int kBarrierBytes = 8 * (2 + 4 * kStages);
-  static constexpr int kSmemBytes = 1024 + kQBytes + 2 * kStages * kKVTileBytes + kBarrierBytes;
+  // After the barriers: the work tile the producer published with the Q tile (16 bytes).
+  static constexpr int kSmemBytes = 1024 + kQBytes + 2 * kStages * kKVTileBytes + kBarrierBytes + 16;
   // setmaxnreg split of the 64K registers (FlashAttention-3's): the producer keeps a few.
   static constexpr int kProducerRegisters = kConsumers == 2 ? 24 : 32;
   static constexpr int kConsumerRegisters = kConsumers == 2 ? 240 : 160;
@@ -139,6 +140,7 @@ __device__ void sm90_fwd_kernel(const AttentionSm90FwdParams& params) {
   auto bar_v_full = [&](int stage) { return bar_q_full + 16 + 8 * (kStages + stage); };
   auto bar_k_empty = [&](int stage) { return bar_q_full + 16 + 8 * (2 * kStages + stage); };
   auto bar_v_empty = [&](int stage) { return bar_q_full + 16 + 8 * (3 * kStages + stage); };
+  int* const published_tile = reinterpret_cast<int*>(smem + (bar_q_full + Shape::kBarrierBytes - shared_address(smem)));
 
   // Warp-uniform values go through a shuffle so that ptxas can see they are uniform: a wgmma on a
   // path it must treat as divergent is serialized (C7520), and the overlap is lost.
@@ -164,15 +166,24 @@ __device__ void sm90_fwd_kernel(const AttentionSm90FwdParams& params) {
     registers_decrease<Shape::kProducerRegisters>();
     if (tid != 0) return;
     int kv_count = 0, q_count = 0;  // loads so far: they select the stage and the barrier phase
-    for (int index = blockIdx.x; index < num_work_tiles; index += gridDim.x) {
-      const Sm90WorkTile work = sm90_work_tile(params, index);
+    for (int index = blockIdx.x;; index = gridDim.x + atomicAdd(params.tile_counter, 1)) {
+      Sm90WorkTile work{};
+      SequenceExtent seq{};
+      if (index < num_work_tiles) {
+        work = sm90_work_tile(params, index);
+        seq = sequence_extent(p, work.batch);
+        if (work.m_block * kBlockM >= seq.seqlen_q) continue;  // varlen: a shorter sequence
+      }
+      // Q's slot is free: publish the tile (or the end) with it, on q_full.
+      mbarrier_wait(bar_q_empty, (q_count++ & 1) ^ 1);  // a fresh barrier passes parity 1
+      *reinterpret_cast<volatile int*>(published_tile) = index < num_work_tiles ? index : -1;
+      if (index >= num_work_tiles) {
+        mbarrier_arrive(bar_q_full);
+        break;
+      }
       const int m0 = work.m_block * kBlockM;
-      const SequenceExtent seq = sequence_extent(p, work.batch);
-      if (m0 >= seq.seqlen_q) continue;  // varlen: a shorter sequence (the consumers skip it too)
       const int kv_head = work.head / (p.num_heads_q / p.num_heads_kv), tma_batch = varlen ? 0 : work.batch;
       const KeyTileRange keys = key_tile_range<kBlockM, kBlockN, kMask>(p, seq, m0);
-
-      mbarrier_wait(bar_q_empty, (q_count++ & 1) ^ 1);  // a fresh barrier passes parity 1
       mbarrier_arrive_expect_tx(bar_q_full, Shape::kQBytes);
       for (int panel = 0; panel < Shape::kPanels; ++panel)
         tma_load_4d(sQ + panel * Shape::kQPanelBytes, params.q_map, bar_q_full, panel * 64, seq.q_start + m0,
@@ -266,11 +277,14 @@ __device__ void sm90_fwd_kernel(const AttentionSm90FwdParams& params) {
   };
 
   int kv_count = 0, q_count = 0;
-  for (int index = blockIdx.x; index < num_work_tiles; index += gridDim.x) {
+  for (;;) {
+    // The producer publishes each work tile (or -1 at the end) with its Q tile.
+    mbarrier_wait(bar_q_full, q_count++ & 1);
+    const int index = warp_uniform(*reinterpret_cast<volatile int*>(published_tile));
+    if (index < 0) break;
     const Sm90WorkTile work = sm90_work_tile(params, index);
     const int m0 = work.m_block * kBlockM;
     const SequenceExtent seq = sequence_extent(p, work.batch);
-    if (warp_uniform(m0 >= seq.seqlen_q)) continue;
     KeyTileRange keys = key_tile_range<kBlockM, kBlockN, kMask>(p, seq, m0);
     keys.n_block_min = warp_uniform(keys.n_block_min);
     keys.n_block_max = warp_uniform(keys.n_block_max);
@@ -284,7 +298,6 @@ __device__ void sm90_fwd_kernel(const AttentionSm90FwdParams& params) {
     st.row_sum[0][0] = st.row_sum[0][1] = 0.f;
     float(&o_flat)[Shape::kHeadDim / 2] = reinterpret_cast<float(&)[Shape::kHeadDim / 2]>(st.o);
 
-    mbarrier_wait(bar_q_full, q_count++ & 1);
     if (keys.count() > 0) {
       // The first (last in key order) tile: S, then its softmax; O is still zero.
       int stage = kv_count % kStages;

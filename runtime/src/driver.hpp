@@ -42,6 +42,7 @@ namespace flashjit::detail {
   X(cuMemcpyDtoH, 3020)                 \
   X(cuMemcpyDtoHAsync, 3020)            \
   X(cuMemsetD8, 3020)                   \
+  X(cuMemsetD32Async, 3020)             \
   X(cuMemPoolCreate, 11020)             \
   X(cuMemPoolSetAttribute, 11020)       \
   X(cuMemAllocFromPoolAsync, 11020)     \

@@ -114,7 +114,12 @@ struct Runtime::Impl {
     const KernelSpec spec = select_forward_kernel(problem, device, &tuning);
     const LoadedKernel& kernel = modules.get(spec, device);
     if (spec.family == Family::sm90_fwd) {
-      const AttentionSm90FwdParams params = sm90_forward_params(spec, problem, device);
+      // The persistent schedule's tile counter: 4 stream-ordered bytes, zeroed before the launch.
+      const auto stream = static_cast<CUstream>(problem.stream);
+      StreamWorkspace counter(problem.device, stream, sizeof(int));
+      FLASHJIT_CU(cuMemsetD32Async, counter.get(), 0u, 1, stream);
+      AttentionSm90FwdParams params = sm90_forward_params(spec, problem, device);
+      params.tile_counter = reinterpret_cast<int*>(counter.get());
       launch(kernel, spec, 0, sm90_persistent_grid(params, problem, device), problem.stream, params);
       return;
     }

@@ -46,7 +46,8 @@ struct alignas(64) TmaDescriptor {
 // (head_dim, seqlen, heads, batch) with 64-value, 128-byte-swizzled boxes.
 // The kernel is persistent: its work tiles are (query block, head, batch), num_m_blocks of
 // kBlockM rows per sequence (the longest, when varlen), ordered in sections of `section_pairs`
-// (batch, head) pairs whose K/V share the L2; CTA c takes tiles c, c + gridDim.x, ...
+// (batch, head) pairs whose K/V share the L2. Each CTA starts with tile blockIdx.x and then takes
+// gridDim.x + atomicAdd(tile_counter, 1): the counter must be zero at launch.
 struct AttentionSm90FwdParams {
   TmaDescriptor q_map;
   TmaDescriptor k_map;
@@ -54,6 +55,7 @@ struct AttentionSm90FwdParams {
   AttentionFwdParams fwd;
   int num_m_blocks;
   int section_pairs;
+  int* tile_counter;
 };
 
 // Backward attention (fa2_bwd). `fwd` holds the forward's inputs and options: q, k, v, o, the

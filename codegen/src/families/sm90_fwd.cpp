@@ -15,7 +15,7 @@ int panels(const KernelSpec& s) { return (s.head_dim + 63) / 64; }
 
 int smem_bytes(const KernelSpec& s) {
   const int q_bytes = panels(s) * s.block_m * 128, kv_tile_bytes = panels(s) * s.block_n * 128;
-  return 1024 + q_bytes + 2 * s.num_stages * kv_tile_bytes + 8 * (2 + 4 * s.num_stages);
+  return 1024 + q_bytes + 2 * s.num_stages * kv_tile_bytes + 8 * (2 + 4 * s.num_stages) + 16;
 }
 
 // A consumer thread holds O (head_dim / 2 fp32), the next tile's scores (block_n / 2) and the
