@@ -289,14 +289,15 @@ __device__ void sm90_fwd_kernel(const AttentionSm90FwdParams& params) {
     keys.n_block_min = warp_uniform(keys.n_block_min);
     keys.n_block_max = warp_uniform(keys.n_block_max);
 
+    // O lives in its own array, the wgmma's accumulator operands; the softmax state keeps only the
+    // row statistics (its o member stays unused). Inside the struct, behind a reinterpreting alias,
+    // NVVM left a 132-float state in local memory at head dim 256.
     RowSoftmaxState<Warp> st;
-#pragma unroll
-    for (int nd = 0; nd < Warp::kOFrags; ++nd)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) st.o[0][nd][e] = 0.f;
     st.row_max[0][0] = st.row_max[0][1] = -positive_infinity();
     st.row_sum[0][0] = st.row_sum[0][1] = 0.f;
-    float(&o_flat)[Shape::kHeadDim / 2] = reinterpret_cast<float(&)[Shape::kHeadDim / 2]>(st.o);
+    float o_flat[Shape::kHeadDim / 2];
+#pragma unroll
+    for (int i = 0; i < Shape::kHeadDim / 2; ++i) o_flat[i] = 0.f;
 
     if (keys.count() > 0) {
       // The first (last in key order) tile: S, then its softmax; O is still zero.
@@ -342,7 +343,10 @@ __device__ void sm90_fwd_kernel(const AttentionSm90FwdParams& params) {
         fence_operands(o_flat);
         fence_operands(a);
         release(bar_v_empty(stage));
-        rescale_output(st, rescale);
+        if (rescale.any_moved) {
+#pragma unroll
+          for (int i = 0; i < Shape::kHeadDim / 2; ++i) o_flat[i] *= rescale.factor[0][(i % 4) / 2];
+        }
         pack_probabilities(a, s);
         stage = next;
         ++kv_count;
