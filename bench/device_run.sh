@@ -2,8 +2,9 @@
 # One device call: GPU tests and timings over a build tree made on the development machine and
 # carried along (the device has no -dev packages; binaries built here run there).
 #   bench/device_run.sh [build-dir] [what...]
-#   what: tests | python | sweep | grid | peers | fwdbwd | tune | profile (default: tests); FLASHJIT_BENCH_ARGS adds
-#   arguments to the flashjit-bench steps, PEERS_ARGS to the peers step, FWDBWD_ARGS to fwdbwd.
+#   what: warm | tests | sanitize | python | sweep | grid | peers | fwdbwd | tune | profile (default: tests);
+#   FLASHJIT_BENCH_ARGS adds arguments to the flashjit-bench steps, PEERS_ARGS to the peers step,
+#   FWDBWD_ARGS to fwdbwd.
 #   STEP_TIMEOUT (seconds, default 480) bounds each program, so a hang costs one step, not the call;
 #   budget it generously: a fresh machine compiles every kernel first (the grid alone takes ~100 s).
 set -uo pipefail
@@ -25,6 +26,19 @@ bounded() {
 }
 for step in $what; do
   case $step in
+    warm)
+      # The default kernels compiled on every core first, so the steps after it mostly hit the cache.
+      bounded "$build/tools/flashjit-warm" --arch sm_90a --preset default --head-dims 64 96 128 192 256 \
+          --dtypes bf16 fp16 --masks none causal window --passes fwd bwd 2>&1 | tail -3
+      [[ ${PIPESTATUS[0]} -eq 0 ]] || status=1 ;;
+    sanitize)
+      # compute-sanitizer over the Hopper forward: memcheck on its tile-shape and margin tests,
+      # racecheck and synccheck on the margin test (one persistent CTA takes every tile).
+      san() { bounded compute-sanitizer --tool "$1" --error-exitcode 1 "$build/tests/flashjit_gpu_tests" "$2" 2>&1 |
+                tee "$out/sanitize_$1.log" | tail -4; [[ ${PIPESTATUS[0]} -eq 0 ]] || status=1; }
+      san memcheck "[sm90]"
+      san racecheck "sm90_fwd: sm_margin*"
+      san synccheck "sm90_fwd: sm_margin*" ;;
     tests)
       # GPU_TEST_FILTER: a Catch2 test spec (e.g. "[fa2_bwd]") to run a subset.
       GPU_TEST_REPORT=$out/pipeline_costs.jsonl bounded "$build/tests/flashjit_gpu_tests" ${GPU_TEST_FILTER:+"$GPU_TEST_FILTER"} \
