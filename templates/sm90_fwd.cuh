@@ -278,9 +278,10 @@ __device__ void sm90_fwd_kernel(const AttentionSm90FwdParams& params) {
 
   int kv_count = 0, q_count = 0;
   for (;;) {
-    // The producer publishes each work tile (or -1 at the end) with its Q tile.
+    // The producer publishes each work tile (or -1 at the end) with its Q tile. Lane 0 alone reads
+    // it: the same thread later arrives on q_empty, which orders the read before the next write.
     mbarrier_wait(bar_q_full, q_count++ & 1);
-    const int index = warp_uniform(*reinterpret_cast<volatile int*>(published_tile));
+    const int index = warp_uniform(lane == 0 ? *reinterpret_cast<volatile int*>(published_tile) : 0);
     if (index < 0) break;
     const Sm90WorkTile work = sm90_work_tile(params, index);
     const int m0 = work.m_block * kBlockM;
