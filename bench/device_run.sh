@@ -2,7 +2,8 @@
 # One device call: GPU tests and timings over a build tree made on the development machine and
 # carried along (the device has no -dev packages; binaries built here run there).
 #   bench/device_run.sh [build-dir] [what...]
-#   what: warm | tests | sanitize | python | sweep | grid | peers | fwdbwd | tune | profile (default: tests);
+#   what: warm | tests | sanitize | python | host | sweep | grid | peers | fwdbwd | tune | profile
+#   (default: tests);
 #   FLASHJIT_BENCH_ARGS adds arguments to the flashjit-bench steps, PEERS_ARGS to the peers step,
 #   FWDBWD_ARGS to fwdbwd.
 #   STEP_TIMEOUT (seconds, default 480) bounds each program, so a hang costs one step, not the call;
@@ -81,6 +82,11 @@ for a, b in zip(h, t): print(a['head_dim'], a['seqlen'], 'causal' if a['causal']
             > "$out/ncu_d$d.txt" 2>&1 || status=1
         grep -E "Duration|Throughput|Pipe|Stall|Bank|Occupancy|Registers|Issued|Eligible|No Eligible" "$out/ncu_d$d.txt" | head -40
       done ;;
+    host)
+      # Host time per call: flashjit's Python and C entry points beside SDPA's (bench/host_overhead.py).
+      FLASHJIT_LIBRARY=$build/runtime/libflashjit.so bounded python3 bench/host_overhead.py > "$out/host.json" \
+          2> "$out/host.log" || status=1
+      head -n 40 "$out/host.log" ;;
     peers)
       bounded python3 bench/peers.py ${PEERS_ARGS:-} > "$out/peers.json" 2> "$out/peers.log" || status=1
       tail -n 40 "$out/peers.log" ;;

@@ -61,9 +61,8 @@ struct Row {
 };
 
 // Median over `iters` samples of the per-call time, each sample timing back-to-back calls between
-// two events (enough of them to span ~1 ms, so the host's launch cost hides behind the GPU queue
-// for all but the tiniest kernels). Warm-up calls first keep compiles, module loads and lazy
-// loading out of the numbers.
+// two events (enough of them to span ~10 ms, up to 200). Warm-up calls first keep compiles, module
+// loads and lazy loading out of the numbers.
 template <class Call>
 double median_ms(Call&& call, int warmup, int iters, CUevent start, CUevent stop) {
   auto timed = [&](int calls) {
@@ -77,7 +76,9 @@ double median_ms(Call&& call, int warmup, int iters, CUevent start, CUevent stop
   };
   for (int i = 0; i < std::max(1, warmup); ++i) call();
   FLASHJIT_CU(cuCtxSynchronize);
-  const int calls = std::clamp(static_cast<int>(1.0 / std::max(timed(1), 1e-3)), 1, 50);
+  // Back-to-back calls filling ~10 ms per sample: each call's host work overlaps the previous
+  // kernel, as in a model, so the samples time the GPU rather than the launch path.
+  const int calls = std::clamp(static_cast<int>(10.0 / std::max(timed(1), 1e-3)), 1, 200);
   std::vector<double> samples;
   for (int i = 0; i < iters; ++i) samples.push_back(timed(calls) / calls);
   std::sort(samples.begin(), samples.end());

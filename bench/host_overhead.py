@@ -1,0 +1,76 @@
+#!/usr/bin/env python3
+"""Host time per forward call: flashjit's Python entry point, its C API alone (views built once),
+and SDPA's FLASH and CUDNN backends, on a shape whose GPU work is shorter than the host work, so the
+loop measures the host. A cProfile of flashjit's Python path follows on stderr.
+
+    FLASHJIT_LIBRARY=build/runtime/libflashjit.so python3 bench/host_overhead.py
+"""
+import cProfile
+import ctypes
+import io
+import json
+import pathlib
+import pstats
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "python"))
+import flashjit  # noqa: E402
+from flashjit import _capi  # noqa: E402
+
+
+def host_us(fn, calls=2000):
+    for _ in range(50):
+        fn()
+    torch.cuda.synchronize()
+    begin = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    end = time.perf_counter()
+    torch.cuda.synchronize()
+    return (end - begin) / calls * 1e6
+
+
+def main():
+    b, s, h, d = 1, 128, 8, 128
+    q, k, v = (torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    lib = flashjit._lib
+    out = torch.empty_like(q)
+    lse = torch.empty(b, h, s, device="cuda", dtype=torch.float32)
+    views = [flashjit._view(t, n) for t, n in ((q, "q"), (k, "k"), (v, "v"), (out, "out"), (lse, "lse"))]
+    options = flashjit._options(q, None, True, -1, -1, 0.0)
+    refs = [ctypes.byref(x) for x in views] + [ctypes.byref(options)]
+    qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
+
+    def sdpa(backend):
+        def call():
+            with sdpa_kernel(backend):
+                return F.scaled_dot_product_attention(qt, kt, vt, is_causal=True)
+        return call
+
+    with torch.no_grad():
+        rows = {
+            "flashjit.flash_attn_func": host_us(lambda: flashjit.flash_attn_func(q, k, v, causal=True)),
+            "flashjit C API (views prebuilt)": host_us(lambda: lib.flashjit_forward(*refs)),
+            "sdpa flash": host_us(sdpa(SDPBackend.FLASH_ATTENTION)),
+            "sdpa cudnn": host_us(sdpa(SDPBackend.CUDNN_ATTENTION)),
+        }
+        for name, us in rows.items():
+            print(f"{name:34} {us:7.1f} us per call", file=sys.stderr)
+        profile = cProfile.Profile()
+        profile.enable()
+        for _ in range(500):
+            flashjit.flash_attn_func(q, k, v, causal=True)
+        profile.disable()
+        text = io.StringIO()
+        pstats.Stats(profile, stream=text).sort_stats("tottime").print_stats(15)
+        print(text.getvalue(), file=sys.stderr)
+    json.dump(dict(shape=[b, s, h, d], host_us_per_call=rows), sys.stdout, indent=1)
+
+
+if __name__ == "__main__":
+    main()
