@@ -60,15 +60,19 @@ import json; r = json.load(open('$out/grid.json'))
 for row in r['rows']: print(row['head_dim'], row['seqlen'], 'causal' if row['causal'] else 'full', round(row['tflops'], 1), row['spec'])
 " ;;
     tune)
-      # flashjit-tune over the forward grid (TUNE_ARGS adds e.g. --pass fwd,bwd), then the grid
-      # timed with the heuristic and with the tuned database, for the per-row gain.
-      bounded "$build/tools/flashjit-tune" --grid --causal off,on ${TUNE_ARGS:-} --output "$out/tuning.json" 2>&1 | tail -80
+      # flashjit-tune over the forward grid (TUNE_ARGS adds e.g. --pass fwd,bwd), then the grid with
+      # the tuned database, each row interleaved with the heuristic's spec, for the per-row gain.
+      bounded "$build/tools/flashjit-tune" --grid --causal off,on ${TUNE_ARGS:-} --output "$out/tuning.json" 2>&1 |
+          tee "$out/tune.log" | tail -40
       [[ ${PIPESTATUS[0]} -eq 0 ]] || status=1
-      bounded "$build/tools/flashjit-bench" ${FLASHJIT_BENCH_ARGS:-} --json > "$out/grid_heuristic.json" || status=1
-      bounded "$build/tools/flashjit-bench" ${FLASHJIT_BENCH_ARGS:-} --tuning-db "$out/tuning.json" --json > "$out/grid_tuned.json" || status=1
+      rm -f "$out/tuning.json.lock"
+      bounded "$build/tools/flashjit-bench" ${FLASHJIT_BENCH_ARGS:-} --tuning-db "$out/tuning.json" --versus-heuristic \
+          --json > "$out/grid_tuned.json" || status=1
       python3 -c "
-import json; h = json.load(open('$out/grid_heuristic.json'))['rows']; t = json.load(open('$out/grid_tuned.json'))['rows']
-for a, b in zip(h, t): print(a['head_dim'], a['seqlen'], 'causal' if a['causal'] else 'full', round(a['tflops'], 1), '->', round(b['tflops'], 1), round(b['tflops'] / a['tflops'], 3), b['spec'])
+import json
+for r in json.load(open('$out/grid_tuned.json'))['rows']:
+    print(r['head_dim'], r['seqlen'], 'causal' if r['causal'] else 'full', round(r['heuristic_tflops'], 1), '->',
+          round(r['tflops'], 1), round(r['heuristic_ms'] / r['median_ms'], 3), r['spec'])
 " ;;
     python)
       bounded tests/python/run_tests.sh "$build/runtime/libflashjit.so" 2>&1 | tail -15

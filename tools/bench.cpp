@@ -42,6 +42,7 @@ struct Options {
   int device = 0;
   double peak_tflops = 0;  // 0: the measured ceiling of a known device, else no % column
   std::string tuning_db;   // dispatch consults this database (as FLASHJIT_TUNING_DB would)
+  bool versus_heuristic = false;  // also time the heuristic's spec, interleaved with dispatch's
 };
 
 // Dense bf16 tensor-core rates measured on real GPUs (a GEMM on random data), the ceiling the
@@ -55,6 +56,8 @@ struct Row {
   int head_dim, seqlen, batch, heads;
   bool causal;
   double median_ms = 0, tflops = 0, max_abs_err = -1, rel_l2_err = -1;
+  double heuristic_ms = 0, heuristic_tflops = 0;  // --versus-heuristic
+  std::string heuristic_spec;
   bool passed = true;
   std::string spec;                                 // the kernel that ran (the winner with --sweep)
   std::vector<std::pair<std::string, double>> sweep;  // every candidate's median ms
@@ -83,6 +86,31 @@ double median_ms(Call&& call, int warmup, int iters, CUevent start, CUevent stop
   for (int i = 0; i < iters; ++i) samples.push_back(timed(calls) / calls);
   std::sort(samples.begin(), samples.end());
   return samples[samples.size() / 2];
+}
+
+// Medians of two calls timed in alternating samples, so that clock and thermal drift hit both alike.
+template <class CallA, class CallB>
+std::pair<double, double> interleaved_median_ms(CallA&& a, CallB&& b, int warmup, int iters, CUevent start, CUevent stop) {
+  auto timed = [&](auto& call, int calls) {
+    FLASHJIT_CU(cuEventRecord, start, nullptr);
+    for (int i = 0; i < calls; ++i) call();
+    FLASHJIT_CU(cuEventRecord, stop, nullptr);
+    FLASHJIT_CU(cuEventSynchronize, stop);
+    float ms = 0;
+    FLASHJIT_CU(cuEventElapsedTime, &ms, start, stop);
+    return static_cast<double>(ms);
+  };
+  for (int i = 0; i < std::max(1, warmup); ++i) a(), b();
+  FLASHJIT_CU(cuCtxSynchronize);
+  const int calls = std::clamp(static_cast<int>(10.0 / std::max(timed(a, 1), 1e-3)), 1, 200);
+  std::vector<double> sa, sb;
+  for (int i = 0; i < iters; ++i) {
+    sa.push_back(timed(a, calls) / calls);
+    sb.push_back(timed(b, calls) / calls);
+  }
+  std::sort(sa.begin(), sa.end());
+  std::sort(sb.begin(), sb.end());
+  return {sa[sa.size() / 2], sb[sb.size() / 2]};
 }
 
 int run(const Options& o) {
@@ -145,13 +173,14 @@ int run(const Options& o) {
     options.causal = r.causal;
     options.backend = backend;
     options.deterministic = o.deterministic;
-    auto call = [&] {
+    auto call_with = [&](const AttentionOptions& opts) {
       if (o.backward)
         runtime.backward(view(q), view(k), view(v), view(out), view(*dout), &lse_view, view(*dq), view(*dk),
-                         view(*dv), options);
+                         view(*dv), opts);
       else
-        runtime.forward(view(q), view(k), view(v), view(out), &lse_view, options);
+        runtime.forward(view(q), view(k), view(v), view(out), &lse_view, opts);
     };
+    auto call = [&] { call_with(options); };
     if (o.backward) {  // the backward reads the forward's out and lse
       AttentionOptions forward_options = options;
       runtime.forward(view(q), view(k), view(v), view(out), &lse_view, forward_options);
@@ -187,14 +216,24 @@ int run(const Options& o) {
       }
       options.kernel = winner;
     }
-    r.median_ms = median_ms(call, o.warmup, o.iters, start, stop);
     const detail::ForwardProblem problem =
         detail::make_forward_problem(view(q), view(k), view(v), view(out), &lse_view, nullptr, options);
+    const double flops = 4.0 * r.batch * r.heads * double(r.seqlen) * r.seqlen * r.head_dim /
+                         (r.causal ? 2 : 1) * (o.backward ? 2.5 : 1.0);
+    if (o.versus_heuristic) {
+      AttentionOptions heuristic = options;
+      heuristic.kernel = o.backward ? detail::select_backward_kernel(problem, device)
+                                    : detail::select_forward_kernel(problem, device);
+      r.heuristic_spec = heuristic.kernel->name();
+      std::tie(r.median_ms, r.heuristic_ms) =
+          interleaved_median_ms(call, [&] { call_with(heuristic); }, o.warmup, o.iters, start, stop);
+      r.heuristic_tflops = flops / (r.heuristic_ms * 1e-3) / 1e12;
+    } else {
+      r.median_ms = median_ms(call, o.warmup, o.iters, start, stop);
+    }
     r.spec = options.kernel ? options.kernel->name()
              : o.backward   ? detail::select_backward_kernel(problem, device, &runtime.tuning()).name()
                             : detail::select_forward_kernel(problem, device, &runtime.tuning()).name();
-    const double flops = 4.0 * r.batch * r.heads * double(r.seqlen) * r.seqlen * r.head_dim /
-                         (r.causal ? 2 : 1) * (o.backward ? 2.5 : 1.0);
     r.tflops = flops / (r.median_ms * 1e-3) / 1e12;
 
     if (o.check && !o.backward) {
@@ -226,6 +265,9 @@ int run(const Options& o) {
                  r.heads, r.causal ? "causal" : "full", r.median_ms * 1e3, r.tflops);
       if (peak > 0) fmt::print(" {:5.1f}% of peak", 100 * r.tflops / peak);
       if (o.check) fmt::print("  rel err {:.2e} {}", r.rel_l2_err, r.passed ? "ok" : "FAILED");
+      if (o.versus_heuristic)
+        fmt::print("  heuristic {:8.1f} TFLOP/s ({:+.1f}%) {}", r.heuristic_tflops,
+                   100 * (r.heuristic_ms / r.median_ms - 1), r.heuristic_spec);
       fmt::print("  {}\n", r.spec);
       std::fflush(stdout);
     }
@@ -234,12 +276,19 @@ int run(const Options& o) {
   detail::driver().cuEventDestroy(stop);
   if (o.json_output) {
     json j{{"device", device.name}, {"peak_tflops", peak}, {"mode", o.backward ? (o.deterministic ? "bwd_deterministic" : "bwd") : "fwd"}, {"dtype", o.dtype}, {"tokens", o.tokens}, {"hidden", o.hidden}, {"rows", json::array()}};
-    for (const Row& r : rows)
+    for (const Row& r : rows) {
       j["rows"].push_back({{"head_dim", r.head_dim}, {"seqlen", r.seqlen}, {"batch", r.batch}, {"heads", r.heads},
                            {"causal", r.causal}, {"median_ms", r.median_ms}, {"median_us", r.median_ms * 1e3},
                            {"tflops", r.tflops}, {"percent_of_peak", peak > 0 ? 100 * r.tflops / peak : 0.0},
                            {"rel_l2_err", r.rel_l2_err}, {"passed", r.passed}, {"spec", r.spec},
                            {"sweep", r.sweep}});
+      if (o.versus_heuristic) {
+        auto& row = j["rows"].back();
+        row["heuristic_ms"] = r.heuristic_ms;
+        row["heuristic_tflops"] = r.heuristic_tflops;
+        row["heuristic_spec"] = r.heuristic_spec;
+      }
+    }
     fmt::print("{}\n", j.dump(2));
   }
   return all_passed ? cli::kExitOk : cli::kExitFailed;
@@ -258,6 +307,7 @@ int main(int argc, char** argv) {
       "  flashjit-bench --check --json > rows.json\n"
       "  flashjit-bench --backward --sweep --head-dims 128 --seqlens 4096\n"
       "  flashjit-bench --tuning-db tuning.json --json > tuned.json      rows with flashjit-tune's choices\n"
+      "  flashjit-bench --tuning-db tuning.json --versus-heuristic        tuned beside the heuristic, interleaved\n"
       "\nExit status: 0 ok, 1 a checked row disagreed with the reference, 2 bad arguments.");
   app.add_option("--head-dims", o.head_dims, "Head dims")->delimiter(',');
   app.add_option("--seqlens", o.seqlens, "Sequence lengths")->delimiter(',');
@@ -275,6 +325,8 @@ int main(int argc, char** argv) {
   app.add_flag("--sweep", o.sweep, "Time every spill-free fa2 candidate per row and keep the fastest");
   app.add_flag("--backward", o.backward, "Time the backward pass (dq, dk, dv) instead of the forward");
   app.add_flag("--deterministic", o.deterministic, "With --backward: the bitwise-reproducible dQ path");
+  app.add_flag("--versus-heuristic", o.versus_heuristic,
+               "Also time the heuristic's spec per row, interleaved with dispatch's (tuned) choice");
   app.add_flag("--json", o.json_output, "Print JSON");
   return cli::run_tool(kTool, app, argc, argv, [&] { return run(o); });
 }

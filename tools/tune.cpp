@@ -211,9 +211,11 @@ int run(const Options& o) {
     try {
       const TuneResult r = tune(runtime, s, options);
       if (terminal) fmt::print(stderr, "\r{:<100}\r", "");
-      fmt::print(stderr, "[{}/{}] {}: {} {:.3f} ms ({} of {} candidates timed, {:.1f} s, max rel error {:.1e})\n",
-                 i + 1, shapes.size(), s.describe(), r.entry.spec.name(), r.entry.median_ms, r.timed, r.candidates,
-                 r.seconds, r.max_rel_error);
+      fmt::print(stderr,
+                 "[{}/{}] {}: {} {:.3f} ms, heuristic {:.3f} ms ({:+.1f}%; {} of {} candidates timed, {:.1f} s, "
+                 "max rel error {:.1e})\n",
+                 i + 1, shapes.size(), s.describe(), r.entry.spec.name(), r.entry.median_ms, r.heuristic_ms,
+                 100 * (r.heuristic_ms / r.entry.median_ms - 1), r.timed, r.candidates, r.seconds, r.max_rel_error);
       db.upsert(r.entry);
     } catch (const Error& e) {
       if (terminal) fmt::print(stderr, "\n");

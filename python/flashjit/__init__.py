@@ -41,28 +41,29 @@ def _torch():
     return torch
 
 
+_DTYPE_CODES = {}  # torch dtype -> C API code, filled on first use (torch is imported lazily)
+
+
 def _dtype_code(tensor, name):
-    torch = _torch()
-    codes = {torch.float16: _capi.FLOAT16, torch.bfloat16: _capi.BFLOAT16, torch.float32: _capi.FLOAT32,
-             torch.int32: _capi.INT32}
-    if tensor.dtype not in codes:
+    if not _DTYPE_CODES:
+        torch = _torch()
+        _DTYPE_CODES.update({torch.float16: _capi.FLOAT16, torch.bfloat16: _capi.BFLOAT16,
+                             torch.float32: _capi.FLOAT32, torch.int32: _capi.INT32})
+    code = _DTYPE_CODES.get(tensor.dtype)
+    if code is None:
         raise ValueError(f"{name}: dtype {tensor.dtype} is not supported (expected torch.float16 or torch.bfloat16)")
-    return codes[tensor.dtype]
+    return code
 
 
 def _view(tensor, name):
     if not tensor.is_cuda:
         raise ValueError(f"{name}: expected a CUDA tensor, got one on {tensor.device}")
-    if tensor.dim() > 4:
-        raise ValueError(f"{name}: expected at most 4 dims, got {tensor.dim()}")
-    t = _capi.Tensor()
-    t.data = tensor.data_ptr()
-    t.dtype = _dtype_code(tensor, name)
-    t.device = tensor.device.index
-    t.rank = tensor.dim()
-    for i, (extent, stride) in enumerate(zip(tensor.shape, tensor.stride())):
-        t.shape[i] = extent
-        t.strides[i] = stride
+    rank = tensor.dim()
+    if rank > 4:
+        raise ValueError(f"{name}: expected at most 4 dims, got {rank}")
+    t = _capi.Tensor(data=tensor.data_ptr(), dtype=_dtype_code(tensor, name), device=tensor.device.index, rank=rank)
+    t.shape[:rank] = tensor.shape
+    t.strides[:rank] = tensor.stride()
     return t
 
 

@@ -157,13 +157,14 @@ struct TuneResult {
   size_t candidates = 0, timed = 0, dropped_spills = 0, dropped_failed = 0;
   double seconds = 0;    // wall time of the whole tune
   double max_rel_error = 0;  // the winner against the check (reference kernel, or the heuristic's backward)
+  double heuristic_ms = 0;   // the heuristic's spec, re-timed beside the finalists (the winner must beat it by 1%)
 };
 
 class Runtime;
 // Times every spill-free candidate of the shape's problem class on the device (compiling on a
 // thread pool while the GPU times what is ready), with inputs rotated past the L2 and the median
 // of `iters` samples; verifies the fastest numerically, then re-times the finalists interleaved
-// and returns the winner. Throws Error(unsupported) when no candidate runs.
+// with the heuristic's spec and returns the winner (the heuristic's unless one beats it by 1%). Throws Error(unsupported) when no candidate runs.
 TuneResult tune(Runtime& runtime, const TuneShape& shape, const TuneOptions& options = {});
 
 }  // namespace flashjit

@@ -1,0 +1,38 @@
+// flashjit::tune on the GPU: a small shape per pass. The winner is verified, and the heuristic's
+// spec, re-timed beside the finalists, keeps the entry unless a candidate beats it by 1%.
+#include <catch2/catch.hpp>
+
+#include <algorithm>
+
+#include "support/attention_case.hpp"
+
+using namespace flashjit;
+using namespace flashjit::test;
+
+TEST_CASE("tune: the heuristic's spec stays unless a candidate beats it by 1%", "[tune]") {
+  for (bool backward : {false, true}) {
+    TuneShape shape;
+    shape.backward = backward;
+    shape.batch = 2;
+    shape.seqlen_q = shape.seqlen_k = 1000;
+    shape.heads_q = 4;
+    shape.heads_kv = 2;
+    shape.head_dim = 64;
+    shape.causal = true;
+    TuneOptions options;
+    options.iters = 5;
+    options.finalists = 2;
+    const TuneResult r = tune(test_runtime(), shape, options);
+    INFO(shape.describe() << ": " << r.entry.spec.name() << " " << r.entry.median_ms << " ms, heuristic "
+                          << r.heuristic_ms << " ms");
+    CHECK(r.timed >= 2);
+    CHECK(r.max_rel_error < 2e-2);
+    REQUIRE(r.heuristic_ms > 0);
+    CHECK(r.entry.median_ms <= r.heuristic_ms);
+    if (r.entry.median_ms > 0.99 * r.heuristic_ms) CHECK(r.entry.median_ms == r.heuristic_ms);  // the heuristic kept
+    else  // the heuristic became a runner-up, with its re-timed median
+      CHECK(std::any_of(r.entry.runner_ups.begin(), r.entry.runner_ups.end(),
+                        [&](const auto& runner_up) { return runner_up.second == r.heuristic_ms; }));
+    CHECK_FALSE(r.entry.spec.validate().has_value());
+  }
+}
