@@ -63,8 +63,9 @@ def main():
                   tokens=grid["tokens"], hidden=grid["hidden"],
                   mode=mode, flop_convention="4*B*H*S*S*D, halved when causal" + (
                       "; forward + backward = 3.5x" if mode == "fwdbwd" else ""), method=(
-                      "median of 20 samples, each a batch of back-to-back calls between CUDA events, "
-                      "after warm-up; flashjit and peers in one device call"),
+                      "median of 20 samples, each ~10 ms of back-to-back calls between CUDA events, "
+                      "after warm-up; " + ("flashjit-bench and peers.py in one device call" if len(args.sources) == 2
+                                           else "flashjit (Python package) and the peers in one process")),
                   note=args.note, summary=summary, rows=rows)
     if args.sweep:
         result["sweep"] = json.load(open(args.sweep))["rows"]
