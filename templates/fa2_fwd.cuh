@@ -82,7 +82,7 @@ __device__ __forceinline__ void warp_scores(float (&s)[Shape::kMFrags][Shape::kS
 // O += P V, P converted from the S registers (the C layout of two n8 tiles is the A layout of one
 // k16 step).
 template <class Shape>
-__device__ __forceinline__ void warp_accumulate_pv(RowSoftmaxState<Shape>& st,
+__device__ __forceinline__ void warp_accumulate_pv(float (&o)[Shape::kMFrags][Shape::kOFrags][4],
                                                    const float (&s)[Shape::kMFrags][Shape::kSFrags][4],
                                                    unsigned sV, int lane) {
   using Element = typename Shape::Element;
@@ -103,8 +103,8 @@ __device__ __forceinline__ void warp_accumulate_pv(RowSoftmaxState<Shape>& st,
       ldmatrix_x4_trans(b, sV + (key * Shape::kRowStride + (nd2 * 2 + lane / 16) * 8) * 2);
 #pragma unroll
       for (int mi = 0; mi < Shape::kMFrags; ++mi) {
-        mma_16816<Element>(st.o[mi][2 * nd2], a[mi], b[0], b[1]);
-        mma_16816<Element>(st.o[mi][2 * nd2 + 1], a[mi], b[2], b[3]);
+        mma_16816<Element>(o[mi][2 * nd2], a[mi], b[0], b[1]);
+        mma_16816<Element>(o[mi][2 * nd2 + 1], a[mi], b[2], b[3]);
       }
     }
   }
@@ -166,16 +166,15 @@ __device__ void fa2_fwd_kernel(const AttentionFwdParams& p) {
                                     p.v_row_stride, seq.seqlen_k - n0, p.head_dim, tid);
   };
 
-  RowSoftmaxState<Shape> st;
+  RowStatistics<Shape> st;
+  st.reset();
+  float o[Shape::kMFrags][Shape::kOFrags][4];  // (kWarpRows, kHeadDim) accumulators
 #pragma unroll
-  for (int mi = 0; mi < Shape::kMFrags; ++mi) {
+  for (int mi = 0; mi < Shape::kMFrags; ++mi)
 #pragma unroll
     for (int nd = 0; nd < Shape::kOFrags; ++nd)
 #pragma unroll
-      for (int e = 0; e < 4; ++e) st.o[mi][nd][e] = 0.f;
-    st.row_max[mi][0] = st.row_max[mi][1] = -positive_infinity();
-    st.row_sum[mi][0] = st.row_sum[mi][1] = 0.f;
-  }
+      for (int e = 0; e < 4; ++e) o[mi][nd][e] = 0.f;
 
   const float scale_log2 = Config::kHasSoftcap ? kLog2e : p.softmax_scale * kLog2e;
   const float softcap_scale = Config::kHasSoftcap ? p.softmax_scale / p.softcap : 0.f;
@@ -194,7 +193,7 @@ __device__ void fa2_fwd_kernel(const AttentionFwdParams& p) {
     }
     const int n0 = n_block * kBlockN;
     if (tile_needs_mask(n0)) mask_tile<Shape, kMask>(s, p, thread_row0, n0, lane, seq.seqlen_k, diagonal);
-    online_softmax<Shape>(st, s, scale_log2);
+    online_softmax<Shape>(st, o, s, scale_log2);
   };
 
   load_tile_async<Shape, kBlockM>(sQ, gQ, p.q_row_stride, seq.seqlen_q - m0, p.head_dim, tid);
@@ -213,7 +212,7 @@ __device__ void fa2_fwd_kernel(const AttentionFwdParams& p) {
       __syncthreads();  // V(n) landed; every warp is done with K(n)
       if (n_block > n_block_min) load_k(n_block - 1, 0);
       cp_async_commit();
-      warp_accumulate_pv<Shape>(st, s, sV, lane);
+      warp_accumulate_pv<Shape>(o, s, sV, lane);
     }
   } else {
     // A ring of kStages K/V tiles: tile t + kStages - 1 loads while tile t is computed.
@@ -239,7 +238,7 @@ __device__ void fa2_fwd_kernel(const AttentionFwdParams& p) {
       cp_async_commit();
       warp_scores<Shape>(s, sQ, sK + buffer * Shape::kTileElements * 2, warp_row0, lane);
       scores_to_probabilities(n_block_max - 1 - t);
-      warp_accumulate_pv<Shape>(st, s, sV + buffer * Shape::kTileElements * 2, lane);
+      warp_accumulate_pv<Shape>(o, s, sV + buffer * Shape::kTileElements * 2, lane);
       buffer = buffer == kStages - 1 ? 0 : buffer + 1;
     }
   }
@@ -258,7 +257,7 @@ __device__ void fa2_fwd_kernel(const AttentionFwdParams& p) {
       const int local_row = warp_row0 + mi * 16 + lane / 4 + h * 8;
 #pragma unroll
       for (int nd = 0; nd < Shape::kOFrags; ++nd) {
-        const unsigned packed = pack2<Element>(st.o[mi][nd][2 * h] * inv_sum, st.o[mi][nd][2 * h + 1] * inv_sum);
+        const unsigned packed = pack2<Element>(o[mi][nd][2 * h] * inv_sum, o[mi][nd][2 * h + 1] * inv_sum);
         *reinterpret_cast<unsigned*>(&sO[local_row * Shape::kRowStride + nd * 8 + (lane % 4) * 2]) = packed;
       }
       const int row = m0 + local_row;

@@ -244,7 +244,7 @@ __device__ void sm90_fwd_kernel(const AttentionSm90FwdParams& params) {
     for (int ks = 0; ks < kBlockN / 16; ++ks) Config::wgmma_pv(o, a[ks], smem_descriptor_advance(v_tile, ks * 16 * 128), true);
   };
   // Softcap and the mask of tile n0 on fresh scores, then the softmax's first half.
-  auto scores_to_probabilities = [&](RowSoftmaxState<Warp>& st, float (&s)[1][Warp::kSFrags][4],
+  auto scores_to_probabilities = [&](RowStatistics<Warp>& st, float (&s)[1][Warp::kSFrags][4],
                                      const SequenceExtent& seq, int m0, int n0) {
     if constexpr (Config::kHasSoftcap) {
 #pragma unroll
@@ -290,12 +290,11 @@ __device__ void sm90_fwd_kernel(const AttentionSm90FwdParams& params) {
     keys.n_block_min = warp_uniform(keys.n_block_min);
     keys.n_block_max = warp_uniform(keys.n_block_max);
 
-    // O lives in its own array, the wgmma's accumulator operands; the softmax state keeps only the
-    // row statistics (its o member stays unused). Inside the struct, behind a reinterpreting alias,
-    // NVVM left a 132-float state in local memory at head dim 256.
-    RowSoftmaxState<Warp> st;
-    st.row_max[0][0] = st.row_max[0][1] = -positive_infinity();
-    st.row_sum[0][0] = st.row_sum[0][1] = 0.f;
+    // O is a flat array, the form the wgmma wrappers take (the mma.sync layout [1][kOFrags][4]
+    // flattened). It sits apart from the row statistics: inside one struct, behind a reinterpreting
+    // alias, NVVM left a 132-float state in local memory at head dim 256.
+    RowStatistics<Warp> st;
+    st.reset();
     float o_flat[Shape::kHeadDim / 2];
 #pragma unroll
     for (int i = 0; i < Shape::kHeadDim / 2; ++i) o_flat[i] = 0.f;

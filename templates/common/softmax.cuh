@@ -7,11 +7,20 @@
 
 namespace flashjit::kernels {
 
+// The running statistics of a thread's rows (g and g + 8 of each m16 tile). O, which they scale,
+// stays with the caller: a plain array is what mma.sync and wgmma accumulate into.
 template <class Shape>
-struct RowSoftmaxState {
-  float o[Shape::kMFrags][Shape::kOFrags][4];  // (kWarpRows, kHeadDim) accumulators
-  float row_max[Shape::kMFrags][2];            // raw score units (softcapped if softcap)
-  float row_sum[Shape::kMFrags][2];            // this thread's columns only; quad-reduced at the end
+struct RowStatistics {
+  float row_max[Shape::kMFrags][2];  // raw score units (softcapped if softcap)
+  float row_sum[Shape::kMFrags][2];  // this thread's columns only; quad-reduced at the end
+
+  __device__ __forceinline__ void reset() {
+#pragma unroll
+    for (int mi = 0; mi < Shape::kMFrags; ++mi) {
+      row_max[mi][0] = row_max[mi][1] = -positive_infinity();
+      row_sum[mi][0] = row_sum[mi][1] = 0.f;
+    }
+  }
 };
 
 // A row's total over the quad of lanes that hold its columns.
@@ -66,7 +75,7 @@ struct OutputRescale {
 };
 
 template <class Shape>
-__device__ __forceinline__ OutputRescale<Shape> softmax_scores(RowSoftmaxState<Shape>& st,
+__device__ __forceinline__ OutputRescale<Shape> softmax_scores(RowStatistics<Shape>& st,
                                                                float (&s)[Shape::kMFrags][Shape::kSFrags][4],
                                                                float scale_log2) {
   OutputRescale<Shape> rescale;
@@ -101,21 +110,21 @@ __device__ __forceinline__ OutputRescale<Shape> softmax_scores(RowSoftmaxState<S
 }
 
 template <class Shape>
-__device__ __forceinline__ void rescale_output(RowSoftmaxState<Shape>& st, const OutputRescale<Shape>& rescale) {
+__device__ __forceinline__ void rescale_output(float (&o)[Shape::kMFrags][Shape::kOFrags][4],
+                                               const OutputRescale<Shape>& rescale) {
   if (!rescale.any_moved) return;
 #pragma unroll
   for (int mi = 0; mi < Shape::kMFrags; ++mi)
 #pragma unroll
     for (int nd = 0; nd < Shape::kOFrags; ++nd)
 #pragma unroll
-      for (int e = 0; e < 4; ++e) st.o[mi][nd][e] *= rescale.factor[mi][e / 2];
+      for (int e = 0; e < 4; ++e) o[mi][nd][e] *= rescale.factor[mi][e / 2];
 }
 
 template <class Shape>
-__device__ __forceinline__ void online_softmax(RowSoftmaxState<Shape>& st,
-                                               float (&s)[Shape::kMFrags][Shape::kSFrags][4],
-                                               float scale_log2) {
-  rescale_output(st, softmax_scores(st, s, scale_log2));
+__device__ __forceinline__ void online_softmax(RowStatistics<Shape>& st, float (&o)[Shape::kMFrags][Shape::kOFrags][4],
+                                               float (&s)[Shape::kMFrags][Shape::kSFrags][4], float scale_log2) {
+  rescale_output<Shape>(o, softmax_scores(st, s, scale_log2));
 }
 
 }  // namespace flashjit::kernels
