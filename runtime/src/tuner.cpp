@@ -287,9 +287,9 @@ TuneResult tune(Runtime& runtime, const TuneShape& shape, const TuneOptions& o) 
   // The heuristic's spec is always re-timed with the finalists: it is what dispatch runs without
   // this entry, and a challenger replaces it only when measurably faster (kWinMargin), so that a
   // tuned entry never trades the default for a noise-level "win".
+  for (auto& t : pool) t.join();  // every candidate is in; the compile threads must stop reading `candidates`
   const KernelSpec heuristic = heuristic_spec();
-  const auto heuristic_at = std::find(candidates.begin(), candidates.end(), heuristic);
-  if (heuristic_at == candidates.end()) candidates.push_back(heuristic);
+  if (std::find(candidates.begin(), candidates.end(), heuristic) == candidates.end()) candidates.push_back(heuristic);
   const size_t heuristic_index = static_cast<size_t>(std::find(candidates.begin(), candidates.end(), heuristic) - candidates.begin());
   if (std::none_of(finalists.begin(), finalists.end(), [&](const auto& f) { return f.second == heuristic_index; }))
     finalists.emplace_back(0.0, heuristic_index);
