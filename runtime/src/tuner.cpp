@@ -21,6 +21,7 @@
 #include "host_tensors.hpp"
 #include "module_cache.hpp"
 #include "problem.hpp"
+#include "tuner.hpp"
 
 namespace flashjit {
 
@@ -301,12 +302,12 @@ TuneResult tune(Runtime& runtime, const TuneShape& shape, const TuneOptions& o) 
     report("retime", r + 1, rounds);
     for (size_t f = 0; f < finalists.size(); ++f) samples[f].push_back(sample_ms(with_kernel(candidates[finalists[f].second])));
   }
-  std::vector<std::pair<double, size_t>> ranked;
-  for (size_t f = 0; f < finalists.size(); ++f) ranked.emplace_back(median(samples[f]), finalists[f].second);
-  std::sort(ranked.begin(), ranked.end());
-  const auto heuristic_rank = std::find_if(ranked.begin(), ranked.end(), [&](const auto& r) { return r.second == heuristic_index; });
-  result.heuristic_ms = heuristic_rank->first;
-  if (ranked[0].first > result.heuristic_ms * (1.0 - kWinMargin)) std::rotate(ranked.begin(), heuristic_rank, heuristic_rank + 1);
+  std::vector<std::pair<double, size_t>> medians;
+  for (size_t f = 0; f < finalists.size(); ++f) {
+    medians.emplace_back(median(samples[f]), finalists[f].second);
+    if (finalists[f].second == heuristic_index) result.heuristic_ms = medians.back().first;
+  }
+  const auto ranked = rank_against_heuristic(std::move(medians), heuristic_index, kWinMargin);
 
   TunedEntry& e = result.entry;
   e.device = DeviceStamp::of(device);
@@ -326,3 +327,15 @@ TuneResult tune(Runtime& runtime, const TuneShape& shape, const TuneOptions& o) 
 }
 
 }  // namespace flashjit
+
+namespace flashjit::detail {
+
+std::vector<std::pair<double, size_t>> rank_against_heuristic(std::vector<std::pair<double, size_t>> medians,
+                                                              size_t heuristic, double margin) {
+  std::sort(medians.begin(), medians.end());
+  const auto at = std::find_if(medians.begin(), medians.end(), [&](const auto& m) { return m.second == heuristic; });
+  if (at != medians.end() && medians.front().first > at->first * (1.0 - margin)) std::rotate(medians.begin(), at, at + 1);
+  return medians;
+}
+
+}  // namespace flashjit::detail

@@ -16,6 +16,7 @@
 #include "support/temp_dir.hpp"
 #include "support/tuning_entries.hpp"
 #include "support/worker_specs.hpp"
+#include "tuner.hpp"
 
 using namespace flashjit;
 using namespace flashjit::test;
@@ -314,4 +315,19 @@ TEST_CASE("flashjit-warm: fills an empty cache, then finds it all cached; a fres
   for (const auto& k : report["kernels"]) CHECK(k["spec"]["arch"] == "sm_80");
   write_file(dir / "broken.json", "{\"format\": \"flashjit-tuning-db\", \"version\": 1, \"entries\": [}");
   CHECK(run_tool({FLASHJIT_WARM_TOOL, "--tuning-db", dir / "broken.json", "--cache-dir", cache}).status == 2);
+}
+
+TEST_CASE("the tuner keeps the heuristic's spec unless a finalist beats it by the margin", "[tuning]") {
+  using Ranking = std::vector<std::pair<double, size_t>>;
+  auto winner = [](Ranking medians, size_t heuristic) {
+    return detail::rank_against_heuristic(std::move(medians), heuristic, 0.01).front().second;
+  };
+  CHECK(winner({{1.000, 7}, {0.980, 3}, {1.050, 5}}, 7) == 3);  // 2% faster: a real win
+  CHECK(winner({{1.000, 7}, {0.995, 3}, {1.050, 5}}, 7) == 7);  // 0.5%: noise, the heuristic stays
+  CHECK(winner({{0.990, 7}, {1.000, 3}}, 7) == 7);              // the heuristic is fastest
+  CHECK(winner({{1.000, 7}, {0.990, 3}}, 7) == 3);              // exactly the margin
+  CHECK(winner({{1.000, 7}}, 7) == 7);
+  // The runner-ups keep their order behind the winner.
+  const Ranking ranked = detail::rank_against_heuristic({{1.000, 7}, {0.995, 3}, {0.999, 4}, {1.2, 5}}, 7, 0.01);
+  CHECK(ranked == Ranking{{1.000, 7}, {0.995, 3}, {0.999, 4}, {1.2, 5}});
 }
