@@ -11,7 +11,7 @@ std::vector<KernelSpec> candidate_specs(Family family, const Arch& arch, DType d
     // 64-row consumer warpgroups (two or three), key tiles in 16-key steps; validate() drops what
     // the registers or shared memory cannot hold.
     for (int block_m : {128, 192})
-      for (int block_n = 64; block_n <= 192; block_n += 16)
+      for (int block_n = 64; block_n <= 256; block_n += 16)
         for (int stages : {2, 3}) {
           KernelSpec s = base;
           s.block_m = block_m;

@@ -253,8 +253,10 @@ TEST_CASE("sm90_fwd: tile shapes, stages and consumer counts", "[forward][sm90]"
   struct Tiles {
     int d, block_m, block_n, stages;
   };
-  for (Tiles t : {Tiles{64, 128, 192, 2}, Tiles{64, 192, 64, 3}, Tiles{96, 128, 144, 2}, Tiles{128, 128, 64, 3},
-                  Tiles{128, 128, 160, 2}, Tiles{192, 128, 80, 2}, Tiles{192, 128, 64, 3}})
+  // Including the widest the register rule admits: d64 m192 n128, d64 m128 n224, d128 n192, d256 n80.
+  for (Tiles t : {Tiles{64, 128, 192, 2}, Tiles{64, 192, 64, 3}, Tiles{64, 192, 128, 2}, Tiles{64, 128, 224, 2},
+                  Tiles{96, 128, 144, 2}, Tiles{128, 128, 64, 3}, Tiles{128, 128, 160, 2}, Tiles{128, 128, 192, 2},
+                  Tiles{192, 128, 80, 2}, Tiles{192, 128, 64, 3}, Tiles{256, 128, 80, 2}})
     for (MaskKind mask : {MaskKind::none, MaskKind::causal}) {
       Run r;
       r.shape = AttentionShape::make(2, 333, 590, 4, 2, t.d);
