@@ -343,10 +343,7 @@ __device__ void sm90_fwd_kernel(const AttentionSm90FwdParams& params) {
         fence_operands(o_flat);
         fence_operands(a);
         release(bar_v_empty(stage));
-        if (rescale.any_moved) {  // element i of O is in row half (i % 4) / 2 of its n8 tile
-#pragma unroll
-          for (int i = 0; i < Shape::kHeadDim / 2; ++i) o_flat[i] *= rescale.factor[0][(i % 4) / 2];
-        }
+        rescale_output<Warp>(o_flat, rescale);
         pack_probabilities(a, s);
         stage = next;
         ++kv_count;

@@ -121,6 +121,16 @@ __device__ __forceinline__ void rescale_output(float (&o)[Shape::kMFrags][Shape:
       for (int e = 0; e < 4; ++e) o[mi][nd][e] *= rescale.factor[mi][e / 2];
 }
 
+// The same for a warp of one m16 tile whose O is flat, as the wgmma wrappers take it: element i is
+// element i % 4 of n8 tile i / 4, in row half (i % 4) / 2.
+template <class Shape>
+__device__ __forceinline__ void rescale_output(float (&o)[Shape::kOFrags * 4], const OutputRescale<Shape>& rescale) {
+  static_assert(Shape::kMFrags == 1, "a flat O holds one m16 tile");
+  if (!rescale.any_moved) return;
+#pragma unroll
+  for (int i = 0; i < Shape::kOFrags * 4; ++i) o[i] *= rescale.factor[0][(i % 4) / 2];
+}
+
 template <class Shape>
 __device__ __forceinline__ void online_softmax(RowStatistics<Shape>& st, float (&o)[Shape::kMFrags][Shape::kOFrags][4],
                                                float (&s)[Shape::kMFrags][Shape::kSFrags][4], float scale_log2) {
