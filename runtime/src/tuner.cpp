@@ -166,9 +166,8 @@ TuneResult tune(Runtime& runtime, const TuneShape& shape, const TuneOptions& o) 
     return v[v.size() / 2];
   };
   // What dispatch runs with no tuning entry.
-  auto heuristic_spec = [&] {
-    return shape.backward ? select_backward_kernel(problem, device) : select_forward_kernel(problem, device);
-  };
+  const KernelSpec heuristic =
+      shape.backward ? select_backward_kernel(problem, device) : select_forward_kernel(problem, device);
   auto with_kernel = [&](const KernelSpec& spec) {
     AttentionOptions options = base;
     options.kernel = spec;
@@ -211,9 +210,9 @@ TuneResult tune(Runtime& runtime, const TuneShape& shape, const TuneOptions& o) 
   } join{pool};
 
   {  // ~2 ms of back-to-back calls per sample, sized on the heuristic's spec
-    const AttentionOptions heuristic = with_kernel(heuristic_spec());
-    run(heuristic, rotation++ % sets);
-    calls_per_sample = std::clamp(static_cast<int>(2.0 / std::max(sample_ms(heuristic), 1e-3)), 1, 20);
+    const AttentionOptions options = with_kernel(heuristic);
+    run(options, rotation++ % sets);
+    calls_per_sample = std::clamp(static_cast<int>(2.0 / std::max(sample_ms(options), 1e-3)), 1, 20);
   }
   std::vector<std::pair<double, size_t>> timed;  // (median ms, candidate)
   for (size_t seen = 0; seen < candidates.size(); ++seen) {
@@ -289,7 +288,6 @@ TuneResult tune(Runtime& runtime, const TuneShape& shape, const TuneOptions& o) 
   // this entry, and a challenger replaces it only when measurably faster (kWinMargin), so that a
   // tuned entry never trades the default for a noise-level "win".
   for (auto& t : pool) t.join();  // every candidate is in; the compile threads must stop reading `candidates`
-  const KernelSpec heuristic = heuristic_spec();
   if (std::find(candidates.begin(), candidates.end(), heuristic) == candidates.end()) candidates.push_back(heuristic);
   const size_t heuristic_index = static_cast<size_t>(std::find(candidates.begin(), candidates.end(), heuristic) - candidates.begin());
   if (std::none_of(finalists.begin(), finalists.end(), [&](const auto& f) { return f.second == heuristic_index; }))
