@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <functional>
 #include <random>
 #include <thread>
 
@@ -63,54 +64,35 @@ struct Row {
   std::vector<std::pair<std::string, double>> sweep;  // every candidate's median ms
 };
 
-// Median over `iters` samples of the per-call time, each sample timing back-to-back calls between
-// two events (enough of them to span ~10 ms, up to 200). Warm-up calls first keep compiles, module
-// loads and lazy loading out of the numbers.
-template <class Call>
-double median_ms(Call&& call, int warmup, int iters, CUevent start, CUevent stop) {
-  auto timed = [&](int calls) {
+// Median per-call time of each of `calls`, over `iters` samples taken in turn (so clock and
+// thermal drift hit them alike). A sample times back-to-back calls between two events, enough to
+// span ~10 ms (up to 200): each call's host work overlaps the previous kernel, as in a model, so the
+// samples time the GPU rather than the launch path. Warm-up calls first keep compiles, module loads
+// and lazy loading out of the numbers.
+std::vector<double> median_ms(const std::vector<std::function<void()>>& calls, int warmup, int iters, CUevent start,
+                              CUevent stop) {
+  auto timed = [&](const std::function<void()>& call, int count) {
     FLASHJIT_CU(cuEventRecord, start, nullptr);
-    for (int i = 0; i < calls; ++i) call();
+    for (int i = 0; i < count; ++i) call();
     FLASHJIT_CU(cuEventRecord, stop, nullptr);
     FLASHJIT_CU(cuEventSynchronize, stop);
     float ms = 0;
     FLASHJIT_CU(cuEventElapsedTime, &ms, start, stop);
     return static_cast<double>(ms);
   };
-  for (int i = 0; i < std::max(1, warmup); ++i) call();
+  for (int i = 0; i < std::max(1, warmup); ++i)
+    for (const auto& call : calls) call();
   FLASHJIT_CU(cuCtxSynchronize);
-  // Back-to-back calls filling ~10 ms per sample: each call's host work overlaps the previous
-  // kernel, as in a model, so the samples time the GPU rather than the launch path.
-  const int calls = std::clamp(static_cast<int>(10.0 / std::max(timed(1), 1e-3)), 1, 200);
-  std::vector<double> samples;
-  for (int i = 0; i < iters; ++i) samples.push_back(timed(calls) / calls);
-  std::sort(samples.begin(), samples.end());
-  return samples[samples.size() / 2];
-}
-
-// Medians of two calls timed in alternating samples, so that clock and thermal drift hit both alike.
-template <class CallA, class CallB>
-std::pair<double, double> interleaved_median_ms(CallA&& a, CallB&& b, int warmup, int iters, CUevent start, CUevent stop) {
-  auto timed = [&](auto& call, int calls) {
-    FLASHJIT_CU(cuEventRecord, start, nullptr);
-    for (int i = 0; i < calls; ++i) call();
-    FLASHJIT_CU(cuEventRecord, stop, nullptr);
-    FLASHJIT_CU(cuEventSynchronize, stop);
-    float ms = 0;
-    FLASHJIT_CU(cuEventElapsedTime, &ms, start, stop);
-    return static_cast<double>(ms);
-  };
-  for (int i = 0; i < std::max(1, warmup); ++i) a(), b();
-  FLASHJIT_CU(cuCtxSynchronize);
-  const int calls = std::clamp(static_cast<int>(10.0 / std::max(timed(a, 1), 1e-3)), 1, 200);
-  std::vector<double> sa, sb;
-  for (int i = 0; i < iters; ++i) {
-    sa.push_back(timed(a, calls) / calls);
-    sb.push_back(timed(b, calls) / calls);
+  const int count = std::clamp(static_cast<int>(10.0 / std::max(timed(calls.front(), 1), 1e-3)), 1, 200);
+  std::vector<std::vector<double>> samples(calls.size());
+  for (int i = 0; i < iters; ++i)
+    for (size_t c = 0; c < calls.size(); ++c) samples[c].push_back(timed(calls[c], count) / count);
+  std::vector<double> medians;
+  for (auto& s : samples) {
+    std::sort(s.begin(), s.end());
+    medians.push_back(s[s.size() / 2]);
   }
-  std::sort(sa.begin(), sa.end());
-  std::sort(sb.begin(), sb.end());
-  return {sa[sa.size() / 2], sb[sb.size() / 2]};
+  return medians;
 }
 
 int run(const Options& o) {
@@ -207,7 +189,7 @@ int run(const Options& o) {
       for (const auto& spec : candidates) {
         if (runtime.kernel_cache().get(spec)->has_spills()) continue;
         options.kernel = spec;
-        const double ms = median_ms(call, 1, std::max(3, o.iters / 2), start, stop);
+        const double ms = median_ms({call}, 1, std::max(3, o.iters / 2), start, stop)[0];
         r.sweep.emplace_back(spec.name(), ms);
         if (ms < best) {
           best = ms;
@@ -225,11 +207,12 @@ int run(const Options& o) {
       heuristic.kernel = o.backward ? detail::select_backward_kernel(problem, device)
                                     : detail::select_forward_kernel(problem, device);
       r.heuristic_spec = heuristic.kernel->name();
-      std::tie(r.median_ms, r.heuristic_ms) =
-          interleaved_median_ms(call, [&] { call_with(heuristic); }, o.warmup, o.iters, start, stop);
+      const auto medians = median_ms({call, [&] { call_with(heuristic); }}, o.warmup, o.iters, start, stop);
+      r.median_ms = medians[0];
+      r.heuristic_ms = medians[1];
       r.heuristic_tflops = flops / (r.heuristic_ms * 1e-3) / 1e12;
     } else {
-      r.median_ms = median_ms(call, o.warmup, o.iters, start, stop);
+      r.median_ms = median_ms({call}, o.warmup, o.iters, start, stop)[0];
     }
     r.spec = options.kernel ? options.kernel->name()
              : o.backward   ? detail::select_backward_kernel(problem, device, &runtime.tuning()).name()
