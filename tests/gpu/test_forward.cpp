@@ -71,6 +71,22 @@ void check(const Run& r, uint64_t seed) {
   }
 }
 
+// The tile-shape tests' case: `family`'s default spec for head dim `d` and `mask` with its tile
+// fields replaced, on a shape with tails on both sides and GQA.
+std::pair<Run, KernelSpec> tile_case(Family family, int d, MaskKind mask, int block_m, int block_n, int warps,
+                                     int stages) {
+  Run r;
+  r.shape = AttentionShape::make(2, 333, 590, 4, 2, d);
+  r.shape.causal = mask == MaskKind::causal;
+  KernelSpec spec = default_spec(family, device_properties(0).arch(), DType::bf16, d, mask);
+  spec.block_m = block_m;
+  spec.block_n = block_n;
+  spec.num_warps = warps;
+  spec.num_stages = stages;
+  r.kernel = spec;
+  return {r, spec};
+}
+
 }  // namespace
 
 TEST_CASE("forward: every head dim, kernel or rounded up", "[forward]") {
@@ -167,7 +183,6 @@ TEST_CASE("forward: head-major (BHSD) strides", "[forward]") {
 
 TEST_CASE("fa2_fwd: tile shapes, warps and pipeline depths", "[forward]") {
   // The autotuner's candidates must all be right, not only the defaults.
-  const Arch arch = device_properties(0).arch();
   uint64_t seed = 7000;
   struct Tiles {
     int d, block_m, block_n, warps, stages;
@@ -177,19 +192,11 @@ TEST_CASE("fa2_fwd: tile shapes, warps and pipeline depths", "[forward]") {
                   Tiles{128, 64, 128, 4, 2}, Tiles{256, 64, 32, 4, 3}, Tiles{256, 128, 64, 8, 1},
                   Tiles{96, 128, 64, 8, 2}, Tiles{160, 64, 64, 4, 2}, Tiles{224, 128, 32, 8, 1}})
     for (MaskKind mask : {MaskKind::none, MaskKind::causal}) {
-      Run r;
-      r.shape = AttentionShape::make(2, 333, 590, 4, 2, t.d);
-      r.shape.causal = mask == MaskKind::causal;
-      KernelSpec spec = default_spec(Family::fa2_fwd, arch, DType::bf16, t.d, mask);
-      spec.block_m = t.block_m;
-      spec.block_n = t.block_n;
-      spec.num_warps = t.warps;
-      spec.num_stages = t.stages;
+      const auto [r, spec] = tile_case(Family::fa2_fwd, t.d, mask, t.block_m, t.block_n, t.warps, t.stages);
       if (auto reason = spec.validate()) {
         WARN(spec.name() << " is not legal here: " << *reason);
         continue;
       }
-      r.kernel = spec;
       check(r, seed++);
     }
 }
@@ -248,7 +255,6 @@ TEST_CASE("forward: bad cu_seqlens are refused before anything runs", "[forward]
 
 TEST_CASE("sm90_fwd: tile shapes, stages and consumer counts", "[forward][sm90]") {
   if (!hopper_or_skip()) return;
-  const Arch arch = device_properties(0).arch();
   uint64_t seed = 7500;
   struct Tiles {
     int d, block_m, block_n, stages;
@@ -258,16 +264,9 @@ TEST_CASE("sm90_fwd: tile shapes, stages and consumer counts", "[forward][sm90]"
                   Tiles{96, 128, 144, 2}, Tiles{128, 128, 64, 3}, Tiles{128, 128, 160, 2}, Tiles{128, 128, 192, 2},
                   Tiles{192, 128, 80, 2}, Tiles{192, 128, 64, 3}, Tiles{256, 128, 80, 2}})
     for (MaskKind mask : {MaskKind::none, MaskKind::causal}) {
-      Run r;
-      r.shape = AttentionShape::make(2, 333, 590, 4, 2, t.d);
-      r.shape.causal = mask == MaskKind::causal;
-      KernelSpec spec = default_spec(Family::sm90_fwd, arch, DType::bf16, t.d, mask);
-      spec.block_m = t.block_m;
-      spec.block_n = t.block_n;
-      spec.num_warps = 4 * (1 + t.block_m / 64);
-      spec.num_stages = t.stages;
+      const auto [r, spec] =
+          tile_case(Family::sm90_fwd, t.d, mask, t.block_m, t.block_n, 4 * (1 + t.block_m / 64), t.stages);
       REQUIRE_FALSE(spec.validate().has_value());
-      r.kernel = spec;
       check(r, seed++);
     }
 }
