@@ -21,6 +21,7 @@
 //   slabs proportional to its tile's rows plus columns from shared memory.
 #pragma once
 
+#include "common/bwd.cuh"
 #include "common/tile_sm80.cuh"
 
 namespace flashjit::kernels {
@@ -110,137 +111,17 @@ struct Fa2BwdShape {
   static_assert(kHeadDim % 16 == 0, "k16 steps over the head dim");
 };
 
-__device__ __forceinline__ int workspace_row(const AttentionFwdParams& p, const SequenceExtent& seq,
-                                             int batch, int row) {
-  return p.cu_seqlens_q != nullptr ? seq.q_start + row : batch * p.seqlen_q + row;
-}
-
-// fp32 pair add to global memory; one vector reduction on sm_90.
-template <int kArch>
-__device__ __forceinline__ void atomic_add_pair(float* address, float a, float b) {
-  if constexpr (kArch >= 90) {
-    asm volatile("red.global.add.v2.f32 [%0], {%1, %2};\n" ::"l"(address), "f"(a), "f"(b) : "memory");
-  } else {
-    atomicAdd(address, a);
-    atomicAdd(address + 1, b);
-  }
-}
-
-// Two floats from shared memory, kept in program order: a plain load would be hoisted above the
-// (volatile) MMAs before it, holding registers across the whole GEMM and spilling.
-__device__ __forceinline__ float2 load_shared_pair(const float* pointer) {
-  float2 r;
-  asm volatile("ld.shared.v2.f32 {%0, %1}, [%2];\n" : "=f"(r.x), "=f"(r.y) : "r"(shared_address(pointer)));
-  return r;
-}
-
-// Whether key `key` is visible to query `query` (both sequence-relative), bottom-right aligned.
-template <MaskKind kMask>
-__device__ __forceinline__ bool key_visible(const AttentionFwdParams& p, int query, int key, int seqlen_k,
-                                            int diagonal) {
-  bool visible = key < seqlen_k;
-  if constexpr (kMask != MaskKind::kNone) {
-    if (p.window_right >= 0) visible = visible && key <= query + diagonal + p.window_right;
-    if (kMask == MaskKind::kWindow && p.window_left >= 0) visible = visible && key >= query + diagonal - p.window_left;
-  }
-  return visible;
-}
-
-// Scores -> (P, dS * d score / d raw dot), element by element. `dot` is the raw q.k, `lse_log2` the
-// row's LSE in base 2, `dp` = dO.v, `delta` = rowsum(dO * O). Returns P; `ds` gets the gradient of
-// the raw dot product, with the softmax scale (and softcap derivative) folded in.
-template <class Config>
-__device__ __forceinline__ float probability_and_ds(float dot, float lse_log2, float dp, float delta,
-                                                    bool visible, float scale_log2, float softcap_scale,
-                                                    const AttentionFwdParams& p, float& ds) {
-  constexpr float kLog2e = 1.4426950408889634f;
-  float prob, dscore_ddot;
-  if constexpr (Config::kHasSoftcap) {
-    const float t = tanh_accurate(dot * softcap_scale);
-    prob = visible ? exp2_approx(fmaf(p.softcap * t, kLog2e, -lse_log2)) : 0.f;
-    dscore_ddot = p.softmax_scale * (1.f - t * t);
-  } else {
-    prob = visible ? exp2_approx(fmaf(dot, scale_log2, -lse_log2)) : 0.f;
-    dscore_ddot = p.softmax_scale;
-  }
-  ds = prob * (dp - delta) * dscore_ddot;
-  return prob;
-}
-
 // ---------------------------------------------------------------------------------------------
-// preprocess and convert_dq: row-parallel passes, kLoadThreadsPerRow threads per row.
+// preprocess and convert_dq: the row passes shared with the Hopper backward (common/bwd.cuh).
 
 template <class Config>
 __device__ void fa2_bwd_preprocess_kernel(const AttentionBwdParams& p) {
-  using Shape = Fa2BwdShape<Config>;
-  using Element = typename Shape::Element;
-  const AttentionFwdParams& f = p.fwd;
-  const int head = blockIdx.y, batch = blockIdx.z, tid = threadIdx.x;
-  const SequenceExtent seq = sequence_extent(f, batch);
-  const int row0 = blockIdx.x * Shape::kRowsPerCta;
-  if (row0 >= seq.seqlen_q) return;
-  constexpr int kRowsPerPass = Shape::kThreads / Shape::kLoadThreadsPerRow;
-  const int chunk = tid % Shape::kLoadThreadsPerRow;
-  const bool active = chunk < Shape::kChunks && chunk * 8 < f.head_dim;
-  const long long do_batch = f.cu_seqlens_q != nullptr ? 0 : batch * p.do_batch_stride;
-  for (int pass = 0; pass < Shape::kRowsPerCta / kRowsPerPass; ++pass) {
-    const int row = row0 + tid / Shape::kLoadThreadsPerRow + pass * kRowsPerPass;
-    const bool valid = row < seq.seqlen_q;
-    float sum = 0.f;
-    if (valid && active) {
-      const Element* o = static_cast<const Element*>(f.o) + seq.o_batch_offset +
-                         (seq.q_start + row) * f.o_row_stride + head * f.o_head_stride + chunk * 8;
-      const Element* d_o = static_cast<const Element*>(p.d_o) + do_batch +
-                           (seq.q_start + row) * p.do_row_stride + head * p.do_head_stride + chunk * 8;
-      const uint4 o_bits = *reinterpret_cast<const uint4*>(o);
-      const uint4 do_bits = *reinterpret_cast<const uint4*>(d_o);
-      const Element* o_values = reinterpret_cast<const Element*>(&o_bits);
-      const Element* do_values = reinterpret_cast<const Element*>(&do_bits);
-#pragma unroll
-      for (int i = 0; i < 8; ++i) sum = fmaf(to_float(o_values[i]), to_float(do_values[i]), sum);
-    }
-#pragma unroll
-    for (int offset = Shape::kLoadThreadsPerRow / 2; offset > 0; offset /= 2)
-      sum += __shfl_xor_sync(0xffffffffu, sum, offset);
-    if (!valid) continue;
-    const long long flat_row = static_cast<long long>(head) * p.workspace_rows + workspace_row(f, seq, batch, row);
-    if (chunk == 0) p.delta[flat_row] = sum;
-    if (p.dq_accum != nullptr && active) {
-      float4* accum = reinterpret_cast<float4*>(p.dq_accum + flat_row * f.head_dim + chunk * 8);
-      accum[0] = make_float4(0.f, 0.f, 0.f, 0.f);
-      accum[1] = make_float4(0.f, 0.f, 0.f, 0.f);
-    }
-  }
+  bwd_preprocess<Config, Fa2BwdShape<Config>::kThreads>(p);
 }
 
 template <class Config>
 __device__ void fa2_bwd_convert_dq_kernel(const AttentionBwdParams& p) {
-  using Shape = Fa2BwdShape<Config>;
-  using Element = typename Shape::Element;
-  const AttentionFwdParams& f = p.fwd;
-  const int head = blockIdx.y, batch = blockIdx.z, tid = threadIdx.x;
-  const SequenceExtent seq = sequence_extent(f, batch);
-  const int row0 = blockIdx.x * Shape::kRowsPerCta;
-  if (row0 >= seq.seqlen_q) return;
-  constexpr int kRowsPerPass = Shape::kThreads / Shape::kLoadThreadsPerRow;
-  const int chunk = tid % Shape::kLoadThreadsPerRow;
-  if (chunk >= Shape::kChunks || chunk * 8 >= f.head_dim) return;
-  const long long dq_batch = f.cu_seqlens_q != nullptr ? 0 : batch * p.dq_batch_stride;
-  for (int pass = 0; pass < Shape::kRowsPerCta / kRowsPerPass; ++pass) {
-    const int row = row0 + tid / Shape::kLoadThreadsPerRow + pass * kRowsPerPass;
-    if (row >= seq.seqlen_q) break;
-    const long long flat_row = static_cast<long long>(head) * p.workspace_rows + workspace_row(f, seq, batch, row);
-    const float4* accum = reinterpret_cast<const float4*>(p.dq_accum + flat_row * f.head_dim + chunk * 8);
-    const float4 lo = accum[0], hi = accum[1];
-    uint4 packed;
-    packed.x = pack2<Element>(lo.x, lo.y);
-    packed.y = pack2<Element>(lo.z, lo.w);
-    packed.z = pack2<Element>(hi.x, hi.y);
-    packed.w = pack2<Element>(hi.z, hi.w);
-    Element* dq = static_cast<Element*>(p.dq) + dq_batch + (seq.q_start + row) * p.dq_row_stride +
-                  head * p.dq_head_stride + chunk * 8;
-    *reinterpret_cast<uint4*>(dq) = packed;
-  }
+  bwd_convert_dq<Config, Fa2BwdShape<Config>::kThreads>(p);
 }
 
 // ---------------------------------------------------------------------------------------------
