@@ -67,24 +67,6 @@ struct Sm90FwdShape {
   static_assert(kHeadDim % 32 == 0 && kBlockN % 16 == 0 && kStages >= 2, "whole k16 steps, two stages to overlap");
 };
 
-// `value` as lane 0 has it: the same in every lane, and visibly so to ptxas (see the kernel).
-__device__ __forceinline__ int warp_uniform(int value) { return __shfl_sync(0xffffffffu, value, 0); }
-
-// Keeps the compiler from moving reads or writes of wgmma operands across the asynchronous MMA
-// (it cannot see that the hardware still reads or writes them until wgmma.wait_group).
-template <int kN>
-__device__ __forceinline__ void fence_operands(float (&r)[kN]) {
-#pragma unroll
-  for (int i = 0; i < kN; ++i) asm volatile("" : "+f"(r[i])::"memory");
-}
-template <int kRows, int kN>
-__device__ __forceinline__ void fence_operands(unsigned (&r)[kRows][kN]) {
-#pragma unroll
-  for (int i = 0; i < kRows; ++i)
-#pragma unroll
-    for (int j = 0; j < kN; ++j) asm volatile("" : "+r"(r[i][j])::"memory");
-}
-
 // Work tile `index` of the persistent schedule: sections of `section_pairs` (batch, head) pairs,
 // query blocks from the last (longest when causal) to the first, pairs fastest within a block.
 struct Sm90WorkTile {

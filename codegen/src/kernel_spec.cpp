@@ -18,7 +18,7 @@ using nlohmann::json;
 
 namespace {
 
-constexpr std::string_view kFamilyNames[] = {"reference_fwd", "fa2_fwd", "fa2_bwd", "sm90_fwd"};
+constexpr std::string_view kFamilyNames[] = {"reference_fwd", "fa2_fwd", "fa2_bwd", "sm90_fwd", "sm90_bwd"};
 constexpr std::string_view kDTypeNames[] = {"fp16", "bf16"};
 constexpr std::string_view kMaskNames[] = {"none", "causal", "window"};
 
@@ -41,11 +41,12 @@ DType parse_dtype(std::string_view t) { return parse_enum<DType>(t, kDTypeNames,
 MaskKind parse_mask(std::string_view t) { return parse_enum<MaskKind>(t, kMaskNames, "mask"); }
 
 const std::vector<Family>& all_families() {
-  static const std::vector<Family> families{Family::reference_fwd, Family::fa2_fwd, Family::fa2_bwd, Family::sm90_fwd};
+  static const std::vector<Family> families{Family::reference_fwd, Family::fa2_fwd, Family::fa2_bwd, Family::sm90_fwd,
+                                            Family::sm90_bwd};
   return families;
 }
 
-bool is_forward_family(Family family) { return family != Family::fa2_bwd; }
+bool is_forward_family(Family family) { return family != Family::fa2_bwd && family != Family::sm90_bwd; }
 
 bool family_covers(Family family, const Arch& arch, int head_dim) {
   const auto& rules = family_rules(family);

@@ -101,6 +101,7 @@ extern const FamilyRules kReferenceFwdRules;
 extern const FamilyRules kFa2FwdRules;
 extern const FamilyRules kFa2BwdRules;
 extern const FamilyRules kSm90FwdRules;
+extern const FamilyRules kSm90BwdRules;
 
 const FamilyRules& family_rules(Family family) {
   switch (family) {
@@ -108,6 +109,7 @@ const FamilyRules& family_rules(Family family) {
     case Family::fa2_fwd: return kFa2FwdRules;
     case Family::fa2_bwd: return kFa2BwdRules;
     case Family::sm90_fwd: return kSm90FwdRules;
+    case Family::sm90_bwd: return kSm90BwdRules;
   }
   throw Error(ErrorCode::internal, "codegen", "family without rules");
 }

@@ -82,4 +82,14 @@ struct AttentionBwdParams {
   int workspace_rows;
 };
 
+// Backward attention (sm90_bwd): TMA maps of q, k, v and dO (laid out as the forward's maps, with
+// block_m-row boxes for q and dO and block_n-row boxes for k and v) beside fa2_bwd's arguments.
+struct AttentionSm90BwdParams {
+  TmaDescriptor q_map;
+  TmaDescriptor k_map;
+  TmaDescriptor v_map;
+  TmaDescriptor do_map;
+  AttentionBwdParams bwd;
+};
+
 }  // namespace flashjit

@@ -55,6 +55,9 @@ __device__ __forceinline__ void tma_load_4d(unsigned smem, const TmaDescriptor& 
 // ---------------------------------------------------------------------------------------------
 // wgmma
 
+// Orders this thread's generic-proxy shared-memory writes before later async-proxy reads (wgmma
+// operands, TMA stores) of the same bytes.
+__device__ __forceinline__ void fence_proxy_async_shared() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
 __device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
 template <int kPending>
@@ -108,6 +111,28 @@ __device__ __forceinline__ void registers_increase() {
 template <int kRegisters>
 __device__ __forceinline__ void registers_decrease() {
   asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kRegisters));
+}
+
+// ---------------------------------------------------------------------------------------------
+// Keeping ptxas's view of the code warp-uniform, and wgmma operands in place.
+
+// `value` as lane 0 has it: the same in every lane, and visibly so to ptxas, which serializes a
+// wgmma on a path it cannot prove warp-uniform (warning C7520).
+__device__ __forceinline__ int warp_uniform(int value) { return __shfl_sync(0xffffffffu, value, 0); }
+
+// Keeps the compiler from moving reads or writes of wgmma operands across the asynchronous MMA
+// (it cannot see that the hardware still reads or writes them until wgmma.wait_group).
+template <int kN>
+__device__ __forceinline__ void fence_operands(float (&r)[kN]) {
+#pragma unroll
+  for (int i = 0; i < kN; ++i) asm volatile("" : "+f"(r[i])::"memory");
+}
+template <int kRows, int kN>
+__device__ __forceinline__ void fence_operands(unsigned (&r)[kRows][kN]) {
+#pragma unroll
+  for (int i = 0; i < kRows; ++i)
+#pragma unroll
+    for (int j = 0; j < kN; ++j) asm volatile("" : "+r"(r[i][j])::"memory");
 }
 
 }  // namespace flashjit::kernels

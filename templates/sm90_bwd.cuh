@@ -1,0 +1,329 @@
+// Hopper backward (sm_90a): the fa2_bwd algorithm (K/V outer, recompute from the saved LSE, dK and
+// dV in registers, dQ added to an fp32 accumulator) on TMA and wgmma. Three entries, in order:
+//   preprocess       delta = rowsum(dO * O); zeroes the dQ accumulator (common/bwd.cuh).
+//   dkdv_atomic_dq   one CTA per kBlockN keys of one K/V head: a producer warp loads K and V once
+//                    and streams the query steps (Q and dO by TMA, LSE and delta by the warp's
+//                    lanes) through a ring of kStages; consumer warpgroup c owns keys [64c, 64c + 64)
+//                    and per step of kBlockM queries computes
+//                      S^T = K_c Q^T, dP^T = V_c dO^T             (wgmma, both operands in smem)
+//                      P^T, dS^T elementwise                       (registers; dS^T also to smem)
+//                      dV_c += P^T dO, dK_c += dS^T Q              (wgmma, P^T and dS^T from registers)
+//                      dQ[:, 64c:64c + 64] = dS K[:, 64c:64c + 64] (wgmma over all kBlockN keys: the
+//                                                                   warpgroups' dS^T meet in smem)
+//                    and adds its dQ columns to the accumulator with vector atomics.
+//   convert_dq       the accumulator -> dQ in the output dtype (common/bwd.cuh).
+// GQA: a CTA walks the query steps of every query head sharing its K/V head, so dK and dV are summed
+// in registers. Query steps outside the mask are never visited; edge steps are masked per element
+// (queries past the sequence too: with varlen, TMA reads the next sequence's rows there).
+// Shared memory (1024-byte aligned, every tile in 64-value panels with the 128-byte swizzle TMA
+// writes): K, V (kBlockN rows); kStages slots of Q and dO (kBlockM rows); two dS^T buffers (keys x
+// queries, queries contiguous: the dQ GEMM's MN-major A operand); kStages slots of LSE (base 2) and
+// delta; the barriers.
+#pragma once
+
+#include "common/bwd.cuh"
+#include "common/sm90.cuh"
+#include "common/tile_sm80.cuh"  // require_dynamic_smem
+
+namespace flashjit::kernels {
+
+template <class Config>
+struct Sm90BwdShape {
+  using Element = typename Config::Element;
+  static constexpr int kHeadDim = Config::kHeadDim;
+  static constexpr int kBlockM = Config::kBlockM;    // queries per step
+  static constexpr int kBlockN = Config::kBlockN;    // keys per CTA
+  static constexpr int kStages = Config::kNumStages;
+  static constexpr int kConsumers = kBlockN / 64;    // consumer warpgroups of 64 keys
+  static constexpr int kThreads = Config::kNumWarps * 32;
+  static constexpr int kPanels = kHeadDim / 64;
+  static constexpr int kKvPanelBytes = kBlockN * 128, kKvTileBytes = kPanels * kKvPanelBytes;
+  static constexpr int kStepPanelBytes = kBlockM * 128, kStepTileBytes = kPanels * kStepPanelBytes;
+  static constexpr int kDsBytes = kBlockN * kBlockM * 2;
+  static constexpr int kDqCols = kHeadDim / kConsumers;  // dQ columns per consumer: one panel each
+
+  static constexpr int kKOffset = 0;
+  static constexpr int kVOffset = kKOffset + kKvTileBytes;
+  static constexpr int kQOffset = kVOffset + kKvTileBytes;
+  static constexpr int kDoOffset = kQOffset + kStages * kStepTileBytes;
+  static constexpr int kDsOffset = kDoOffset + kStages * kStepTileBytes;
+  static constexpr int kLseOffset = kDsOffset + 2 * kDsBytes;
+  static constexpr int kDeltaOffset = kLseOffset + kStages * kBlockM * 4;
+  static constexpr int kBarrierOffset = kDeltaOffset + kStages * kBlockM * 4;
+  // kv_full, then full and empty per stage.
+  static constexpr int kSmemBytes = 1024 + kBarrierOffset + 8 * (1 + 2 * kStages);
+
+  static constexpr int kProducerRegisters = 24;
+  static constexpr int kConsumerRegisters = 240;
+
+  static_assert(kThreads == 128 * (1 + kConsumers), "a producer warpgroup and one consumer per 64 keys");
+  static_assert(kBlockM == 64, "dS^T rows are one 128-byte swizzle row of queries");
+  static_assert(kDqCols == 64, "each consumer computes one 64-column panel of dQ");
+};
+
+template <class Config>
+__device__ void sm90_bwd_preprocess_kernel(const AttentionSm90BwdParams& params) {
+  bwd_preprocess<Config, Sm90BwdShape<Config>::kThreads>(params.bwd);
+}
+
+template <class Config>
+__device__ void sm90_bwd_convert_dq_kernel(const AttentionSm90BwdParams& params) {
+  bwd_convert_dq<Config, Sm90BwdShape<Config>::kThreads>(params.bwd);
+}
+
+template <class Config>
+__device__ void sm90_bwd_dkdv_atomic_dq_kernel(const AttentionSm90BwdParams& params) {
+  using Shape = Sm90BwdShape<Config>;
+  using Element = typename Shape::Element;
+  constexpr int kBlockM = Shape::kBlockM, kBlockN = Shape::kBlockN, kStages = Shape::kStages;
+  constexpr int kHeadDim = Shape::kHeadDim;
+  constexpr MaskKind kMask = Config::kMask;
+  constexpr float kLog2e = 1.4426950408889634f;
+  const AttentionBwdParams& p = params.bwd;
+  const AttentionFwdParams& f = p.fwd;
+
+  extern __shared__ __align__(1024) unsigned char smem[];
+  require_dynamic_smem(Shape::kSmemBytes);
+  const unsigned base = (shared_address(smem) + 1023u) & ~1023u;
+  const unsigned sK = base + Shape::kKOffset, sV = base + Shape::kVOffset;
+  auto sQ = [&](int stage) { return base + Shape::kQOffset + stage * Shape::kStepTileBytes; };
+  auto sDo = [&](int stage) { return base + Shape::kDoOffset + stage * Shape::kStepTileBytes; };
+  auto sDs = [&](int buffer) { return base + Shape::kDsOffset + buffer * Shape::kDsBytes; };
+  unsigned char* const aligned = smem + (base - shared_address(smem));
+  float* const sLse = reinterpret_cast<float*>(aligned + Shape::kLseOffset);      // (kStages, kBlockM), base 2
+  float* const sDelta = reinterpret_cast<float*>(aligned + Shape::kDeltaOffset);  // (kStages, kBlockM)
+  const unsigned bar_kv_full = base + Shape::kBarrierOffset;
+  auto bar_full = [&](int stage) { return bar_kv_full + 8 + 8 * stage; };
+  auto bar_empty = [&](int stage) { return bar_kv_full + 8 + 8 * (kStages + stage); };
+
+  const int tid = threadIdx.x, lane = tid % 32;
+  const int warp = warp_uniform(tid / 32), group = warp / 4;
+  const int n_block = blockIdx.x, kv_head = blockIdx.y, batch = blockIdx.z;
+  const SequenceExtent seq = sequence_extent(f, batch);
+  const int n0 = n_block * kBlockN;
+  if (n0 >= seq.seqlen_k) return;  // varlen: this sequence is shorter than the longest
+  const bool varlen = f.cu_seqlens_q != nullptr;
+  const int tma_batch = varlen ? 0 : batch;
+  const int heads_per_kv = f.num_heads_q / f.num_heads_kv;
+
+  // Query steps that can see this key tile (the same walk as fa2_bwd's).
+  const int diagonal = seq.seqlen_k - seq.seqlen_q;
+  const bool has_right = kMask != MaskKind::kNone && f.window_right >= 0;
+  const bool has_left = kMask == MaskKind::kWindow && f.window_left >= 0;
+  const int m_begin = has_right ? max(0, n0 - diagonal - f.window_right) : 0;
+  const int m_end = has_left ? min(seq.seqlen_q, n0 + kBlockN - 1 - diagonal + f.window_left + 1) : seq.seqlen_q;
+  const int m_block_min = m_begin / kBlockM;
+  const int m_block_max = m_end > m_begin ? (m_end + kBlockM - 1) / kBlockM : m_block_min;
+  const int steps_per_head = m_block_max - m_block_min;
+  const int num_steps = steps_per_head * heads_per_kv;
+  auto step_head = [&](int step) { return kv_head * heads_per_kv + step / steps_per_head; };
+  auto step_m0 = [&](int step) { return (m_block_min + step % steps_per_head) * kBlockM; };
+
+  if (tid == 0) {
+    mbarrier_init(bar_kv_full, 1);
+    for (int s = 0; s < kStages; ++s) {
+      mbarrier_init(bar_full(s), 1);
+      mbarrier_init(bar_empty(s), 4 * Shape::kConsumers);  // lane 0 of each consumer warp
+    }
+    fence_barrier_init();
+  }
+  __syncthreads();
+
+  if (group == 0) {  // producer: warp 0; lane 0 issues the TMA loads, every lane copies LSE and delta
+    registers_decrease<Shape::kProducerRegisters>();
+    if (warp != 0) return;
+    if (lane == 0) {
+      mbarrier_arrive_expect_tx(bar_kv_full, 2 * Shape::kKvTileBytes);
+      for (int panel = 0; panel < Shape::kPanels; ++panel) {
+        tma_load_4d(sK + panel * Shape::kKvPanelBytes, params.k_map, bar_kv_full, panel * 64, seq.k_start + n0,
+                    kv_head, tma_batch);
+        tma_load_4d(sV + panel * Shape::kKvPanelBytes, params.v_map, bar_kv_full, panel * 64, seq.k_start + n0,
+                    kv_head, tma_batch);
+      }
+    }
+    for (int step = 0; step < num_steps; ++step) {
+      const int stage = step % kStages, head = step_head(step), m0 = step_m0(step);
+      mbarrier_wait(bar_empty(stage), ((step / kStages) & 1) ^ 1);  // a fresh barrier passes parity 1
+      // LSE (in base 2) and delta; queries past the sequence get 0 (the consumers mask them).
+      const float* gLse = f.lse + batch * f.lse_batch_stride + head * f.lse_head_stride + (varlen ? seq.q_start : 0) + m0;
+      const float* gDelta = p.delta + static_cast<long long>(head) * p.workspace_rows + workspace_row(f, seq, batch, m0);
+      for (int i = lane; i < kBlockM; i += 32) {
+        const bool valid = m0 + i < seq.seqlen_q;
+        sLse[stage * kBlockM + i] = valid ? gLse[i] * kLog2e : 0.f;
+        sDelta[stage * kBlockM + i] = valid ? gDelta[i] : 0.f;
+      }
+      __syncwarp();  // the lanes' stores before lane 0's arrival, which releases them to the consumers
+      if (lane == 0) {
+        mbarrier_arrive_expect_tx(bar_full(stage), 2 * Shape::kStepTileBytes);
+        for (int panel = 0; panel < Shape::kPanels; ++panel) {
+          tma_load_4d(sQ(stage) + panel * Shape::kStepPanelBytes, params.q_map, bar_full(stage), panel * 64,
+                      seq.q_start + m0, head, tma_batch);
+          tma_load_4d(sDo(stage) + panel * Shape::kStepPanelBytes, params.do_map, bar_full(stage), panel * 64,
+                      seq.q_start + m0, head, tma_batch);
+        }
+      }
+    }
+    return;
+  }
+
+  // Consumers.
+  registers_increase<Shape::kConsumerRegisters>();
+  const int consumer = group - 1, warp_in_group = warp % 4;
+  const int key_row0 = consumer * 64 + warp_in_group * 16;  // this warp's keys in the tile (S^T rows)
+  const float scale_log2 = f.softmax_scale * kLog2e;
+  const float softcap_scale = Config::kHasSoftcap ? f.softmax_scale / f.softcap : 0.f;
+
+  float dk[kHeadDim / 2], dv[kHeadDim / 2];  // (64 keys, kHeadDim) per warpgroup, wgmma accumulator layout
+#pragma unroll
+  for (int i = 0; i < kHeadDim / 2; ++i) dk[i] = dv[i] = 0.f;
+
+  // (64 rows, kBlockM queries) = A (64 rows of sA, K-major) x B^T (kBlockM rows of sB, K-major),
+  // over the head dim: S^T from K and Q, dP^T from V and dO.
+  auto issue_scores = [&](float (&acc)[kBlockM / 2], unsigned sA, unsigned sB) {
+    unsigned long long a_tile = smem_descriptor_sw128(sA + consumer * 64 * 128, 16, 1024);
+    launder(a_tile);
+    const unsigned long long b_tile = smem_descriptor_sw128(sB, 16, 1024);
+#pragma unroll
+    for (int ks = 0; ks < kHeadDim / 16; ++ks) {
+      const unsigned k_bytes = (ks % 4) * 32;
+      Config::wgmma_scores(acc, smem_descriptor_advance(a_tile, (ks / 4) * Shape::kKvPanelBytes + k_bytes),
+                           smem_descriptor_advance(b_tile, (ks / 4) * Shape::kStepPanelBytes + k_bytes), ks > 0);
+    }
+  };
+  // acc (64 keys, kHeadDim) += A (registers: 64 keys x kBlockM queries) x the step tile at sB
+  // (kBlockM queries x kHeadDim, MN-major): dV from P^T and dO, dK from dS^T and Q.
+  auto issue_key_gradient = [&](float (&acc)[kHeadDim / 2], unsigned (&a)[kBlockM / 16][4], unsigned sB) {
+    const unsigned long long b_tile = smem_descriptor_sw128(sB, Shape::kStepPanelBytes, 1024);
+#pragma unroll
+    for (int ks = 0; ks < kBlockM / 16; ++ks)
+      Config::wgmma_key_gradient(acc, a[ks], smem_descriptor_advance(b_tile, ks * 16 * 128), true);
+  };
+  // The C layout of two n8 tiles is the A layout of one k16 step.
+  auto pack = [&](unsigned (&a)[kBlockM / 16][4], const float (&c)[kBlockM / 2]) {
+#pragma unroll
+    for (int ks = 0; ks < kBlockM / 16; ++ks)
+#pragma unroll
+      for (int r = 0; r < 4; ++r) a[ks][r] = pack2<Element>(c[8 * ks + 2 * r], c[8 * ks + 2 * r + 1]);
+  };
+
+  mbarrier_wait(bar_kv_full, 0);
+  for (int step = 0; step < num_steps; ++step) {
+    const int stage = step % kStages, head = step_head(step), m0 = step_m0(step);
+    const unsigned ds_tile = sDs(step % 2);
+    mbarrier_wait(bar_full(stage), (step / kStages) & 1);
+
+    float s[kBlockM / 2], dp[kBlockM / 2];
+    fence_operands(s);
+    fence_operands(dp);
+    wgmma_fence();
+    issue_scores(s, sK, sQ(stage));
+    wgmma_commit();
+    issue_scores(dp, sV, sDo(stage));
+    wgmma_commit();
+    wgmma_wait<0>();
+    fence_operands(s);
+    fence_operands(dp);
+
+    // P^T and dS^T in place of S^T and dP^T; dS^T also to shared memory for the dQ GEMM.
+    const bool needs_mask = warp_uniform(n0 + kBlockN > seq.seqlen_k || m0 + kBlockM > seq.seqlen_q ||
+                                         (has_right && n0 + kBlockN - 1 > m0 + diagonal + f.window_right) ||
+                                         (has_left && n0 < m0 + kBlockM - 1 + diagonal - f.window_left));
+    const float* lse = sLse + stage * kBlockM;
+    const float* delta = sDelta + stage * kBlockM;
+#pragma unroll
+    for (int j = 0; j < kBlockM / 8; ++j) {
+      const int query = j * 8 + (lane % 4) * 2;  // step-relative, and query + 1
+      const float2 lse2 = load_shared_pair(lse + query), delta2 = load_shared_pair(delta + query);
+      const float lse_log2[2] = {lse2.x, lse2.y}, deltas[2] = {delta2.x, delta2.y};
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {  // the thread's two keys: g and g + 8
+        const int key = key_row0 + lane / 4 + h * 8;
+#pragma unroll
+        for (int c = 0; c < 2; ++c) {
+          const int i = 4 * j + 2 * h + c, q = m0 + query + c;
+          const bool visible =
+              !needs_mask || (q < seq.seqlen_q && key_visible<kMask>(f, q, n0 + key, seq.seqlen_k, diagonal));
+          float ds;
+          s[i] = probability_and_ds<Config>(s[i], lse_log2[c], dp[i], deltas[c], visible, scale_log2, softcap_scale, f, ds);
+          dp[i] = ds;
+        }
+        // dS^T row `key`, queries j * 8 + 2 (lane % 4) + {0, 1}: 16-byte chunk j of the row, swizzled
+        // by the row's position in its 8-row atom (key % 8 = lane / 4).
+        const unsigned address = ds_tile + key * 128 + ((j ^ (lane / 4)) << 4) + (lane % 4) * 4;
+        asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(address), "r"(pack2<Element>(dp[4 * j + 2 * h], dp[4 * j + 2 * h + 1])));
+      }
+    }
+    fence_proxy_async_shared();  // dS^T is read by wgmma (the async proxy) below
+    unsigned a_p[kBlockM / 16][4], a_ds[kBlockM / 16][4];
+    pack(a_p, s);
+    pack(a_ds, dp);
+
+    fence_operands(dv);
+    fence_operands(dk);
+    fence_operands(a_p);
+    fence_operands(a_ds);
+    wgmma_fence();
+    issue_key_gradient(dv, a_p, sDo(stage));
+    issue_key_gradient(dk, a_ds, sQ(stage));
+    wgmma_commit();
+    // Retired before dQ: P^T and dS^T (registers the GEMMs read) are then free for dQ's accumulators;
+    // with both alive at once the causal variant spills.
+    wgmma_wait<0>();
+    fence_operands(dv);
+    fence_operands(dk);
+    fence_operands(a_p);
+    fence_operands(a_ds);
+
+    // dQ[:, this consumer's panel] = dS K over all kBlockN keys, once every consumer's dS^T is in.
+    named_barrier_sync(1, 128 * Shape::kConsumers);
+    float dq[Shape::kDqCols / 2];
+    fence_operands(dq);
+    {
+      const unsigned long long a_tile = smem_descriptor_sw128(ds_tile, Shape::kDsBytes, 1024);
+      unsigned long long b_tile = smem_descriptor_sw128(sK + consumer * Shape::kKvPanelBytes, Shape::kKvPanelBytes, 1024);
+      launder(b_tile);
+      wgmma_fence();
+#pragma unroll
+      for (int ks = 0; ks < kBlockN / 16; ++ks)
+        Config::wgmma_dq(dq, smem_descriptor_advance(a_tile, ks * 16 * 128), smem_descriptor_advance(b_tile, ks * 16 * 128),
+                         ks > 0);
+      wgmma_commit();
+    }
+    wgmma_wait<0>();
+    fence_operands(dq);
+    if (lane == 0) mbarrier_arrive(bar_empty(stage));  // Q, dO, LSE and delta of this stage are free
+
+    float* accum = p.dq_accum + static_cast<long long>(head) * p.workspace_rows * f.head_dim;
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int row = m0 + warp_in_group * 16 + lane / 4 + h * 8;
+      if (row >= seq.seqlen_q) continue;
+      float* accum_row = accum + static_cast<long long>(workspace_row(f, seq, batch, row)) * f.head_dim;
+#pragma unroll
+      for (int j = 0; j < Shape::kDqCols / 8; ++j) {
+        const int col = consumer * Shape::kDqCols + j * 8 + (lane % 4) * 2;
+        if (col < f.head_dim) atomic_add_pair<90>(accum_row + col, dq[4 * j + 2 * h], dq[4 * j + 2 * h + 1]);
+      }
+    }
+  }
+
+  // Epilogue: dK and dV straight from the registers (4-byte pairs). Keys no query sees get zeros.
+  const long long dk_batch = f.cu_seqlens_k != nullptr ? 0 : batch * p.dk_batch_stride;
+  const long long dv_batch = f.cu_seqlens_k != nullptr ? 0 : batch * p.dv_batch_stride;
+  Element* gDk = static_cast<Element*>(p.dk) + dk_batch + (seq.k_start + n0) * p.dk_row_stride + kv_head * p.dk_head_stride;
+  Element* gDv = static_cast<Element*>(p.dv) + dv_batch + (seq.k_start + n0) * p.dv_row_stride + kv_head * p.dv_head_stride;
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int key = key_row0 + lane / 4 + h * 8;
+    if (n0 + key >= seq.seqlen_k) continue;
+#pragma unroll
+    for (int j = 0; j < kHeadDim / 8; ++j) {
+      const int col = j * 8 + (lane % 4) * 2;
+      if (col >= f.head_dim) continue;
+      *reinterpret_cast<unsigned*>(gDk + key * p.dk_row_stride + col) = pack2<Element>(dk[4 * j + 2 * h], dk[4 * j + 2 * h + 1]);
+      *reinterpret_cast<unsigned*>(gDv + key * p.dv_row_stride + col) = pack2<Element>(dv[4 * j + 2 * h], dv[4 * j + 2 * h + 1]);
+    }
+  }
+}
+
+}  // namespace flashjit::kernels
