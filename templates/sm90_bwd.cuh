@@ -61,14 +61,19 @@ struct Sm90BwdShape {
   static_assert(kDqCols == 64, "each consumer computes one 64-column panel of dQ");
 };
 
+// The row passes run on 256 of the block's threads: 64 rows split into whole passes of them.
+constexpr int kSm90BwdRowPassThreads = 256;
+
 template <class Config>
 __device__ void sm90_bwd_preprocess_kernel(const AttentionSm90BwdParams& params) {
-  bwd_preprocess<Config, Sm90BwdShape<Config>::kThreads>(params.bwd);
+  if (threadIdx.x >= kSm90BwdRowPassThreads) return;
+  bwd_preprocess<Config, kSm90BwdRowPassThreads>(params.bwd);
 }
 
 template <class Config>
 __device__ void sm90_bwd_convert_dq_kernel(const AttentionSm90BwdParams& params) {
-  bwd_convert_dq<Config, Sm90BwdShape<Config>::kThreads>(params.bwd);
+  if (threadIdx.x >= kSm90BwdRowPassThreads) return;
+  bwd_convert_dq<Config, kSm90BwdRowPassThreads>(params.bwd);
 }
 
 template <class Config>
@@ -198,13 +203,6 @@ __device__ void sm90_bwd_dkdv_atomic_dq_kernel(const AttentionSm90BwdParams& par
     for (int ks = 0; ks < kBlockM / 16; ++ks)
       Config::wgmma_key_gradient(acc, a[ks], smem_descriptor_advance(b_tile, ks * 16 * 128), true);
   };
-  // The C layout of two n8 tiles is the A layout of one k16 step.
-  auto pack = [&](unsigned (&a)[kBlockM / 16][4], const float (&c)[kBlockM / 2]) {
-#pragma unroll
-    for (int ks = 0; ks < kBlockM / 16; ++ks)
-#pragma unroll
-      for (int r = 0; r < 4; ++r) a[ks][r] = pack2<Element>(c[8 * ks + 2 * r], c[8 * ks + 2 * r + 1]);
-  };
 
   mbarrier_wait(bar_kv_full, 0);
   for (int step = 0; step < num_steps; ++step) {
@@ -224,16 +222,20 @@ __device__ void sm90_bwd_dkdv_atomic_dq_kernel(const AttentionSm90BwdParams& par
     fence_operands(s);
     fence_operands(dp);
 
-    // P^T and dS^T in place of S^T and dP^T; dS^T also to shared memory for the dQ GEMM.
+    // P^T and dS^T, packed to 16-bit pairs as soon as they are computed (the C layout of two n8
+    // tiles is the A layout of one k16 step: pair (j, h) is a[j / 2][2 (j % 2) + h]); dS^T also to
+    // shared memory for the dQ GEMM.
+    unsigned a_p[kBlockM / 16][4], a_ds[kBlockM / 16][4];
     const bool needs_mask = warp_uniform(n0 + kBlockN > seq.seqlen_k || m0 + kBlockM > seq.seqlen_q ||
                                          (has_right && n0 + kBlockN - 1 > m0 + diagonal + f.window_right) ||
                                          (has_left && n0 < m0 + kBlockM - 1 + diagonal - f.window_left));
-    const float* lse = sLse + stage * kBlockM;
-    const float* delta = sDelta + stage * kBlockM;
+    // 32-bit shared addresses: generic pointers would hold two registers each through the loop.
+    const unsigned lse = base + Shape::kLseOffset + stage * kBlockM * 4;
+    const unsigned delta = base + Shape::kDeltaOffset + stage * kBlockM * 4;
 #pragma unroll
     for (int j = 0; j < kBlockM / 8; ++j) {
       const int query = j * 8 + (lane % 4) * 2;  // step-relative, and query + 1
-      const float2 lse2 = load_shared_pair(lse + query), delta2 = load_shared_pair(delta + query);
+      const float2 lse2 = load_shared_pair(lse + 4 * query), delta2 = load_shared_pair(delta + 4 * query);
       const float lse_log2[2] = {lse2.x, lse2.y}, deltas[2] = {delta2.x, delta2.y};
 #pragma unroll
       for (int h = 0; h < 2; ++h) {  // the thread's two keys: g and g + 8
@@ -243,20 +245,23 @@ __device__ void sm90_bwd_dkdv_atomic_dq_kernel(const AttentionSm90BwdParams& par
           const int i = 4 * j + 2 * h + c, q = m0 + query + c;
           const bool visible =
               !needs_mask || (q < seq.seqlen_q && key_visible<kMask>(f, q, n0 + key, seq.seqlen_k, diagonal));
+          // Computed for every element, then selected: a branch around the exponential would keep
+          // both paths' values alive across it (the causal variant spilled).
           float ds;
-          s[i] = probability_and_ds<Config>(s[i], lse_log2[c], dp[i], deltas[c], visible, scale_log2, softcap_scale, f, ds);
-          dp[i] = ds;
+          const float prob =
+              probability_and_ds<Config>(s[i], lse_log2[c], dp[i], deltas[c], true, scale_log2, softcap_scale, f, ds);
+          s[i] = visible ? prob : 0.f;
+          dp[i] = visible ? ds : 0.f;
         }
+        a_p[j / 2][2 * (j % 2) + h] = pack2<Element>(s[4 * j + 2 * h], s[4 * j + 2 * h + 1]);
+        a_ds[j / 2][2 * (j % 2) + h] = pack2<Element>(dp[4 * j + 2 * h], dp[4 * j + 2 * h + 1]);
         // dS^T row `key`, queries j * 8 + 2 (lane % 4) + {0, 1}: 16-byte chunk j of the row, swizzled
         // by the row's position in its 8-row atom (key % 8 = lane / 4).
         const unsigned address = ds_tile + key * 128 + ((j ^ (lane / 4)) << 4) + (lane % 4) * 4;
-        asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(address), "r"(pack2<Element>(dp[4 * j + 2 * h], dp[4 * j + 2 * h + 1])));
+        asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(address), "r"(a_ds[j / 2][2 * (j % 2) + h]));
       }
     }
     fence_proxy_async_shared();  // dS^T is read by wgmma (the async proxy) below
-    unsigned a_p[kBlockM / 16][4], a_ds[kBlockM / 16][4];
-    pack(a_p, s);
-    pack(a_ds, dp);
 
     fence_operands(dv);
     fence_operands(dk);
@@ -266,13 +271,6 @@ __device__ void sm90_bwd_dkdv_atomic_dq_kernel(const AttentionSm90BwdParams& par
     issue_key_gradient(dv, a_p, sDo(stage));
     issue_key_gradient(dk, a_ds, sQ(stage));
     wgmma_commit();
-    // Retired before dQ: P^T and dS^T (registers the GEMMs read) are then free for dQ's accumulators;
-    // with both alive at once the causal variant spills.
-    wgmma_wait<0>();
-    fence_operands(dv);
-    fence_operands(dk);
-    fence_operands(a_p);
-    fence_operands(a_ds);
 
     // dQ[:, this consumer's panel] = dS K over all kBlockN keys, once every consumer's dS^T is in.
     named_barrier_sync(1, 128 * Shape::kConsumers);
@@ -289,8 +287,12 @@ __device__ void sm90_bwd_dkdv_atomic_dq_kernel(const AttentionSm90BwdParams& par
                          ks > 0);
       wgmma_commit();
     }
-    wgmma_wait<0>();
+    wgmma_wait<0>();  // dK, dV and dQ
     fence_operands(dq);
+    fence_operands(dv);
+    fence_operands(dk);
+    fence_operands(a_p);
+    fence_operands(a_ds);
     if (lane == 0) mbarrier_arrive(bar_empty(stage));  // Q, dO, LSE and delta of this stage are free
 
     float* accum = p.dq_accum + static_cast<long long>(head) * p.workspace_rows * f.head_dim;

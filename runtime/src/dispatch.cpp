@@ -147,6 +147,19 @@ KernelSpec select_backward_kernel(const ForwardProblem& problem, const DevicePro
   return spec;
 }
 
+KernelSpec select_backward_kernel(const BackwardProblem& problem, const DeviceProperties& device,
+                                  const TuningSources* tuning) {
+  const ForwardProblem& f = problem.forward;
+  const KernelSpec fa2 = select_backward_kernel(f, device, tuning);
+  const Arch arch = device.arch();
+  const bool chosen_elsewhere = f.forced_kernel || f.backend != Backend::automatic ||
+                                fa2 != heuristic_spec(f, arch, Family::fa2_bwd);  // forced, or a tuned entry
+  if (chosen_elsewhere || problem.deterministic || !family_covers(Family::sm90_bwd, arch, kernel_head_dim(Family::fa2_bwd, f.head_dim)) ||
+      tma_unusable_reason(problem))
+    return fa2;
+  return heuristic_spec(f, arch, Family::sm90_bwd);
+}
+
 }  // namespace detail
 
 KernelSpec heuristic_forward_spec(const Arch& arch, DType dtype, int head_dim, MaskKind mask,

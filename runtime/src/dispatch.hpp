@@ -28,4 +28,10 @@ KernelSpec select_forward_kernel(const ForwardProblem& problem, const DeviceProp
 KernelSpec select_backward_kernel(const ForwardProblem& problem, const DeviceProperties& device,
                                   const TuningSources* tuning = nullptr);
 
+// What the runtime's backward runs: a forced or tuned spec as above; else, on sm_90 devices in the
+// atomic-dQ mode, sm90_bwd where it has a kernel of the problem's head dim and TMA can read q, k,
+// v and dout; else the fa2_bwd spec above.
+KernelSpec select_backward_kernel(const BackwardProblem& problem, const DeviceProperties& device,
+                                  const TuningSources* tuning = nullptr);
+
 }  // namespace flashjit::detail

@@ -64,6 +64,27 @@ Grid sm90_persistent_grid(const AttentionSm90FwdParams& params, const ForwardPro
 
 // Entry indices of the fa2_bwd family, in its fixed order (codegen/src/families/fa2_bwd.cpp).
 enum BwdEntry { kPreprocess, kDkdvAtomicDq, kDkdv, kDq, kConvertDq };
+// And of sm90_bwd (codegen/src/families/sm90_bwd.cpp).
+enum Sm90BwdEntry { kSm90Preprocess, kSm90DkdvAtomicDq, kSm90ConvertDq };
+
+// The Hopper backward's arguments: fa2_bwd's and the TMA maps of q, k, v and dout.
+AttentionSm90BwdParams sm90_backward_params(const KernelSpec& spec, const BackwardProblem& problem,
+                                            const AttentionBwdParams& bwd) {
+  const ForwardProblem& f = problem.forward;
+  const AttentionFwdParams& a = bwd.fwd;
+  const auto [rows_q, rows_k, batches] = tma_extents(f);
+  AttentionSm90BwdParams params;
+  params.bwd = bwd;
+  params.q_map = make_attention_tma_map(a.q, f.dtype, a.head_dim, rows_q, a.num_heads_q, batches, a.q_row_stride,
+                                        a.q_head_stride, a.q_batch_stride, spec.block_m);
+  params.do_map = make_attention_tma_map(bwd.d_o, f.dtype, a.head_dim, rows_q, a.num_heads_q, batches,
+                                         bwd.do_row_stride, bwd.do_head_stride, bwd.do_batch_stride, spec.block_m);
+  params.k_map = make_attention_tma_map(a.k, f.dtype, a.head_dim, rows_k, a.num_heads_kv, batches, a.k_row_stride,
+                                        a.k_head_stride, a.k_batch_stride, spec.block_n);
+  params.v_map = make_attention_tma_map(a.v, f.dtype, a.head_dim, rows_k, a.num_heads_kv, batches, a.v_row_stride,
+                                        a.v_head_stride, a.v_batch_stride, spec.block_n);
+  return params;
+}
 
 template <class Params>
 void launch(const LoadedKernel& kernel, const KernelSpec& spec, int entry, Grid grid, void* stream,
@@ -143,7 +164,7 @@ struct Runtime::Impl {
     const bool has_keys = f.batch > 0 && f.seqlen_k > 0 && f.heads_kv > 0;
     if (!has_queries && !has_keys) return;
 
-    const KernelSpec spec = select_backward_kernel(f, device, &tuning);
+    const KernelSpec spec = select_backward_kernel(problem, device, &tuning);
     const LoadedKernel& kernel = modules.get(spec, device);
     const auto stream = static_cast<CUstream>(f.stream);
     const size_t bytes = problem.deterministic ? problem.delta_bytes()
@@ -157,6 +178,13 @@ struct Runtime::Impl {
     const auto batch = static_cast<unsigned>(f.batch);
     const Grid query_rows{blocks(f.seqlen_q, kBwdRowPassRows), static_cast<unsigned>(f.heads_q), batch};
     const Grid key_tiles{blocks(f.seqlen_k, spec.block_n), static_cast<unsigned>(f.heads_kv), batch};
+    if (spec.family == Family::sm90_bwd) {  // atomic dQ only
+      const AttentionSm90BwdParams hopper = sm90_backward_params(spec, problem, params);
+      if (has_queries) launch(kernel, spec, kSm90Preprocess, query_rows, stream, hopper);
+      if (has_keys) launch(kernel, spec, kSm90DkdvAtomicDq, key_tiles, stream, hopper);
+      if (has_queries) launch(kernel, spec, kSm90ConvertDq, query_rows, stream, hopper);
+      return;
+    }
     if (has_queries) launch(kernel, spec, kPreprocess, query_rows, stream, params);
     if (problem.deterministic) {
       // Keys no query sees still get dK = dV = 0 from the dkdv entry.

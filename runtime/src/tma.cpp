@@ -42,31 +42,48 @@ TmaExtents tma_extents(const ForwardProblem& problem) {
   return {a.seqlen_q, a.seqlen_k, a.batch};
 }
 
+namespace {
+
+struct TmaOperand {
+  const char* name;
+  const void* data;
+  long long row_stride, head_stride, batch_stride;
+  int rows, heads, batches;
+};
+
+std::optional<std::string> unusable_reason(const TmaOperand& t) {
+  if (t.rows == 0) return fmt::format("{}: no rows (a TMA map needs every extent positive)", t.name);
+  if (reinterpret_cast<uintptr_t>(t.data) % 16 != 0)
+    return fmt::format("{}: data pointer {} is not 16-byte aligned (TMA needs it)", t.name, t.data);
+  const std::pair<long long, int> strides[] = {{t.row_stride, t.rows}, {t.head_stride, t.heads},
+                                               {t.batch_stride, t.batches}};
+  for (const auto& [stride, extent] : strides)
+    if (extent > 1 && (stride * 2 % 16 != 0 || stride * 2 >= (1ll << 40)))
+      return fmt::format("{}: a stride of {} elements is not a multiple of 16 bytes below 2^40 (TMA needs it)",
+                         t.name, stride);
+  return std::nullopt;
+}
+
+}  // namespace
+
 std::optional<std::string> tma_unusable_reason(const ForwardProblem& problem) {
   const AttentionFwdParams& a = problem.params;
   const auto [rows_q, rows_k, batches] = tma_extents(problem);
-  struct Operand {
-    const char* name;
-    const void* data;
-    long long row_stride, head_stride, batch_stride;
-    int rows, heads;
-  };
-  const Operand operands[] = {
-      {"q", a.q, a.q_row_stride, a.q_head_stride, a.q_batch_stride, rows_q, a.num_heads_q},
-      {"k", a.k, a.k_row_stride, a.k_head_stride, a.k_batch_stride, rows_k, a.num_heads_kv},
-      {"v", a.v, a.v_row_stride, a.v_head_stride, a.v_batch_stride, rows_k, a.num_heads_kv}};
-  for (const Operand& t : operands) {
-    if (t.rows == 0) return fmt::format("{}: no rows (a TMA map needs every extent positive)", t.name);
-    if (reinterpret_cast<uintptr_t>(t.data) % 16 != 0)
-      return fmt::format("{}: data pointer {} is not 16-byte aligned (TMA needs it)", t.name, t.data);
-    const std::pair<long long, int> strides[] = {{t.row_stride, t.rows}, {t.head_stride, t.heads},
-                                                 {t.batch_stride, batches}};
-    for (const auto& [stride, extent] : strides)
-      if (extent > 1 && (stride * 2 % 16 != 0 || stride * 2 >= (1ll << 40)))
-        return fmt::format("{}: a stride of {} elements is not a multiple of 16 bytes below 2^40 (TMA needs it)",
-                           t.name, stride);
-  }
+  const TmaOperand operands[] = {
+      {"q", a.q, a.q_row_stride, a.q_head_stride, a.q_batch_stride, rows_q, a.num_heads_q, batches},
+      {"k", a.k, a.k_row_stride, a.k_head_stride, a.k_batch_stride, rows_k, a.num_heads_kv, batches},
+      {"v", a.v, a.v_row_stride, a.v_head_stride, a.v_batch_stride, rows_k, a.num_heads_kv, batches}};
+  for (const TmaOperand& t : operands)
+    if (auto reason = unusable_reason(t)) return reason;
   return std::nullopt;
+}
+
+std::optional<std::string> tma_unusable_reason(const BackwardProblem& problem) {
+  if (auto reason = tma_unusable_reason(problem.forward)) return reason;
+  const AttentionBwdParams& b = problem.params;
+  const auto [rows_q, rows_k, batches] = tma_extents(problem.forward);
+  return unusable_reason({"dout", b.d_o, b.do_row_stride, b.do_head_stride, b.do_batch_stride, rows_q,
+                          b.fwd.num_heads_q, batches});
 }
 
 }  // namespace flashjit::detail

@@ -28,5 +28,7 @@ TmaExtents tma_extents(const ForwardProblem& problem);
 // 16-byte aligned; a stride of a dim longer than one that is not a multiple of 16 bytes), or
 // nothing when all three can.
 std::optional<std::string> tma_unusable_reason(const ForwardProblem& problem);
+// The same for a backward problem: q, k, v and dout.
+std::optional<std::string> tma_unusable_reason(const BackwardProblem& problem);
 
 }  // namespace flashjit::detail

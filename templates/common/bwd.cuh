@@ -25,11 +25,12 @@ __device__ __forceinline__ void atomic_add_pair(float* address, float a, float b
 
 // Two floats from shared memory, kept in program order: a plain load would be hoisted above the
 // (volatile) MMAs before it, holding registers across the whole GEMM and spilling.
-__device__ __forceinline__ float2 load_shared_pair(const float* pointer) {
+__device__ __forceinline__ float2 load_shared_pair(unsigned address) {
   float2 r;
-  asm volatile("ld.shared.v2.f32 {%0, %1}, [%2];\n" : "=f"(r.x), "=f"(r.y) : "r"(shared_address(pointer)));
+  asm volatile("ld.shared.v2.f32 {%0, %1}, [%2];\n" : "=f"(r.x), "=f"(r.y) : "r"(address));
   return r;
 }
+__device__ __forceinline__ float2 load_shared_pair(const float* pointer) { return load_shared_pair(shared_address(pointer)); }
 
 // Whether key `key` is visible to query `query` (both sequence-relative), bottom-right aligned.
 template <MaskKind kMask>
@@ -75,6 +76,7 @@ struct BwdRowPass {
   static constexpr int kChunks = Config::kHeadDim / 8;
   static constexpr int kLoadThreadsPerRow = kChunks <= 4 ? 4 : kChunks <= 8 ? 8 : kChunks <= 16 ? 16 : 32;
   static constexpr int kRowsPerCta = kBwdRowPassRows;
+  static_assert(kRowsPerCta % (kThreads / kLoadThreadsPerRow) == 0, "whole passes of rows per CTA");
 };
 
 // delta = rowsum(dO * O); zeroes the dQ accumulator when there is one.
