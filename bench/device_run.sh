@@ -41,7 +41,7 @@ for step in $what; do
       san racecheck "sm90_fwd: sm_margin*"
       san synccheck "sm90_fwd: sm_margin*" ;;
     tests)
-      # GPU_TEST_FILTER: a Catch2 test spec (e.g. "[fa2_bwd]") to run a subset.
+      # GPU_TEST_FILTER: a Catch2 test spec (e.g. "[backward]") to run a subset.
       GPU_TEST_REPORT=$out/pipeline_costs.jsonl bounded "$build/tests/flashjit_gpu_tests" ${GPU_TEST_FILTER:+"$GPU_TEST_FILTER"} \
           --durations yes 2>&1 | tee "$out/gpu_tests.log" | grep -vE '^[0-9.]+ s: ' | tail -40
       [[ ${PIPESTATUS[0]} -eq 0 ]] || status=1 ;;

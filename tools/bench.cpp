@@ -200,12 +200,18 @@ int run(const Options& o) {
     }
     const detail::ForwardProblem problem =
         detail::make_forward_problem(view(q), view(k), view(v), view(out), &lse_view, nullptr, options);
+    // The spec dispatch runs for this row, with `tuning` (null: the heuristic's).
+    auto dispatched = [&](const TuningSources* tuning) {
+      if (!o.backward) return detail::select_forward_kernel(problem, device, tuning);
+      const detail::BackwardProblem backward = detail::make_backward_problem(
+          view(q), view(k), view(v), view(out), view(*dout), &lse_view, view(*dq), view(*dk), view(*dv), nullptr, options);
+      return detail::select_backward_kernel(backward, device, tuning);
+    };
     const double flops = 4.0 * r.batch * r.heads * double(r.seqlen) * r.seqlen * r.head_dim /
                          (r.causal ? 2 : 1) * (o.backward ? 2.5 : 1.0);
     if (o.versus_heuristic) {
       AttentionOptions heuristic = options;
-      heuristic.kernel = o.backward ? detail::select_backward_kernel(problem, device)
-                                    : detail::select_forward_kernel(problem, device);
+      heuristic.kernel = dispatched(nullptr);
       r.heuristic_spec = heuristic.kernel->name();
       const auto medians = median_ms({call, [&] { call_with(heuristic); }}, o.warmup, o.iters, start, stop);
       r.median_ms = medians[0];
@@ -214,9 +220,7 @@ int run(const Options& o) {
     } else {
       r.median_ms = median_ms({call}, o.warmup, o.iters, start, stop)[0];
     }
-    r.spec = options.kernel ? options.kernel->name()
-             : o.backward   ? detail::select_backward_kernel(problem, device, &runtime.tuning()).name()
-                            : detail::select_forward_kernel(problem, device, &runtime.tuning()).name();
+    r.spec = options.kernel ? options.kernel->name() : dispatched(&runtime.tuning()).name();
     r.tflops = flops / (r.median_ms * 1e-3) / 1e12;
 
     if (o.check && !o.backward) {

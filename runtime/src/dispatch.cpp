@@ -147,17 +147,35 @@ KernelSpec select_backward_kernel(const ForwardProblem& problem, const DevicePro
   return spec;
 }
 
+namespace {
+
+// Why sm90_bwd cannot run this backward problem here, or nothing when it can.
+std::optional<std::string> sm90_backward_unusable_reason(const BackwardProblem& problem, const Arch& arch) {
+  const ForwardProblem& f = problem.forward;
+  if (!arch.arch_specific || arch.sm != 90)
+    return fmt::format("sm90_bwd needs an sm_90 device, this one is {}", arch.name());
+  if (problem.deterministic) return std::string("deterministic mode runs fa2_bwd's fixed-order dQ");
+  // Only where no compute is wasted on padding: the problem's fa2_bwd kernel head dim must be one of sm90_bwd's.
+  if (!family_covers(Family::sm90_bwd, arch, kernel_head_dim(Family::fa2_bwd, f.head_dim)))
+    return fmt::format("sm90_bwd has no kernel for head_dim {}", f.head_dim);
+  return tma_unusable_reason(problem);
+}
+
+}  // namespace
+
 KernelSpec select_backward_kernel(const BackwardProblem& problem, const DeviceProperties& device,
                                   const TuningSources* tuning) {
   const ForwardProblem& f = problem.forward;
-  const KernelSpec fa2 = select_backward_kernel(f, device, tuning);
-  const Arch arch = device.arch();
-  const bool chosen_elsewhere = f.forced_kernel || f.backend != Backend::automatic ||
-                                fa2 != heuristic_spec(f, arch, Family::fa2_bwd);  // forced, or a tuned entry
-  if (chosen_elsewhere || problem.deterministic || !family_covers(Family::sm90_bwd, arch, kernel_head_dim(Family::fa2_bwd, f.head_dim)) ||
-      tma_unusable_reason(problem))
-    return fa2;
-  return heuristic_spec(f, arch, Family::sm90_bwd);
+  if (f.forced_kernel || f.backend == Backend::reference || f.backend == Backend::fa2)
+    return select_backward_kernel(f, device, tuning);
+  const Arch arch = checked_arch(device);
+  const auto reason = sm90_backward_unusable_reason(problem, arch);
+  if (f.backend == Backend::sm90) {
+    if (reason) throw Error(ErrorCode::invalid_argument, "backward", fmt::format("backend sm90: {}", *reason));
+    return heuristic_spec(f, arch, Family::sm90_bwd);
+  }
+  if (auto spec = tuned_spec(tuning, f, device, Family::fa2_bwd)) return *spec;
+  return reason ? select_backward_kernel(f, device, tuning) : heuristic_spec(f, arch, Family::sm90_bwd);
 }
 
 }  // namespace detail
@@ -180,8 +198,10 @@ KernelSpec heuristic_forward_spec(const Arch& arch, DType dtype, int head_dim, M
 
 KernelSpec heuristic_backward_spec(const Arch& arch, DType dtype, int head_dim, MaskKind mask,
                                    bool has_softcap) {
-  return default_spec(Family::fa2_bwd, arch, dtype, detail::kernel_head_dim(Family::fa2_bwd, head_dim), mask,
-                      has_softcap);
+  // The common case's choice (atomic dQ, a layout TMA can read), as select_backward_kernel makes it.
+  const int kernel_head_dim = detail::kernel_head_dim(Family::fa2_bwd, head_dim);
+  const Family family = family_covers(Family::sm90_bwd, arch, kernel_head_dim) ? Family::sm90_bwd : Family::fa2_bwd;
+  return default_spec(family, arch, dtype, kernel_head_dim, mask, has_softcap);
 }
 
 }  // namespace flashjit

@@ -31,7 +31,7 @@ class BackwardCase {
   }
 
   // Forward, then backward with `options` (the forward gets the same mask options, no forced
-  // kernel). Gradients are poisoned first; the reference is computed once, from the first run's
+  // kernel and the automatic backend). Gradients are poisoned first; the reference is computed once, from the first run's
   // forward output.
   void run(Runtime& runtime, AttentionOptions options) {
     options.causal = shape_.causal;
@@ -41,6 +41,7 @@ class BackwardCase {
     if (shape_.scale != 0) options.softmax_scale = static_cast<float>(shape_.scale);
     AttentionOptions forward_options = options;
     forward_options.kernel.reset();
+    forward_options.backend = Backend::automatic;
 
     const ScalarType t = dtype_ == DType::bf16 ? ScalarType::bfloat16 : ScalarType::float16;
     const size_t q_bytes = q_bits_.size() * 2, k_bytes = k_bits_.size() * 2;

@@ -201,3 +201,47 @@ TEST_CASE("backward workspace: the dQ accumulator starts aligned after the row s
     CHECK(p.dq_accum_bytes() == p.delta_bytes() * 64);
   }
 }
+
+TEST_CASE("backward dispatch: sm90_bwd on sm_90 at head dims 97-128 in atomic mode, else fa2_bwd", "[dispatch]") {
+  auto backward = [](int head_dim, AttentionOptions options = {}, bool deterministic = false) {
+    auto q = TensorView::contiguous(arena, ScalarType::bfloat16, {2, 64, 4, head_dim});
+    auto lse = TensorView::contiguous(arena, ScalarType::float32, {2, 4, 64});
+    options.deterministic = deterministic;
+    return detail::make_backward_problem(q, q, q, q, q, &lse, q, q, q, nullptr, options);
+  };
+  const KernelSpec hopper = detail::select_backward_kernel(backward(128), kH200);
+  CHECK(hopper.family == Family::sm90_bwd);
+  CHECK_FALSE(hopper.validate().has_value());
+  CHECK(dynamic_smem_bytes(hopper) <= kH200.max_smem_per_block_optin);
+  CHECK(detail::select_backward_kernel(backward(112), kH200).family == Family::sm90_bwd);  // rounded up, as fa2_bwd
+  // What flashjit-warm's presets compile ahead of time is what dispatch runs.
+  AttentionOptions causal;
+  causal.causal = true;
+  for (const auto* d : {&kA100, &kH200})
+    for (int head_dim : {64, 128, 256})
+      CHECK(heuristic_backward_spec(d->arch(), DType::bf16, head_dim, MaskKind::causal) ==
+            detail::select_backward_kernel(backward(head_dim, causal), *d));
+  for (int head_dim : {64, 96, 160, 256})
+    CHECK(detail::select_backward_kernel(backward(head_dim), kH200).family == Family::fa2_bwd);
+  CHECK(detail::select_backward_kernel(backward(128), kA100).family == Family::fa2_bwd);
+  CHECK(detail::select_backward_kernel(backward(128, {}, /*deterministic=*/true), kH200).family == Family::fa2_bwd);
+  detail::BackwardProblem odd_dout = backward(128);
+  odd_dout.params.do_row_stride = 12;
+  CHECK(detail::select_backward_kernel(odd_dout, kH200).family == Family::fa2_bwd);
+
+  AttentionOptions fa2;
+  fa2.backend = Backend::fa2;
+  CHECK(detail::select_backward_kernel(backward(128, fa2), kH200).family == Family::fa2_bwd);
+  AttentionOptions sm90;
+  sm90.backend = Backend::sm90;
+  CHECK(detail::select_backward_kernel(backward(128, sm90), kH200).family == Family::sm90_bwd);
+  CHECK_THROWS_WITH(detail::select_backward_kernel(backward(128, sm90, true), kH200),
+                    Catch::Contains("backend sm90: deterministic mode"));
+  CHECK_THROWS_WITH(detail::select_backward_kernel(backward(64, sm90), kH200),
+                    Catch::Contains("sm90_bwd has no kernel for head_dim 64"));
+  CHECK_THROWS_WITH(detail::select_backward_kernel(backward(128, sm90), kA100),
+                    Catch::Contains("needs an sm_90 device"));
+  odd_dout.forward.backend = Backend::sm90;
+  CHECK_THROWS_WITH(detail::select_backward_kernel(odd_dout, kH200),
+                    Catch::Contains("dout: a stride of 12 elements is not a multiple of 16 bytes"));
+}

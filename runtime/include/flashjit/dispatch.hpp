@@ -12,7 +12,7 @@ namespace flashjit {
 KernelSpec heuristic_forward_spec(const Arch& arch, DType dtype, int head_dim, MaskKind mask,
                                   bool has_softcap = false);
 
-// The same for the backward (fa2_bwd).
+// The same for the backward: sm90_bwd where it has a kernel of the head dim on sm_90a, else fa2_bwd.
 KernelSpec heuristic_backward_spec(const Arch& arch, DType dtype, int head_dim, MaskKind mask,
                                    bool has_softcap = false);
 

@@ -1,6 +1,8 @@
-// fa2_bwd: dq, dk, dv against the float64 reference gradients over the forward's awkward-shape set
-// (seqlen pairs, batch 1 and 3, GQA 1/4/8, every head dim, causal, window, softcap, varlen with
-// empty and long sequences, strided layouts), forced tile shapes, and deterministic reruns.
+// The backward families: dq, dk, dv against the float64 reference gradients over the forward's
+// awkward-shape set (seqlen pairs, batch 1 and 3, GQA 1/4/8, every head dim, causal, window,
+// softcap, varlen with empty and long sequences, strided layouts), forced tile shapes, and
+// deterministic reruns. Every case runs fa2_bwd, and on sm_90 devices, where it has a kernel of the
+// head dim, sm90_bwd too.
 #include <catch2/catch.hpp>
 
 #include "support/backward_case.hpp"
@@ -18,25 +20,38 @@ struct Run {
   std::optional<KernelSpec> kernel;
 };
 
+// The backends a case runs on: fa2_bwd always; sm90_bwd on sm_90 in atomic mode where it has a
+// kernel of the head dim (97-128), as automatic dispatch would pick it.
+std::vector<Backend> backward_backends(const Run& r) {
+  const int d = r.shape.head_dim;
+  const bool hopper = device_properties(0).arch().name() == "sm_90a";
+  if (hopper && !r.deterministic && !r.kernel && d > 96 && d <= 128) return {Backend::fa2, Backend::sm90};
+  return {Backend::fa2};
+}
+
 void check(const Run& r, uint64_t seed) {
   BackwardCase c(r.shape, r.dtype, seed, r.layout);
-  AttentionOptions options;
-  options.deterministic = r.deterministic;
-  options.kernel = r.kernel;
-  c.run(test_runtime(), options);
-  INFO(c.describe() << (r.deterministic ? " deterministic" : "")
-                    << (r.kernel ? " kernel " + r.kernel->name() : std::string(" default kernel")));
-  const GradientComparison g = c.check(tensor_core_gradient_tolerance(r.dtype));
-  for (auto [name, cmp] : {std::pair{"dq", &g.dq}, {"dk", &g.dk}, {"dv", &g.dv}}) {
-    INFO(name << ": " << cmp->bad << " of " << cmp->checked << " outside tolerance; first " << cmp->first_bad
-              << "; max abs error " << cmp->max_abs);
-    CHECK(cmp->ok());
+  for (Backend backend : backward_backends(r)) {
+    AttentionOptions options;
+    options.deterministic = r.deterministic;
+    options.kernel = r.kernel;
+    options.backend = backend;
+    c.run(test_runtime(), options);
+    INFO(c.describe() << (r.deterministic ? " deterministic" : "")
+                      << (r.kernel ? " kernel " + r.kernel->name()
+                                   : std::string(backend == Backend::sm90 ? " sm90_bwd" : " fa2_bwd")));
+    const GradientComparison g = c.check(tensor_core_gradient_tolerance(r.dtype));
+    for (auto [name, cmp] : {std::pair{"dq", &g.dq}, {"dk", &g.dk}, {"dv", &g.dv}}) {
+      INFO(name << ": " << cmp->bad << " of " << cmp->checked << " outside tolerance; first " << cmp->first_bad
+                << "; max abs error " << cmp->max_abs);
+      CHECK(cmp->ok());
+    }
   }
 }
 
 }  // namespace
 
-TEST_CASE("fa2_bwd: every head dim, kernel or rounded up", "[fa2_bwd]") {
+TEST_CASE("backward: every head dim, kernel or rounded up", "[backward]") {
   uint64_t seed = 11000;
   for (int d : {8, 32, 40, 64, 96, 128, 160, 192, 224, 256})
     for (bool causal : {false, true}) {
@@ -48,7 +63,7 @@ TEST_CASE("fa2_bwd: every head dim, kernel or rounded up", "[fa2_bwd]") {
     }
 }
 
-TEST_CASE("fa2_bwd: awkward seqlen pairs, batch 1 and 3, GQA 1/4/8", "[fa2_bwd]") {
+TEST_CASE("backward: awkward seqlen pairs, batch 1 and 3, GQA 1/4/8", "[backward]") {
   const std::pair<int, int> pairs[] = {{1, 1}, {1, 4096}, {239, 1}, {113, 203}, {1023, 1024}};
   uint64_t seed = 12000;
   for (auto [sq, sk] : pairs)
@@ -62,7 +77,7 @@ TEST_CASE("fa2_bwd: awkward seqlen pairs, batch 1 and 3, GQA 1/4/8", "[fa2_bwd]"
       }
 }
 
-TEST_CASE("fa2_bwd: 4224 x 4224", "[fa2_bwd]") {
+TEST_CASE("backward: 4224 x 4224", "[backward]") {
   uint64_t seed = 13000;
   for (bool causal : {false, true}) {
     Run r;
@@ -72,7 +87,7 @@ TEST_CASE("fa2_bwd: 4224 x 4224", "[fa2_bwd]") {
   }
 }
 
-TEST_CASE("fa2_bwd: sliding windows and softcap", "[fa2_bwd]") {
+TEST_CASE("backward: sliding windows and softcap", "[backward]") {
   uint64_t seed = 14000;
   struct Window {
     int left, right;
@@ -91,7 +106,7 @@ TEST_CASE("fa2_bwd: sliding windows and softcap", "[fa2_bwd]") {
     }
 }
 
-TEST_CASE("fa2_bwd: varlen with empty, single and long sequences", "[fa2_bwd]") {
+TEST_CASE("backward: varlen with empty, single and long sequences", "[backward]") {
   uint64_t seed = 15000;
   for (bool causal : {false, true})
     for (bool deterministic : {false, true}) {
@@ -105,7 +120,7 @@ TEST_CASE("fa2_bwd: varlen with empty, single and long sequences", "[fa2_bwd]") 
     }
 }
 
-TEST_CASE("fa2_bwd: BHSD strides, fp16, custom scale", "[fa2_bwd]") {
+TEST_CASE("backward: BHSD strides, fp16, custom scale", "[backward]") {
   uint64_t seed = 16000;
   for (DType dtype : {DType::fp16, DType::bf16}) {
     Run r;
@@ -118,7 +133,7 @@ TEST_CASE("fa2_bwd: BHSD strides, fp16, custom scale", "[fa2_bwd]") {
   }
 }
 
-TEST_CASE("fa2_bwd: forced tile shapes", "[fa2_bwd]") {
+TEST_CASE("fa2_bwd: forced tile shapes", "[backward]") {
   const Arch arch = device_properties(0).arch();
   uint64_t seed = 17000;
   struct Tiles {
@@ -147,7 +162,7 @@ TEST_CASE("fa2_bwd: forced tile shapes", "[fa2_bwd]") {
     }
 }
 
-TEST_CASE("fa2_bwd: deterministic mode is bitwise reproducible and correct", "[fa2_bwd]") {
+TEST_CASE("fa2_bwd: deterministic mode is bitwise reproducible and correct", "[backward]") {
   for (int group : {1, 4})
     for (bool causal : {false, true}) {
       AttentionShape shape = AttentionShape::make(2, 777, 777, 8, 8 / group, 128);
@@ -166,7 +181,7 @@ TEST_CASE("fa2_bwd: deterministic mode is bitwise reproducible and correct", "[f
     }
 }
 
-TEST_CASE("fa2_bwd: one head and an odd row count (workspace alignment)", "[fa2_bwd]") {
+TEST_CASE("backward: one head and an odd row count (workspace alignment)", "[backward]") {
   // heads_q x rows = 37 puts the dQ accumulator right after 148 bytes of row statistics unless the
   // launcher aligns it; its float4 accesses would then fault.
   uint64_t seed = 19000;
