@@ -8,9 +8,11 @@
 //                      S^T = K_c Q^T, dP^T = V_c dO^T             (wgmma, both operands in smem)
 //                      P^T, dS^T elementwise                       (registers; dS^T also to smem)
 //                      dV_c += P^T dO, dK_c += dS^T Q              (wgmma, P^T and dS^T from registers)
-//                      dQ[:, 64c:64c + 64] = dS K[:, 64c:64c + 64] (wgmma over all kBlockN keys: the
-//                                                                   warpgroups' dS^T meet in smem)
-//                    and adds its dQ columns to the accumulator with vector atomics.
+//                      dQ                                          (wgmma, dS^T and K from smem)
+//                    and adds its dQ share to the accumulator with vector atomics. At head dim 128 each
+//                    consumer computes one 64-column panel over all kBlockN keys (the warpgroups' dS^T
+//                    meet in smem); at 64, all columns over its own 64 keys (twice the atomics, no
+//                    exchange).
 //   convert_dq       the accumulator -> dQ in the output dtype (common/bwd.cuh).
 // GQA: a CTA walks the query steps of every query head sharing its K/V head, so dK and dV are summed
 // in registers. Query steps outside the mask are never visited; edge steps are masked per element
@@ -40,7 +42,10 @@ struct Sm90BwdShape {
   static constexpr int kKvPanelBytes = kBlockN * 128, kKvTileBytes = kPanels * kKvPanelBytes;
   static constexpr int kStepPanelBytes = kBlockM * 128, kStepTileBytes = kPanels * kStepPanelBytes;
   static constexpr int kDsBytes = kBlockN * kBlockM * 2;
-  static constexpr int kDqCols = kHeadDim / kConsumers;  // dQ columns per consumer: one panel each
+  // The dQ GEMM of one consumer: kDqCols columns over kDqKeys keys (see the top).
+  static constexpr bool kDqByKeys = kPanels < kConsumers;
+  static constexpr int kDqCols = kDqByKeys ? kHeadDim : kHeadDim / kConsumers;
+  static constexpr int kDqKeys = kDqByKeys ? 64 : kBlockN;
 
   static constexpr int kKOffset = 0;
   static constexpr int kVOffset = kKOffset + kKvTileBytes;
@@ -59,6 +64,7 @@ struct Sm90BwdShape {
   static_assert(kThreads == 128 * (1 + kConsumers), "a producer warpgroup and one consumer per 64 keys");
   static_assert(kBlockM == 64, "dS^T rows are one 128-byte swizzle row of queries");
   static_assert(kDqCols == 64, "each consumer computes one 64-column panel of dQ");
+  static_assert(kPanels == kConsumers || (kPanels == 1 && kConsumers == 2), "head dim 128, or 64 split by keys");
 };
 
 // The row passes run on 256 of the block's threads: 64 rows split into whole passes of them.
@@ -272,17 +278,21 @@ __device__ void sm90_bwd_dkdv_atomic_dq_kernel(const AttentionSm90BwdParams& par
     issue_key_gradient(dk, a_ds, sQ(stage));
     wgmma_commit();
 
-    // dQ[:, this consumer's panel] = dS K over all kBlockN keys, once every consumer's dS^T is in.
-    named_barrier_sync(1, 128 * Shape::kConsumers);
+    // dQ, once the dS^T rows it reads are in: every consumer's (a panel of columns over all keys),
+    // or this consumer's own (all columns over its keys).
+    if constexpr (Shape::kDqByKeys) named_barrier_sync(2 + consumer, 128);
+    else named_barrier_sync(1, 128 * Shape::kConsumers);
     float dq[Shape::kDqCols / 2];
     fence_operands(dq);
     {
-      const unsigned long long a_tile = smem_descriptor_sw128(ds_tile, Shape::kDsBytes, 1024);
-      unsigned long long b_tile = smem_descriptor_sw128(sK + consumer * Shape::kKvPanelBytes, Shape::kKvPanelBytes, 1024);
+      const unsigned a_rows = Shape::kDqByKeys ? consumer * 64 * 128 : 0;
+      const unsigned b_start = Shape::kDqByKeys ? consumer * 64 * 128 : consumer * Shape::kKvPanelBytes;
+      const unsigned long long a_tile = smem_descriptor_sw128(ds_tile + a_rows, Shape::kDsBytes, 1024);
+      unsigned long long b_tile = smem_descriptor_sw128(sK + b_start, Shape::kKvPanelBytes, 1024);
       launder(b_tile);
       wgmma_fence();
 #pragma unroll
-      for (int ks = 0; ks < kBlockN / 16; ++ks)
+      for (int ks = 0; ks < Shape::kDqKeys / 16; ++ks)
         Config::wgmma_dq(dq, smem_descriptor_advance(a_tile, ks * 16 * 128), smem_descriptor_advance(b_tile, ks * 16 * 128),
                          ks > 0);
       wgmma_commit();
@@ -303,7 +313,7 @@ __device__ void sm90_bwd_dkdv_atomic_dq_kernel(const AttentionSm90BwdParams& par
       float* accum_row = accum + static_cast<long long>(workspace_row(f, seq, batch, row)) * f.head_dim;
 #pragma unroll
       for (int j = 0; j < Shape::kDqCols / 8; ++j) {
-        const int col = consumer * Shape::kDqCols + j * 8 + (lane % 4) * 2;
+        const int col = (Shape::kDqByKeys ? 0 : consumer * Shape::kDqCols) + j * 8 + (lane % 4) * 2;
         if (col < f.head_dim) atomic_add_pair<90>(accum_row + col, dq[4 * j + 2 * h], dq[4 * j + 2 * h + 1]);
       }
     }

@@ -29,8 +29,8 @@ KernelSpec select_backward_kernel(const ForwardProblem& problem, const DevicePro
                                   const TuningSources* tuning = nullptr);
 
 // What the runtime's backward runs: a forced or tuned spec as above; else, on sm_90 devices in the
-// atomic-dQ mode, sm90_bwd where it has a kernel of the problem's head dim and TMA can read q, k,
-// v and dout; else the fa2_bwd spec above.
+// atomic-dQ mode, sm90_bwd where it has a kernel of the problem's fa2_bwd head dim (64 or 128) and
+// TMA can read q, k, v and dout; else the fa2_bwd spec above.
 KernelSpec select_backward_kernel(const BackwardProblem& problem, const DeviceProperties& device,
                                   const TuningSources* tuning = nullptr);
 

@@ -2,7 +2,7 @@
 // awkward-shape set (seqlen pairs, batch 1 and 3, GQA 1/4/8, every head dim, causal, window,
 // softcap, varlen with empty and long sequences, strided layouts), forced tile shapes, and
 // deterministic reruns. Every case runs fa2_bwd, and on sm_90 devices, where it has a kernel of the
-// head dim, sm90_bwd too.
+// head dim (33-64 and 97-128), sm90_bwd too.
 #include <catch2/catch.hpp>
 
 #include "support/backward_case.hpp"
@@ -21,11 +21,12 @@ struct Run {
 };
 
 // The backends a case runs on: fa2_bwd always; sm90_bwd on sm_90 in atomic mode where it has a
-// kernel of the head dim (97-128), as automatic dispatch would pick it.
+// kernel of the head dim (33-64, 97-128), as automatic dispatch would pick it.
 std::vector<Backend> backward_backends(const Run& r) {
   const int d = r.shape.head_dim;
   const bool hopper = device_properties(0).arch().name() == "sm_90a";
-  if (hopper && !r.deterministic && !r.kernel && d > 96 && d <= 128) return {Backend::fa2, Backend::sm90};
+  const bool sm90_head_dim = (d > 32 && d <= 64) || (d > 96 && d <= 128);
+  if (hopper && !r.deterministic && !r.kernel && sm90_head_dim) return {Backend::fa2, Backend::sm90};
   return {Backend::fa2};
 }
 

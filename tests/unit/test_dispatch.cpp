@@ -202,7 +202,7 @@ TEST_CASE("backward workspace: the dQ accumulator starts aligned after the row s
   }
 }
 
-TEST_CASE("backward dispatch: sm90_bwd on sm_90 at head dims 97-128 in atomic mode, else fa2_bwd", "[dispatch]") {
+TEST_CASE("backward dispatch: sm90_bwd on sm_90 at head dims 33-64 and 97-128 in atomic mode, else fa2_bwd", "[dispatch]") {
   auto backward = [](int head_dim, AttentionOptions options = {}, bool deterministic = false) {
     auto q = TensorView::contiguous(arena, ScalarType::bfloat16, {2, 64, 4, head_dim});
     auto lse = TensorView::contiguous(arena, ScalarType::float32, {2, 4, 64});
@@ -214,6 +214,8 @@ TEST_CASE("backward dispatch: sm90_bwd on sm_90 at head dims 97-128 in atomic mo
   CHECK_FALSE(hopper.validate().has_value());
   CHECK(dynamic_smem_bytes(hopper) <= kH200.max_smem_per_block_optin);
   CHECK(detail::select_backward_kernel(backward(112), kH200).family == Family::sm90_bwd);  // rounded up, as fa2_bwd
+  CHECK(detail::select_backward_kernel(backward(64), kH200).family == Family::sm90_bwd);
+  CHECK(detail::select_backward_kernel(backward(40), kH200).family == Family::sm90_bwd);
   // What flashjit-warm's presets compile ahead of time is what dispatch runs.
   AttentionOptions causal;
   causal.causal = true;
@@ -221,7 +223,7 @@ TEST_CASE("backward dispatch: sm90_bwd on sm_90 at head dims 97-128 in atomic mo
     for (int head_dim : {64, 128, 256})
       CHECK(heuristic_backward_spec(d->arch(), DType::bf16, head_dim, MaskKind::causal) ==
             detail::select_backward_kernel(backward(head_dim, causal), *d));
-  for (int head_dim : {64, 96, 160, 256})
+  for (int head_dim : {32, 96, 160, 256})
     CHECK(detail::select_backward_kernel(backward(head_dim), kH200).family == Family::fa2_bwd);
   CHECK(detail::select_backward_kernel(backward(128), kA100).family == Family::fa2_bwd);
   CHECK(detail::select_backward_kernel(backward(128, {}, /*deterministic=*/true), kH200).family == Family::fa2_bwd);
@@ -237,8 +239,8 @@ TEST_CASE("backward dispatch: sm90_bwd on sm_90 at head dims 97-128 in atomic mo
   CHECK(detail::select_backward_kernel(backward(128, sm90), kH200).family == Family::sm90_bwd);
   CHECK_THROWS_WITH(detail::select_backward_kernel(backward(128, sm90, true), kH200),
                     Catch::Contains("backend sm90: deterministic mode"));
-  CHECK_THROWS_WITH(detail::select_backward_kernel(backward(64, sm90), kH200),
-                    Catch::Contains("sm90_bwd has no kernel for head_dim 64"));
+  CHECK_THROWS_WITH(detail::select_backward_kernel(backward(96, sm90), kH200),
+                    Catch::Contains("sm90_bwd has no kernel for head_dim 96"));
   CHECK_THROWS_WITH(detail::select_backward_kernel(backward(128, sm90), kA100),
                     Catch::Contains("needs an sm_90 device"));
   odd_dout.forward.backend = Backend::sm90;

@@ -1,6 +1,6 @@
-// Rules of the Hopper backward family (templates/sm90_bwd.cuh): block_n keys per CTA over a
-// producer warpgroup and block_n / 64 wgmma consumer warpgroups, query steps of block_m = 64 in a
-// ring of num_stages. The shared-memory arithmetic mirrors Sm90BwdShape in the template.
+// Rules of the Hopper backward family (templates/sm90_bwd.cuh): 128 keys per CTA over a producer
+// warpgroup and two wgmma consumer warpgroups, query steps of block_m = 64 in a ring of num_stages.
+// The shared-memory arithmetic mirrors Sm90BwdShape in the template.
 #include <fmt/format.h>
 
 #include "../family_rules.hpp"
@@ -23,9 +23,8 @@ std::optional<std::string> validate_tiles(const KernelSpec& s) {
   if (s.block_m != 64)
     return fmt::format("sm90_bwd walks the queries in steps of 64 (one swizzled row of dS^T): block_m must be 64, "
                        "got {}", s.block_m);
-  if (s.block_n != 64 * panels(s))
-    return fmt::format("sm90_bwd runs one consumer warpgroup per 64 keys, each computing one 64-column panel of "
-                       "dQ: block_n must be {} at head_dim {}, got {}", 64 * panels(s), s.head_dim, s.block_n);
+  if (s.block_n != 128)
+    return fmt::format("sm90_bwd runs two consumer warpgroups of 64 keys: block_n must be 128, got {}", s.block_n);
   if (s.num_warps != 4 * (1 + consumers(s)))
     return fmt::format("sm90_bwd runs a producer warpgroup and {} consumers for block_n {}: num_warps must be {}, "
                        "got {}", consumers(s), s.block_n, 4 * (1 + consumers(s)), s.num_warps);
@@ -40,7 +39,7 @@ std::optional<std::string> validate_tiles(const KernelSpec& s) {
 
 void set_default_tiles(KernelSpec& s) {
   s.block_m = 64;
-  s.block_n = 64 * panels(s);
+  s.block_n = 128;
   s.num_warps = 4 * (1 + consumers(s));
   s.num_stages = 2;
 }
@@ -48,12 +47,12 @@ void set_default_tiles(KernelSpec& s) {
 int threads(const KernelSpec& s) { return 32 * s.num_warps; }
 
 // S^T and dP^T (64 keys x block_m queries, both operands K-major in shared memory); dK and dV
-// (64 keys x head_dim, P^T and dS^T from registers); dQ (block_m queries x one 64-column panel,
-// dS^T and K both MN-major in shared memory).
+// (64 keys x head_dim, P^T and dS^T from registers); dQ (block_m queries x 64 columns, dS^T and K
+// both MN-major in shared memory).
 std::string config_members(const KernelSpec& s) {
   return wgmma_member_function("wgmma_scores", s.block_m, s.dtype, WgmmaOperands::ss_k_major) +
          wgmma_member_function("wgmma_key_gradient", s.head_dim, s.dtype, WgmmaOperands::rs_b_mn_major) +
-         wgmma_member_function("wgmma_dq", s.head_dim / consumers(s), s.dtype, WgmmaOperands::ss_mn_major);
+         wgmma_member_function("wgmma_dq", 64, s.dtype, WgmmaOperands::ss_mn_major);
 }
 
 }  // namespace
@@ -70,7 +69,7 @@ const FamilyRules kSm90BwdRules{
       true}},
     /*min_sm=*/90,
     /*needs_arch_specific=*/true,
-    /*head_dims=*/{128},
+    /*head_dims=*/{64, 128},
     /*min_blocks_per_sm=*/1,
     validate_tiles,
     set_default_tiles,
