@@ -33,13 +33,17 @@ for step in $what; do
           --dtypes bf16 fp16 --masks none causal window --passes fwd bwd 2>&1 | tail -3
       [[ ${PIPESTATUS[0]} -eq 0 ]] || status=1 ;;
     sanitize)
-      # compute-sanitizer over the Hopper forward: memcheck on its tile-shape and margin tests,
-      # racecheck and synccheck on the margin test (one persistent CTA takes every tile).
+      # compute-sanitizer over the Hopper kernels. Forward: memcheck on its tile-shape and margin
+      # tests, racecheck and synccheck on the margin test (one persistent CTA takes every tile).
+      # Backward: memcheck over every head dim, racecheck and synccheck on the smallest case.
       san() { bounded compute-sanitizer --tool "$1" --error-exitcode 1 "$build/tests/flashjit_gpu_tests" "$2" 2>&1 |
-                tee "$out/sanitize_$1.log" | tail -4; [[ ${PIPESTATUS[0]} -eq 0 ]] || status=1; }
+                tee -a "$out/sanitize_$1.log" | tail -4; [[ ${PIPESTATUS[0]} -eq 0 ]] || status=1; }
       san memcheck "[sm90]"
       san racecheck "sm90_fwd: sm_margin*"
-      san synccheck "sm90_fwd: sm_margin*" ;;
+      san synccheck "sm90_fwd: sm_margin*"
+      san memcheck "backward: every head dim*"
+      san racecheck "backward: one head and an odd row count*"
+      san synccheck "backward: one head and an odd row count*" ;;
     tests)
       # GPU_TEST_FILTER: a Catch2 test spec (e.g. "[backward]") to run a subset.
       GPU_TEST_REPORT=$out/pipeline_costs.jsonl bounded "$build/tests/flashjit_gpu_tests" ${GPU_TEST_FILTER:+"$GPU_TEST_FILTER"} \
