@@ -35,13 +35,15 @@ for step in $what; do
     sanitize)
       # compute-sanitizer over the Hopper kernels. Forward: memcheck on its tile-shape and margin
       # tests, racecheck and synccheck on the margin test (one persistent CTA takes every tile).
-      # Backward: memcheck over every head dim, racecheck and synccheck on the smallest case.
+      # Backward: memcheck over head dim 256 (sm90_bwd's split path) and the smallest case of each
+      # head dim, racecheck and synccheck on the latter.
       san() { bounded compute-sanitizer --tool "$1" --error-exitcode 1 "$build/tests/flashjit_gpu_tests" "$2" 2>&1 |
                 tee -a "$out/sanitize_$1.log" | tail -4; [[ ${PIPESTATUS[0]} -eq 0 ]] || status=1; }
       san memcheck "[sm90]"
       san racecheck "sm90_fwd: sm_margin*"
       san synccheck "sm90_fwd: sm_margin*"
-      san memcheck "backward: every head dim*"
+      san memcheck "backward: head dim 256*"
+      san memcheck "backward: one head and an odd row count*"
       san racecheck "backward: one head and an odd row count*"
       san synccheck "backward: one head and an odd row count*" ;;
     tests)
@@ -82,13 +84,17 @@ for r in json.load(open('$out/grid_tuned.json'))['rows']:
       bounded tests/python/run_tests.sh "$build/runtime/libflashjit.so" 2>&1 | tail -15
       [[ ${PIPESTATUS[0]} -eq 0 ]] || status=1 ;;
     profile)
-      # Nsight Compute on the default kernels at one shape per head dim (FLASHJIT_PROFILE_DIMS).
+      # Nsight Compute on the default kernels at one shape per head dim (FLASHJIT_PROFILE_DIMS,
+      # FLASHJIT_PROFILE_SEQLEN); FLASHJIT_PROFILE_PASS=bwd profiles the backward's main kernel.
+      kernel=regex:flashjit_; pass_args=
+      [[ ${FLASHJIT_PROFILE_PASS:-fwd} == bwd ]] && kernel=regex:dkdv && pass_args=--backward
       for d in ${FLASHJIT_PROFILE_DIMS:-64 128 256}; do
-        ncu --clock-control none -k regex:flashjit_ -c 1 --section SpeedOfLight --section WarpStateStats \
+        ncu --clock-control none -k $kernel -c 1 --section SpeedOfLight --section WarpStateStats \
             --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis_Tables --section Occupancy \
-            "$build/tools/flashjit-bench" --head-dims $d --seqlens 4096 --causal off --iters 1 --warmup 1 \
-            > "$out/ncu_d$d.txt" 2>&1 || status=1
-        grep -E "Duration|Throughput|Pipe|Stall|Bank|Occupancy|Registers|Issued|Eligible|No Eligible" "$out/ncu_d$d.txt" | head -40
+            "$build/tools/flashjit-bench" --head-dims $d --seqlens ${FLASHJIT_PROFILE_SEQLEN:-4096} --causal off \
+            $pass_args --iters 1 --warmup 1 > "$out/ncu_${FLASHJIT_PROFILE_PASS:-fwd}_d$d.txt" 2>&1 || status=1
+        grep -E "Duration|Throughput|Pipe|Stall|Bank|Occupancy|Registers|Issued|Eligible|No Eligible" \
+            "$out/ncu_${FLASHJIT_PROFILE_PASS:-fwd}_d$d.txt" | head -40
       done ;;
     host)
       # Host time per call: flashjit's Python and C entry points beside SDPA's (bench/host_overhead.py).

@@ -3,24 +3,30 @@
 //   preprocess       delta = rowsum(dO * O); zeroes the dQ accumulator (common/bwd.cuh).
 //   dkdv_atomic_dq   one CTA per kBlockN keys of one K/V head: a producer warp loads K and V once
 //                    and streams the query steps (Q and dO by TMA, LSE and delta by the warp's
-//                    lanes) through a ring of kStages; consumer warpgroup c owns keys [64c, 64c + 64)
-//                    and per step of kBlockM queries computes
-//                      S^T = K_c Q^T, dP^T = V_c dO^T             (wgmma, both operands in smem)
+//                    lanes) through a ring of kStages; two consumer warpgroups per step of kBlockM
+//                    queries compute
+//                      S^T = K Q^T, dP^T = V dO^T                  (wgmma, both operands in smem)
 //                      P^T, dS^T elementwise                       (registers; dS^T also to smem)
-//                      dV_c += P^T dO, dK_c += dS^T Q              (wgmma, P^T and dS^T from registers)
-//                      dQ                                          (wgmma, dS^T and K from smem)
-//                    and adds its dQ share to the accumulator with vector atomics. At head dim 128 each
-//                    consumer computes one 64-column panel over all kBlockN keys (the warpgroups' dS^T
-//                    meet in smem); at 64, all columns over its own 64 keys (twice the atomics, no
-//                    exchange).
+//                      dV += P^T dO, dK += dS^T Q                  (wgmma, P^T and dS^T from registers)
+//                      dQ = dS K                                   (wgmma, dS^T and K from smem)
+//                    and add their dQ shares to the accumulator with vector atomics. How the
+//                    consumers share the work depends on the head dim:
+//                      64   each owns 64 keys (kBlockN 128) and computes all of dQ's columns over them
+//                           (twice the atomics, no exchange);
+//                      128  each owns 64 keys and computes one 64-column panel of dQ over all 128 keys
+//                           (the warpgroups' dS^T meet in smem);
+//                      256  dK and dV of 64 keys would need 256 registers a thread, so both share 64 keys
+//                           (kBlockN 64): each computes S^T and dP^T for half the queries, writes its
+//                           P^T and dS^T columns to smem, and after one barrier accumulates dK, dV and
+//                           dQ for its half of the head dim from the exchanged tiles.
 //   convert_dq       the accumulator -> dQ in the output dtype (common/bwd.cuh).
 // GQA: a CTA walks the query steps of every query head sharing its K/V head, so dK and dV are summed
 // in registers. Query steps outside the mask are never visited; edge steps are masked per element
 // (queries past the sequence too: with varlen, TMA reads the next sequence's rows there).
 // Shared memory (1024-byte aligned, every tile in 64-value panels with the 128-byte swizzle TMA
 // writes): K, V (kBlockN rows); kStages slots of Q and dO (kBlockM rows); two dS^T buffers (keys x
-// queries, queries contiguous: the dQ GEMM's MN-major A operand); kStages slots of LSE (base 2) and
-// delta; the barriers.
+// queries, queries contiguous: the dQ GEMM's MN-major A operand), and at head dim 256 two of P^T;
+// kStages slots of LSE (base 2) and delta; the barriers.
 #pragma once
 
 #include "common/bwd.cuh"
@@ -36,9 +42,16 @@ struct Sm90BwdShape {
   static constexpr int kBlockM = Config::kBlockM;    // queries per step
   static constexpr int kBlockN = Config::kBlockN;    // keys per CTA
   static constexpr int kStages = Config::kNumStages;
-  static constexpr int kConsumers = kBlockN / 64;    // consumer warpgroups of 64 keys
   static constexpr int kThreads = Config::kNumWarps * 32;
+  static constexpr int kConsumers = kThreads / 128 - 1;
   static constexpr int kPanels = kHeadDim / 64;
+  // How the two consumers share a step (see the top): by keys (64 each) at head dims 64 and 128; at
+  // 256, where one warpgroup cannot hold dK and dV of 64 keys, by queries for S^T and dP^T and by
+  // head-dim halves for dK, dV and dQ, with P^T and dS^T exchanged through shared memory.
+  static constexpr bool kSplitHeadDim = kPanels == 4;
+  static constexpr int kKeysPerConsumer = kSplitHeadDim ? kBlockN : 64;
+  static constexpr int kScoreQueries = kSplitHeadDim ? kBlockM / kConsumers : kBlockM;  // S^T columns per consumer
+  static constexpr int kGradCols = kSplitHeadDim ? kHeadDim / kConsumers : kHeadDim;    // dK, dV columns per consumer
   static constexpr int kKvPanelBytes = kBlockN * 128, kKvTileBytes = kPanels * kKvPanelBytes;
   static constexpr int kStepPanelBytes = kBlockM * 128, kStepTileBytes = kPanels * kStepPanelBytes;
   static constexpr int kDsBytes = kBlockN * kBlockM * 2;
@@ -52,7 +65,8 @@ struct Sm90BwdShape {
   static constexpr int kQOffset = kVOffset + kKvTileBytes;
   static constexpr int kDoOffset = kQOffset + kStages * kStepTileBytes;
   static constexpr int kDsOffset = kDoOffset + kStages * kStepTileBytes;
-  static constexpr int kLseOffset = kDsOffset + 2 * kDsBytes;
+  static constexpr int kPOffset = kDsOffset + 2 * kDsBytes;  // P^T, double-buffered like dS^T (head dim 256)
+  static constexpr int kLseOffset = kPOffset + (kSplitHeadDim ? 2 * kDsBytes : 0);
   static constexpr int kDeltaOffset = kLseOffset + kStages * kBlockM * 4;
   static constexpr int kBarrierOffset = kDeltaOffset + kStages * kBlockM * 4;
   // kv_full, then full and empty per stage.
@@ -61,10 +75,12 @@ struct Sm90BwdShape {
   static constexpr int kProducerRegisters = 24;
   static constexpr int kConsumerRegisters = 240;
 
-  static_assert(kThreads == 128 * (1 + kConsumers), "a producer warpgroup and one consumer per 64 keys");
+  static_assert(kConsumers == 2, "a producer warpgroup and two consumers");
   static_assert(kBlockM == 64, "dS^T rows are one 128-byte swizzle row of queries");
-  static_assert(kDqCols == 64, "each consumer computes one 64-column panel of dQ");
-  static_assert(kPanels == kConsumers || (kPanels == 1 && kConsumers == 2), "head dim 128, or 64 split by keys");
+  static_assert(kBlockN == (kSplitHeadDim ? 1 : kConsumers) * kKeysPerConsumer,
+                "keys split between the consumers, or shared at head dim 256");
+  static_assert(kDqCols % 64 == 0, "each consumer computes whole 64-column panels of dQ");
+  static_assert(kPanels == 1 || kPanels == 2 || kPanels == 4, "head dims 64, 128 and 256");
 };
 
 // The row passes run on 256 of the block's threads: 64 rows split into whole passes of them.
@@ -100,6 +116,7 @@ __device__ void sm90_bwd_dkdv_atomic_dq_kernel(const AttentionSm90BwdParams& par
   auto sQ = [&](int stage) { return base + Shape::kQOffset + stage * Shape::kStepTileBytes; };
   auto sDo = [&](int stage) { return base + Shape::kDoOffset + stage * Shape::kStepTileBytes; };
   auto sDs = [&](int buffer) { return base + Shape::kDsOffset + buffer * Shape::kDsBytes; };
+  auto sP = [&](int buffer) { return base + Shape::kPOffset + buffer * Shape::kDsBytes; };
   unsigned char* const aligned = smem + (base - shared_address(smem));
   float* const sLse = reinterpret_cast<float*>(aligned + Shape::kLseOffset);      // (kStages, kBlockM), base 2
   float* const sDelta = reinterpret_cast<float*>(aligned + Shape::kDeltaOffset);  // (kStages, kBlockM)
@@ -179,21 +196,26 @@ __device__ void sm90_bwd_dkdv_atomic_dq_kernel(const AttentionSm90BwdParams& par
 
   // Consumers.
   registers_increase<Shape::kConsumerRegisters>();
+  constexpr int kScoreQueries = Shape::kScoreQueries, kGradCols = Shape::kGradCols;
+  constexpr bool kSplitHeadDim = Shape::kSplitHeadDim;
   const int consumer = group - 1, warp_in_group = warp % 4;
-  const int key_row0 = consumer * 64 + warp_in_group * 16;  // this warp's keys in the tile (S^T rows)
+  const int consumer_keys = kSplitHeadDim ? 0 : consumer * 64;             // this consumer's S^T rows
+  const int consumer_queries = kSplitHeadDim ? consumer * kScoreQueries : 0;  // and columns
+  const int consumer_cols = kSplitHeadDim ? consumer * kGradCols : 0;        // its dK and dV columns
+  const int key_row0 = consumer_keys + warp_in_group * 16;  // this warp's keys in the tile
   const float scale_log2 = f.softmax_scale * kLog2e;
   const float softcap_scale = Config::kHasSoftcap ? f.softmax_scale / f.softcap : 0.f;
 
-  float dk[kHeadDim / 2], dv[kHeadDim / 2];  // (64 keys, kHeadDim) per warpgroup, wgmma accumulator layout
+  float dk[kGradCols / 2], dv[kGradCols / 2];  // (64 keys, kGradCols) per warpgroup, wgmma accumulator layout
 #pragma unroll
-  for (int i = 0; i < kHeadDim / 2; ++i) dk[i] = dv[i] = 0.f;
+  for (int i = 0; i < kGradCols / 2; ++i) dk[i] = dv[i] = 0.f;
 
-  // (64 rows, kBlockM queries) = A (64 rows of sA, K-major) x B^T (kBlockM rows of sB, K-major),
-  // over the head dim: S^T from K and Q, dP^T from V and dO.
-  auto issue_scores = [&](float (&acc)[kBlockM / 2], unsigned sA, unsigned sB) {
-    unsigned long long a_tile = smem_descriptor_sw128(sA + consumer * 64 * 128, 16, 1024);
+  // (64 keys, kScoreQueries) = A (64 rows of sA, K-major) x B^T (the consumer's query rows of sB,
+  // K-major), over the head dim: S^T from K and Q, dP^T from V and dO.
+  auto issue_scores = [&](float (&acc)[kScoreQueries / 2], unsigned sA, unsigned sB) {
+    unsigned long long a_tile = smem_descriptor_sw128(sA + consumer_keys * 128, 16, 1024);
     launder(a_tile);
-    const unsigned long long b_tile = smem_descriptor_sw128(sB, 16, 1024);
+    const unsigned long long b_tile = smem_descriptor_sw128(sB + consumer_queries * 128, 16, 1024);
 #pragma unroll
     for (int ks = 0; ks < kHeadDim / 16; ++ks) {
       const unsigned k_bytes = (ks % 4) * 32;
@@ -201,22 +223,32 @@ __device__ void sm90_bwd_dkdv_atomic_dq_kernel(const AttentionSm90BwdParams& par
                            smem_descriptor_advance(b_tile, (ks / 4) * Shape::kStepPanelBytes + k_bytes), ks > 0);
     }
   };
-  // acc (64 keys, kHeadDim) += A (registers: 64 keys x kBlockM queries) x the step tile at sB
-  // (kBlockM queries x kHeadDim, MN-major): dV from P^T and dO, dK from dS^T and Q.
-  auto issue_key_gradient = [&](float (&acc)[kHeadDim / 2], unsigned (&a)[kBlockM / 16][4], unsigned sB) {
-    const unsigned long long b_tile = smem_descriptor_sw128(sB, Shape::kStepPanelBytes, 1024);
+  // acc (64 keys, kGradCols) += A (64 keys x kBlockM queries) x the consumer's columns of the step
+  // tile at sB (kBlockM queries x head dim, MN-major): dV from P^T and dO, dK from dS^T and Q. A comes
+  // from registers when the consumer computed all of it, else from the exchanged tile at sA.
+  auto issue_key_gradient = [&](float (&acc)[kGradCols / 2], unsigned (&a)[kBlockM / 16][4], unsigned sA, unsigned sB) {
+    const unsigned long long b_tile =
+        smem_descriptor_sw128(sB + (consumer_cols / 64) * Shape::kStepPanelBytes, Shape::kStepPanelBytes, 1024);
+    if constexpr (kSplitHeadDim) {
+      const unsigned long long a_tile = smem_descriptor_sw128(sA, 16, 1024);
 #pragma unroll
-    for (int ks = 0; ks < kBlockM / 16; ++ks)
-      Config::wgmma_key_gradient(acc, a[ks], smem_descriptor_advance(b_tile, ks * 16 * 128), true);
+      for (int ks = 0; ks < kBlockM / 16; ++ks)
+        Config::wgmma_key_gradient(acc, smem_descriptor_advance(a_tile, ks * 32),
+                                   smem_descriptor_advance(b_tile, ks * 16 * 128), true);
+    } else {
+#pragma unroll
+      for (int ks = 0; ks < kBlockM / 16; ++ks)
+        Config::wgmma_key_gradient(acc, a[ks], smem_descriptor_advance(b_tile, ks * 16 * 128), true);
+    }
   };
 
   mbarrier_wait(bar_kv_full, 0);
   for (int step = 0; step < num_steps; ++step) {
     const int stage = step % kStages, head = step_head(step), m0 = step_m0(step);
-    const unsigned ds_tile = sDs(step % 2);
+    const unsigned ds_tile = sDs(step % 2), p_tile = sP(step % 2);
     mbarrier_wait(bar_full(stage), (step / kStages) & 1);
 
-    float s[kBlockM / 2], dp[kBlockM / 2];
+    float s[kScoreQueries / 2], dp[kScoreQueries / 2];
     fence_operands(s);
     fence_operands(dp);
     wgmma_fence();
@@ -230,7 +262,7 @@ __device__ void sm90_bwd_dkdv_atomic_dq_kernel(const AttentionSm90BwdParams& par
 
     // P^T and dS^T, packed to 16-bit pairs as soon as they are computed (the C layout of two n8
     // tiles is the A layout of one k16 step: pair (j, h) is a[j / 2][2 (j % 2) + h]); dS^T also to
-    // shared memory for the dQ GEMM.
+    // shared memory for the dQ GEMM, and P^T too where the consumers exchange them.
     unsigned a_p[kBlockM / 16][4], a_ds[kBlockM / 16][4];
     const bool needs_mask = warp_uniform(n0 + kBlockN > seq.seqlen_k || m0 + kBlockM > seq.seqlen_q ||
                                          (has_right && n0 + kBlockN - 1 > m0 + diagonal + f.window_right) ||
@@ -239,8 +271,8 @@ __device__ void sm90_bwd_dkdv_atomic_dq_kernel(const AttentionSm90BwdParams& par
     const unsigned lse = base + Shape::kLseOffset + stage * kBlockM * 4;
     const unsigned delta = base + Shape::kDeltaOffset + stage * kBlockM * 4;
 #pragma unroll
-    for (int j = 0; j < kBlockM / 8; ++j) {
-      const int query = j * 8 + (lane % 4) * 2;  // step-relative, and query + 1
+    for (int j = 0; j < kScoreQueries / 8; ++j) {
+      const int query = consumer_queries + j * 8 + (lane % 4) * 2;  // step-relative, and query + 1
       const float2 lse2 = load_shared_pair(lse + 4 * query), delta2 = load_shared_pair(delta + 4 * query);
       const float lse_log2[2] = {lse2.x, lse2.y}, deltas[2] = {delta2.x, delta2.y};
 #pragma unroll
@@ -259,34 +291,44 @@ __device__ void sm90_bwd_dkdv_atomic_dq_kernel(const AttentionSm90BwdParams& par
           s[i] = visible ? prob : 0.f;
           dp[i] = visible ? ds : 0.f;
         }
-        a_p[j / 2][2 * (j % 2) + h] = pack2<Element>(s[4 * j + 2 * h], s[4 * j + 2 * h + 1]);
-        a_ds[j / 2][2 * (j % 2) + h] = pack2<Element>(dp[4 * j + 2 * h], dp[4 * j + 2 * h + 1]);
-        // dS^T row `key`, queries j * 8 + 2 (lane % 4) + {0, 1}: 16-byte chunk j of the row, swizzled
-        // by the row's position in its 8-row atom (key % 8 = lane / 4).
-        const unsigned address = ds_tile + key * 128 + ((j ^ (lane / 4)) << 4) + (lane % 4) * 4;
-        asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(address), "r"(a_ds[j / 2][2 * (j % 2) + h]));
+        const unsigned p_pair = pack2<Element>(s[4 * j + 2 * h], s[4 * j + 2 * h + 1]);
+        const unsigned ds_pair = pack2<Element>(dp[4 * j + 2 * h], dp[4 * j + 2 * h + 1]);
+        // Row `key` of the (keys x queries) tiles, queries query and query + 1: 16-byte chunk query / 8
+        // of the row, swizzled by the row's position in its 8-row atom (key % 8 = lane / 4).
+        const unsigned offset = key * 128 + (((query / 8) ^ (lane / 4)) << 4) + (lane % 4) * 4;
+        asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(ds_tile + offset), "r"(ds_pair));
+        if constexpr (kSplitHeadDim) {
+          asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(p_tile + offset), "r"(p_pair));
+        } else {
+          a_p[j / 2][2 * (j % 2) + h] = p_pair;
+          a_ds[j / 2][2 * (j % 2) + h] = ds_pair;
+        }
       }
     }
-    fence_proxy_async_shared();  // dS^T is read by wgmma (the async proxy) below
+    fence_proxy_async_shared();  // dS^T (and P^T) are read by wgmma (the async proxy) below
+    // Split by head dim, the other consumer's P^T and dS^T columns must be in before dK and dV.
+    if constexpr (kSplitHeadDim) named_barrier_sync(1, 128 * Shape::kConsumers);
 
     fence_operands(dv);
     fence_operands(dk);
-    fence_operands(a_p);
-    fence_operands(a_ds);
+    if constexpr (!kSplitHeadDim) {
+      fence_operands(a_p);
+      fence_operands(a_ds);
+    }
     wgmma_fence();
-    issue_key_gradient(dv, a_p, sDo(stage));
-    issue_key_gradient(dk, a_ds, sQ(stage));
+    issue_key_gradient(dv, a_p, p_tile, sDo(stage));
+    issue_key_gradient(dk, a_ds, ds_tile, sQ(stage));
     wgmma_commit();
 
     // dQ, once the dS^T rows it reads are in: every consumer's (a panel of columns over all keys),
     // or this consumer's own (all columns over its keys).
     if constexpr (Shape::kDqByKeys) named_barrier_sync(2 + consumer, 128);
-    else named_barrier_sync(1, 128 * Shape::kConsumers);
+    else if constexpr (!kSplitHeadDim) named_barrier_sync(1, 128 * Shape::kConsumers);
     float dq[Shape::kDqCols / 2];
     fence_operands(dq);
     {
       const unsigned a_rows = Shape::kDqByKeys ? consumer * 64 * 128 : 0;
-      const unsigned b_start = Shape::kDqByKeys ? consumer * 64 * 128 : consumer * Shape::kKvPanelBytes;
+      const unsigned b_start = Shape::kDqByKeys ? consumer * 64 * 128 : consumer * (Shape::kDqCols / 64) * Shape::kKvPanelBytes;
       const unsigned long long a_tile = smem_descriptor_sw128(ds_tile + a_rows, Shape::kDsBytes, 1024);
       unsigned long long b_tile = smem_descriptor_sw128(sK + b_start, Shape::kKvPanelBytes, 1024);
       launder(b_tile);
@@ -301,8 +343,10 @@ __device__ void sm90_bwd_dkdv_atomic_dq_kernel(const AttentionSm90BwdParams& par
     fence_operands(dq);
     fence_operands(dv);
     fence_operands(dk);
-    fence_operands(a_p);
-    fence_operands(a_ds);
+    if constexpr (!kSplitHeadDim) {
+      fence_operands(a_p);
+      fence_operands(a_ds);
+    }
     if (lane == 0) mbarrier_arrive(bar_empty(stage));  // Q, dO, LSE and delta of this stage are free
 
     float* accum = p.dq_accum + static_cast<long long>(head) * p.workspace_rows * f.head_dim;
@@ -329,8 +373,8 @@ __device__ void sm90_bwd_dkdv_atomic_dq_kernel(const AttentionSm90BwdParams& par
     const int key = key_row0 + lane / 4 + h * 8;
     if (n0 + key >= seq.seqlen_k) continue;
 #pragma unroll
-    for (int j = 0; j < kHeadDim / 8; ++j) {
-      const int col = j * 8 + (lane % 4) * 2;
+    for (int j = 0; j < kGradCols / 8; ++j) {
+      const int col = consumer_cols + j * 8 + (lane % 4) * 2;
       if (col >= f.head_dim) continue;
       *reinterpret_cast<unsigned*>(gDk + key * p.dk_row_stride + col) = pack2<Element>(dk[4 * j + 2 * h], dk[4 * j + 2 * h + 1]);
       *reinterpret_cast<unsigned*>(gDv + key * p.dv_row_stride + col) = pack2<Element>(dv[4 * j + 2 * h], dv[4 * j + 2 * h + 1]);

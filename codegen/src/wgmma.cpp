@@ -32,9 +32,10 @@ std::string wgmma_member_function(std::string_view name, int n, DType dtype, Wgm
   inputs += "\"l\"(desc_b), \"r\"(accumulate ? 1 : 0)";
   // Immediates: scale-a, scale-b = 1; SS adds transpose-a and transpose-b (0: K-major, 1: MN-major);
   // RS adds transpose-b = 1 (MN-major B).
-  const std::string_view immediates = a_in_registers                        ? "1, 1, 1"
-                                      : operands == WgmmaOperands::ss_mn_major ? "1, 1, 1, 1"
-                                                                               : "1, 1, 0, 0";
+  const std::string_view immediates = a_in_registers                          ? "1, 1, 1"
+                                      : operands == WgmmaOperands::ss_mn_major   ? "1, 1, 1, 1"
+                                      : operands == WgmmaOperands::ss_b_mn_major ? "1, 1, 0, 1"
+                                                                                 : "1, 1, 0, 0";
   const std::string a_parameter =
       a_in_registers ? "const unsigned (&a)[4]" : "unsigned long long desc_a";
 

@@ -14,10 +14,11 @@ enum class WgmmaOperands {
   ss_k_major,            // A and B from shared-memory descriptors, both K-major
   rs_b_mn_major,         // A from registers (four 16-bit pairs per thread), B MN-major in shared memory
   ss_mn_major,           // A and B from shared-memory descriptors, both MN-major (transposed)
+  ss_b_mn_major,         // A and B from shared-memory descriptors, A K-major, B MN-major
 };
 
 // A static __device__ member function `name` computing D (64 x n, fp32) (+)= A B over k16:
-//   ss_k_major, ss_mn_major:
+//   ss_k_major, ss_mn_major, ss_b_mn_major:
 //                  name(float (&d)[n / 2], unsigned long long desc_a, unsigned long long desc_b, bool accumulate)
 //   rs_b_mn_major: name(float (&d)[n / 2], const unsigned (&a)[4], unsigned long long desc_b, bool accumulate)
 std::string wgmma_member_function(std::string_view name, int n, DType dtype, WgmmaOperands operands);

@@ -2,7 +2,7 @@
 // awkward-shape set (seqlen pairs, batch 1 and 3, GQA 1/4/8, every head dim, causal, window,
 // softcap, varlen with empty and long sequences, strided layouts), forced tile shapes, and
 // deterministic reruns. Every case runs fa2_bwd, and on sm_90 devices, where it has a kernel of the
-// head dim (33-64 and 97-128), sm90_bwd too.
+// head dim (33-64, 97-128 and 225-256), sm90_bwd too.
 #include <catch2/catch.hpp>
 
 #include "support/backward_case.hpp"
@@ -21,11 +21,11 @@ struct Run {
 };
 
 // The backends a case runs on: fa2_bwd always; sm90_bwd on sm_90 in atomic mode where it has a
-// kernel of the head dim (33-64, 97-128), as automatic dispatch would pick it.
+// kernel of the head dim (33-64, 97-128, 225-256), as automatic dispatch would pick it.
 std::vector<Backend> backward_backends(const Run& r) {
   const int d = r.shape.head_dim;
   const bool hopper = device_properties(0).arch().name() == "sm_90a";
-  const bool sm90_head_dim = (d > 32 && d <= 64) || (d > 96 && d <= 128);
+  const bool sm90_head_dim = (d > 32 && d <= 64) || (d > 96 && d <= 128) || (d > 224 && d <= 256);
   if (hopper && !r.deterministic && !r.kernel && sm90_head_dim) return {Backend::fa2, Backend::sm90};
   return {Backend::fa2};
 }
@@ -107,6 +107,33 @@ TEST_CASE("backward: sliding windows and softcap", "[backward]") {
     }
 }
 
+TEST_CASE("backward: head dim 256 with GQA, windows, softcap and varlen", "[backward]") {
+  // sm90_bwd splits the head dim between its consumers here, a path of its own (see sm90_bwd.cuh).
+  uint64_t seed = 14500;
+  struct Case {
+    int left, right;
+    bool causal;
+    float softcap;
+  };
+  for (Case w : {Case{-1, -1, false, 0.f}, Case{-1, -1, true, 30.f}, Case{100, 50, false, 0.f}, Case{64, 0, true, 2.f}}) {
+    Run r;
+    r.shape = AttentionShape::make(2, 157, 301, 8, 2, 256);
+    r.shape.window_left = w.left;
+    r.shape.window_right = w.right;
+    r.shape.causal = w.causal;
+    r.shape.softcap = w.softcap;
+    check(r, seed++);
+  }
+  for (bool causal : {false, true}) {
+    Run r;
+    r.shape = AttentionShape::make(4, 0, 0, 2, 1, 256);
+    r.shape.seqlens_q = {0, 1, 200, 77};
+    r.shape.seqlens_k = {5, 1, 333, 0};
+    r.shape.causal = causal;
+    check(r, seed++);
+  }
+}
+
 TEST_CASE("backward: varlen with empty, single and long sequences", "[backward]") {
   uint64_t seed = 15000;
   for (bool causal : {false, true})
@@ -185,11 +212,14 @@ TEST_CASE("fa2_bwd: deterministic mode is bitwise reproducible and correct", "[b
 TEST_CASE("backward: one head and an odd row count (workspace alignment)", "[backward]") {
   // heads_q x rows = 37 puts the dQ accumulator right after 148 bytes of row statistics unless the
   // launcher aligns it; its float4 accesses would then fault.
+  // Also the smallest case of each sm90_bwd head dim, which the sanitize step of bench/device_run.sh
+  // runs under racecheck and synccheck.
   uint64_t seed = 19000;
-  for (bool causal : {false, true}) {
-    Run r;
-    r.shape = AttentionShape::make(1, 37, 53, 1, 1, 64);
-    r.shape.causal = causal;
-    check(r, seed++);
-  }
+  for (int head_dim : {64, 128, 256})
+    for (bool causal : {false, true}) {
+      Run r;
+      r.shape = AttentionShape::make(1, 37, 53, 1, 1, head_dim);
+      r.shape.causal = causal;
+      check(r, seed++);
+    }
 }

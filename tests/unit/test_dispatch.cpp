@@ -202,7 +202,7 @@ TEST_CASE("backward workspace: the dQ accumulator starts aligned after the row s
   }
 }
 
-TEST_CASE("backward dispatch: sm90_bwd on sm_90 at head dims 33-64 and 97-128 in atomic mode, else fa2_bwd", "[dispatch]") {
+TEST_CASE("backward dispatch: sm90_bwd on sm_90 at fa2_bwd kernel head dims 64, 128 and 256 in atomic mode, else fa2_bwd", "[dispatch]") {
   auto backward = [](int head_dim, AttentionOptions options = {}, bool deterministic = false) {
     auto q = TensorView::contiguous(arena, ScalarType::bfloat16, {2, 64, 4, head_dim});
     auto lse = TensorView::contiguous(arena, ScalarType::float32, {2, 4, 64});
@@ -216,6 +216,12 @@ TEST_CASE("backward dispatch: sm90_bwd on sm_90 at head dims 33-64 and 97-128 in
   CHECK(detail::select_backward_kernel(backward(112), kH200).family == Family::sm90_bwd);  // rounded up, as fa2_bwd
   CHECK(detail::select_backward_kernel(backward(64), kH200).family == Family::sm90_bwd);
   CHECK(detail::select_backward_kernel(backward(40), kH200).family == Family::sm90_bwd);
+  const KernelSpec wide = detail::select_backward_kernel(backward(256), kH200);
+  CHECK(wide.family == Family::sm90_bwd);
+  CHECK(wide.head_dim == 256);
+  CHECK(wide.block_n == 64);  // the consumers share 64 keys and split the head dim
+  CHECK_FALSE(wide.validate().has_value());
+  CHECK(dynamic_smem_bytes(wide) <= kH200.max_smem_per_block_optin);
   // What flashjit-warm's presets compile ahead of time is what dispatch runs.
   AttentionOptions causal;
   causal.causal = true;
@@ -223,7 +229,7 @@ TEST_CASE("backward dispatch: sm90_bwd on sm_90 at head dims 33-64 and 97-128 in
     for (int head_dim : {64, 128, 256})
       CHECK(heuristic_backward_spec(d->arch(), DType::bf16, head_dim, MaskKind::causal) ==
             detail::select_backward_kernel(backward(head_dim, causal), *d));
-  for (int head_dim : {32, 96, 160, 256})
+  for (int head_dim : {32, 96, 160, 192, 224})
     CHECK(detail::select_backward_kernel(backward(head_dim), kH200).family == Family::fa2_bwd);
   CHECK(detail::select_backward_kernel(backward(128), kA100).family == Family::fa2_bwd);
   CHECK(detail::select_backward_kernel(backward(128, {}, /*deterministic=*/true), kH200).family == Family::fa2_bwd);

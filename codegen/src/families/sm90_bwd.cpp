@@ -1,6 +1,8 @@
-// Rules of the Hopper backward family (templates/sm90_bwd.cuh): 128 keys per CTA over a producer
-// warpgroup and two wgmma consumer warpgroups, query steps of block_m = 64 in a ring of num_stages.
-// The shared-memory arithmetic mirrors Sm90BwdShape in the template.
+// Rules of the Hopper backward family (templates/sm90_bwd.cuh): a producer warpgroup and two wgmma
+// consumer warpgroups, query steps of block_m = 64 in a ring of num_stages. At head dims 64 and 128
+// the consumers own 64 keys each (block_n 128); at 256 they share 64 keys (block_n 64) and split the
+// head dim, exchanging P^T through shared memory. The shared-memory arithmetic mirrors Sm90BwdShape
+// in the template.
 #include <fmt/format.h>
 
 #include "../family_rules.hpp"
@@ -10,24 +12,30 @@
 namespace flashjit::codegen_detail {
 namespace {
 
-int consumers(const KernelSpec& s) { return s.block_n / 64; }
+constexpr int kConsumers = 2;
 int panels(const KernelSpec& s) { return s.head_dim / 64; }
+bool split_head_dim(const KernelSpec& s) { return panels(s) == 4; }
+int keys_per_cta(const KernelSpec& s) { return split_head_dim(s) ? 64 : 64 * kConsumers; }
 
 int smem_bytes(const KernelSpec& s) {
   const int kv_tile = panels(s) * s.block_n * 128, step_tile = panels(s) * s.block_m * 128;
   const int ds = s.block_n * s.block_m * 2, rows = s.num_stages * s.block_m * 4;
-  return 1024 + 2 * kv_tile + 2 * s.num_stages * step_tile + 2 * ds + 2 * rows + 8 * (1 + 2 * s.num_stages);
+  const int exchanged_tiles = split_head_dim(s) ? 4 : 2;  // dS^T double-buffered, and P^T at head dim 256
+  return 1024 + 2 * kv_tile + 2 * s.num_stages * step_tile + exchanged_tiles * ds + 2 * rows +
+         8 * (1 + 2 * s.num_stages);
 }
 
 std::optional<std::string> validate_tiles(const KernelSpec& s) {
   if (s.block_m != 64)
     return fmt::format("sm90_bwd walks the queries in steps of 64 (one swizzled row of dS^T): block_m must be 64, "
                        "got {}", s.block_m);
-  if (s.block_n != 128)
-    return fmt::format("sm90_bwd runs two consumer warpgroups of 64 keys: block_n must be 128, got {}", s.block_n);
-  if (s.num_warps != 4 * (1 + consumers(s)))
-    return fmt::format("sm90_bwd runs a producer warpgroup and {} consumers for block_n {}: num_warps must be {}, "
-                       "got {}", consumers(s), s.block_n, 4 * (1 + consumers(s)), s.num_warps);
+  if (s.block_n != keys_per_cta(s))
+    return fmt::format("sm90_bwd at head dim {} runs {}: block_n must be {}, got {}", s.head_dim,
+                       split_head_dim(s) ? "two consumer warpgroups sharing 64 keys" : "two consumer warpgroups of 64 keys",
+                       keys_per_cta(s), s.block_n);
+  if (s.num_warps != 4 * (1 + kConsumers))
+    return fmt::format("sm90_bwd runs a producer warpgroup and {} consumers: num_warps must be {}, got {}", kConsumers,
+                       4 * (1 + kConsumers), s.num_warps);
   if (s.num_stages < 2 || s.num_stages > 3)
     return fmt::format("num_stages must be 2 or 3 for sm90_bwd (one query step computes while the next loads), "
                        "got {}", s.num_stages);
@@ -39,20 +47,26 @@ std::optional<std::string> validate_tiles(const KernelSpec& s) {
 
 void set_default_tiles(KernelSpec& s) {
   s.block_m = 64;
-  s.block_n = 128;
-  s.num_warps = 4 * (1 + consumers(s));
+  s.block_n = keys_per_cta(s);
+  s.num_warps = 4 * (1 + kConsumers);
   s.num_stages = 2;
 }
 
 int threads(const KernelSpec& s) { return 32 * s.num_warps; }
 
-// S^T and dP^T (64 keys x block_m queries, both operands K-major in shared memory); dK and dV
-// (64 keys x head_dim, P^T and dS^T from registers); dQ (block_m queries x 64 columns, dS^T and K
-// both MN-major in shared memory).
+// Per consumer: S^T and dP^T (64 keys x the consumer's queries, both operands K-major in shared
+// memory); dK and dV (64 keys x the consumer's columns, P^T and dS^T from registers, or at head dim
+// 256 from the exchanged tiles); dQ (block_m queries x whole 64-column panels, dS^T and K both
+// MN-major in shared memory).
 std::string config_members(const KernelSpec& s) {
-  return wgmma_member_function("wgmma_scores", s.block_m, s.dtype, WgmmaOperands::ss_k_major) +
-         wgmma_member_function("wgmma_key_gradient", s.head_dim, s.dtype, WgmmaOperands::rs_b_mn_major) +
-         wgmma_member_function("wgmma_dq", 64, s.dtype, WgmmaOperands::ss_mn_major);
+  const bool split = split_head_dim(s);
+  const int score_queries = split ? s.block_m / kConsumers : s.block_m;
+  const int grad_cols = split ? s.head_dim / kConsumers : s.head_dim;
+  const int dq_cols = panels(s) < kConsumers ? s.head_dim : s.head_dim / kConsumers;
+  return wgmma_member_function("wgmma_scores", score_queries, s.dtype, WgmmaOperands::ss_k_major) +
+         wgmma_member_function("wgmma_key_gradient", grad_cols, s.dtype,
+                               split ? WgmmaOperands::ss_b_mn_major : WgmmaOperands::rs_b_mn_major) +
+         wgmma_member_function("wgmma_dq", dq_cols, s.dtype, WgmmaOperands::ss_mn_major);
 }
 
 }  // namespace
@@ -69,7 +83,7 @@ const FamilyRules kSm90BwdRules{
       true}},
     /*min_sm=*/90,
     /*needs_arch_specific=*/true,
-    /*head_dims=*/{64, 128},
+    /*head_dims=*/{64, 128, 256},
     /*min_blocks_per_sm=*/1,
     validate_tiles,
     set_default_tiles,
