@@ -11,8 +11,9 @@
 //                      dQ = dS K                                   (wgmma, dS^T and K from smem)
 //                    and add their dQ shares to the accumulator with vector atomics. How the
 //                    consumers share the work depends on the head dim:
-//                      64   each owns 64 keys (kBlockN 128) and computes all of dQ's columns over them
-//                           (twice the atomics, no exchange);
+//                      64   each owns 64 keys (kBlockN 128); dQ is one 64-column panel, so they take
+//                           turns: on even steps consumer 0 computes it over all 128 keys, on odd
+//                           steps consumer 1 (the other only signals that its dS^T rows are in);
 //                      128  each owns 64 keys and computes one 64-column panel of dQ over all 128 keys
 //                           (the warpgroups' dS^T meet in smem);
 //                      256  dK and dV of 64 keys would need 256 registers a thread, so both share 64 keys
@@ -55,10 +56,10 @@ struct Sm90BwdShape {
   static constexpr int kKvPanelBytes = kBlockN * 128, kKvTileBytes = kPanels * kKvPanelBytes;
   static constexpr int kStepPanelBytes = kBlockM * 128, kStepTileBytes = kPanels * kStepPanelBytes;
   static constexpr int kDsBytes = kBlockN * kBlockM * 2;
-  // The dQ GEMM of one consumer: kDqCols columns over kDqKeys keys (see the top).
-  static constexpr bool kDqByKeys = kPanels < kConsumers;
-  static constexpr int kDqCols = kDqByKeys ? kHeadDim : kHeadDim / kConsumers;
-  static constexpr int kDqKeys = kDqByKeys ? 64 : kBlockN;
+  // The dQ GEMM of one consumer, over all kBlockN keys: a kDqCols-column share of the head dim, or
+  // at head dim 64 (one panel) all of it, the consumers taking turns by step (see the top).
+  static constexpr bool kDqAlternates = kPanels < kConsumers;
+  static constexpr int kDqCols = kDqAlternates ? kHeadDim : kHeadDim / kConsumers;
 
   static constexpr int kKOffset = 0;
   static constexpr int kVOffset = kKOffset + kKvTileBytes;
@@ -242,18 +243,17 @@ __device__ void sm90_bwd_dkdv_atomic_dq_kernel(const AttentionSm90BwdParams& par
     }
   };
 
+
   mbarrier_wait(bar_kv_full, 0);
   for (int step = 0; step < num_steps; ++step) {
     const int stage = step % kStages, head = step_head(step), m0 = step_m0(step);
     const unsigned ds_tile = sDs(step % 2), p_tile = sP(step % 2);
     mbarrier_wait(bar_full(stage), (step / kStages) & 1);
-
     float s[kScoreQueries / 2], dp[kScoreQueries / 2];
     fence_operands(s);
     fence_operands(dp);
     wgmma_fence();
     issue_scores(s, sK, sQ(stage));
-    wgmma_commit();
     issue_scores(dp, sV, sDo(stage));
     wgmma_commit();
     wgmma_wait<0>();
@@ -320,21 +320,26 @@ __device__ void sm90_bwd_dkdv_atomic_dq_kernel(const AttentionSm90BwdParams& par
     issue_key_gradient(dk, a_ds, ds_tile, sQ(stage));
     wgmma_commit();
 
-    // dQ, once the dS^T rows it reads are in: every consumer's (a panel of columns over all keys),
-    // or this consumer's own (all columns over its keys).
-    if constexpr (Shape::kDqByKeys) named_barrier_sync(2 + consumer, 128);
-    else if constexpr (!kSplitHeadDim) named_barrier_sync(1, 128 * Shape::kConsumers);
+    // dQ, once the dS^T rows it reads are in (every consumer's). At head dim 64 one consumer computes
+    // it per step; the other only arrives. Barrier ids alternate with the step there, so an arrival
+    // can never complete the previous step's barrier.
+    const bool computes_dq = !Shape::kDqAlternates || step % 2 == consumer;
+    if constexpr (Shape::kDqAlternates) {
+      if (computes_dq) named_barrier_sync(1 + step % 2, 128 * Shape::kConsumers);
+      else named_barrier_arrive(1 + step % 2, 128 * Shape::kConsumers);
+    } else if constexpr (!kSplitHeadDim) {
+      named_barrier_sync(1, 128 * Shape::kConsumers);
+    }
     float dq[Shape::kDqCols / 2];
     fence_operands(dq);
-    {
-      const unsigned a_rows = Shape::kDqByKeys ? consumer * 64 * 128 : 0;
-      const unsigned b_start = Shape::kDqByKeys ? consumer * 64 * 128 : consumer * (Shape::kDqCols / 64) * Shape::kKvPanelBytes;
-      const unsigned long long a_tile = smem_descriptor_sw128(ds_tile + a_rows, Shape::kDsBytes, 1024);
+    if (computes_dq) {
+      const unsigned b_start = Shape::kDqAlternates ? 0 : consumer * (Shape::kDqCols / 64) * Shape::kKvPanelBytes;
+      const unsigned long long a_tile = smem_descriptor_sw128(ds_tile, Shape::kDsBytes, 1024);
       unsigned long long b_tile = smem_descriptor_sw128(sK + b_start, Shape::kKvPanelBytes, 1024);
       launder(b_tile);
       wgmma_fence();
 #pragma unroll
-      for (int ks = 0; ks < Shape::kDqKeys / 16; ++ks)
+      for (int ks = 0; ks < kBlockN / 16; ++ks)
         Config::wgmma_dq(dq, smem_descriptor_advance(a_tile, ks * 16 * 128), smem_descriptor_advance(b_tile, ks * 16 * 128),
                          ks > 0);
       wgmma_commit();
@@ -348,6 +353,7 @@ __device__ void sm90_bwd_dkdv_atomic_dq_kernel(const AttentionSm90BwdParams& par
       fence_operands(a_ds);
     }
     if (lane == 0) mbarrier_arrive(bar_empty(stage));  // Q, dO, LSE and delta of this stage are free
+    if (!computes_dq) continue;
 
     float* accum = p.dq_accum + static_cast<long long>(head) * p.workspace_rows * f.head_dim;
 #pragma unroll
@@ -357,7 +363,7 @@ __device__ void sm90_bwd_dkdv_atomic_dq_kernel(const AttentionSm90BwdParams& par
       float* accum_row = accum + static_cast<long long>(workspace_row(f, seq, batch, row)) * f.head_dim;
 #pragma unroll
       for (int j = 0; j < Shape::kDqCols / 8; ++j) {
-        const int col = (Shape::kDqByKeys ? 0 : consumer * Shape::kDqCols) + j * 8 + (lane % 4) * 2;
+        const int col = (Shape::kDqAlternates ? 0 : consumer * Shape::kDqCols) + j * 8 + (lane % 4) * 2;
         if (col < f.head_dim) atomic_add_pair<90>(accum_row + col, dq[4 * j + 2 * h], dq[4 * j + 2 * h + 1]);
       }
     }
