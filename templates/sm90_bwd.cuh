@@ -352,7 +352,10 @@ __device__ void sm90_bwd_dkdv_atomic_dq_kernel(const AttentionSm90BwdParams& par
       fence_operands(a_p);
       fence_operands(a_ds);
     }
-    if (lane == 0) mbarrier_arrive(bar_empty(stage));  // Q, dO, LSE and delta of this stage are free
+    // Q, dO, LSE and delta of this stage are free. Lane 0 arrives for the warp: every lane's reads of
+    // LSE and delta are ordered before it by the __syncwarp.
+    __syncwarp();
+    if (lane == 0) mbarrier_arrive(bar_empty(stage));
     if (!computes_dq) continue;
 
     float* accum = p.dq_accum + static_cast<long long>(head) * p.workspace_rows * f.head_dim;
