@@ -151,8 +151,10 @@ __device__ void sm90_bwd_dkdv_atomic_dq_kernel(const AttentionSm90BwdParams& par
   if (tid == 0) {
     mbarrier_init(bar_kv_full, 1);
     for (int s = 0; s < kStages; ++s) {
-      mbarrier_init(bar_full(s), 1);
-      mbarrier_init(bar_empty(s), 4 * Shape::kConsumers);  // lane 0 of each consumer warp
+      // Every thread that writes or reads LSE and delta arrives itself: the producer warp's lanes on
+      // full (lane 0 with the TMA bytes), every consumer thread on empty.
+      mbarrier_init(bar_full(s), 32);
+      mbarrier_init(bar_empty(s), 128 * Shape::kConsumers);
     }
     fence_barrier_init();
   }
@@ -181,7 +183,7 @@ __device__ void sm90_bwd_dkdv_atomic_dq_kernel(const AttentionSm90BwdParams& par
         sLse[stage * kBlockM + i] = valid ? gLse[i] * kLog2e : 0.f;
         sDelta[stage * kBlockM + i] = valid ? gDelta[i] : 0.f;
       }
-      __syncwarp();  // the lanes' stores before lane 0's arrival, which releases them to the consumers
+      if (lane != 0) mbarrier_arrive(bar_full(stage));  // this lane's stores are in
       if (lane == 0) {
         mbarrier_arrive_expect_tx(bar_full(stage), 2 * Shape::kStepTileBytes);
         for (int panel = 0; panel < Shape::kPanels; ++panel) {
@@ -352,10 +354,7 @@ __device__ void sm90_bwd_dkdv_atomic_dq_kernel(const AttentionSm90BwdParams& par
       fence_operands(a_p);
       fence_operands(a_ds);
     }
-    // Q, dO, LSE and delta of this stage are free. Lane 0 arrives for the warp: every lane's reads of
-    // LSE and delta are ordered before it by the __syncwarp.
-    __syncwarp();
-    if (lane == 0) mbarrier_arrive(bar_empty(stage));
+    mbarrier_arrive(bar_empty(stage));  // Q, dO, LSE and delta of this stage are free
     if (!computes_dq) continue;
 
     float* accum = p.dq_accum + static_cast<long long>(head) * p.workspace_rows * f.head_dim;
