@@ -52,7 +52,8 @@ TEST_CASE("compile sweep: every family and arch compiles without spills", "[comp
         CHECK(e.spill_store_bytes == 0);
         CHECK(e.spill_load_bytes == 0);
         CHECK(kernel->log.find("C7508") == std::string::npos);  // setmaxnreg ignored by ptxas
-        CHECK(kernel->log.find("C7520") == std::string::npos);  // wgmma serialized (no overlap)
+        // wgmma serialized (C7515, C7518, C7520: no overlap) or a wait injected by ptxas (C7517)
+        for (const char* code : {"C7515", "C7517", "C7518", "C7520"}) CHECK(kernel->log.find(code) == std::string::npos);
         // The register budget __launch_bounds__ implies: 64K registers over threads x min blocks.
         const int budget = std::min(255, 65536 / threads_per_block(specs[i]));
         CHECK(e.registers <= budget);
