@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """Time flashjit's peers on the standard grid of DESIGN.md, with the same method as flashjit-bench
 (batched calls between CUDA events, median of samples): PyTorch SDPA with the FLASH
-(FlashAttention-2) and CUDNN backends, and FlexAttention. Prints one JSON document.
+(FlashAttention-2) and CUDNN backends, and FlexAttention. The backends of a row are timed in turn,
+one sample each per round. Prints one JSON document.
 
 --mode fwdbwd times forward + backward (autograd over q, k, v with a random dout), where the
 "flashjit" backend (the Python package, on the same head-major tensors) runs beside the peers.
@@ -18,13 +19,12 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 
-def median_ms(fn, warmup=3, iters=20):
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
+def interleaved_median_ms(fns, iters=20):
+    """Median ms per call of each function in `fns` (name -> callable), timed in turn: every round
+    takes one sample of each, so clock or thermal drift during a row falls on every backend alike."""
     start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
 
-    def timed(calls):
+    def timed(fn, calls):
         start.record()
         for _ in range(calls):
             fn()
@@ -34,9 +34,12 @@ def median_ms(fn, warmup=3, iters=20):
 
     # Back-to-back calls filling ~10 ms per sample, so that one call's host work overlaps the
     # previous call's kernel, as it does in a model: the samples time the GPU, not the launch path.
-    calls = max(1, min(200, int(10.0 / max(timed(1), 1e-3))))
-    samples = sorted(timed(calls) / calls for _ in range(iters))
-    return samples[len(samples) // 2]
+    calls = {name: max(1, min(200, int(10.0 / max(timed(fn, 1), 1e-3)))) for name, fn in fns.items()}
+    samples = {name: [] for name in fns}
+    for _ in range(iters):
+        for name, fn in fns.items():
+            samples[name].append(timed(fn, calls[name]) / calls[name])
+    return {name: sorted(v)[len(v) // 2] for name, v in samples.items()}
 
 
 def main():
@@ -75,36 +78,43 @@ def main():
                 dout = torch.randn(b, h, s, d, device="cuda", dtype=torch.bfloat16)
                 flops = 4.0 * b * h * s * s * d / (2 if causal else 1) * (3.5 if backward else 1.0)
 
-                def timed_ms(attention):
-                    if backward:
-                        return median_ms(lambda: torch.autograd.grad(attention(), (q, k, v), dout), iters=args.iters)
-                    with torch.no_grad():
-                        return median_ms(attention, iters=args.iters)
+                def make_attention(name):
+                    if name in ("flash", "cudnn"):
+                        backend = SDPBackend.FLASH_ATTENTION if name == "flash" else SDPBackend.CUDNN_ATTENTION
+                        def attention():
+                            with sdpa_kernel(backend):
+                                return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+                        return attention
+                    if name == "flashjit":  # (b, s, h, d) views of the same head-major tensors
+                        return lambda: flashjit.flash_attn_func(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                                                causal=causal).transpose(1, 2)
+                    if name == "flex" and str(d) in args.flex_head_dims.split(","):
+                        mask = None
+                        if causal:
+                            mask = create_block_mask(lambda b_, h_, qi, ki: qi >= ki, None, None, s, s, device="cuda")
+                        return lambda: flex(q, k, v, block_mask=mask)
+                    return None
 
+                # Warm-up calls (FlexAttention compiles here); a backend that cannot run a shape is
+                # recorded, not fatal.
+                fns = {}
                 for name in backends:
-                    ms = None
                     try:
-                        if name in ("flash", "cudnn"):
-                            backend = SDPBackend.FLASH_ATTENTION if name == "flash" else SDPBackend.CUDNN_ATTENTION
-                            def fn():
-                                with sdpa_kernel(backend):
-                                    return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
-                            ms = timed_ms(fn)
-                        elif name == "flashjit":  # (b, s, h, d) views of the same head-major tensors
-                            ms = timed_ms(lambda: flashjit.flash_attn_func(
-                                q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=causal).transpose(1, 2))
-                        elif name == "flex" and str(d) in args.flex_head_dims.split(","):
-                            mask = None
-                            if causal:
-                                mask = create_block_mask(lambda b_, h_, qi, ki: qi >= ki, None, None, s, s, device="cuda")
-                            ms = timed_ms(lambda: flex(q, k, v, block_mask=mask))
-                    except Exception as e:  # a backend that cannot run a shape is recorded, not fatal
+                        attention = make_attention(name)
+                        if attention is None:
+                            continue
+                        fn = (lambda a=attention: torch.autograd.grad(a(), (q, k, v), dout)) if backward else attention
+                        for _ in range(3):
+                            fn()
+                        torch.cuda.synchronize()
+                        fns[name] = fn
+                    except Exception as e:
                         print(f"{name} d{d} s{s} causal={causal}: {type(e).__name__}: {e}", file=sys.stderr)
-                    if ms is not None:
-                        rows.append(dict(backend=name, head_dim=d, seqlen=s, batch=b, heads=h, causal=causal,
-                                         median_ms=ms, tflops=flops / (ms * 1e-3) / 1e12))
-                        print(f"{name:6} d{d:<4} s{s:<6} {'causal' if causal else 'full':7} {ms:9.3f} ms "
-                              f"{rows[-1]['tflops']:7.1f} TFLOP/s", file=sys.stderr, flush=True)
+                for name, ms in interleaved_median_ms(fns, iters=args.iters).items():
+                    rows.append(dict(backend=name, head_dim=d, seqlen=s, batch=b, heads=h, causal=causal,
+                                     median_ms=ms, tflops=flops / (ms * 1e-3) / 1e12))
+                    print(f"{name:6} d{d:<4} s{s:<6} {'causal' if causal else 'full':7} {ms:9.3f} ms "
+                          f"{rows[-1]['tflops']:7.1f} TFLOP/s", file=sys.stderr, flush=True)
     json.dump(dict(device=torch.cuda.get_device_name(), torch=torch.__version__, mode=args.mode,
                    cudnn=torch.backends.cudnn.version(), rows=rows), sys.stdout, indent=1)
 
