@@ -95,6 +95,12 @@ for r in json.load(open('$out/grid_tuned.json'))['rows']:
             $pass_args --iters 1 --warmup 1 > "$out/ncu_${FLASHJIT_PROFILE_PASS:-fwd}_d$d.txt" 2>&1 || status=1
         grep -E "Duration|Throughput|Pipe|Stall|Bank|Occupancy|Registers|Issued|Eligible|No Eligible" \
             "$out/ncu_${FLASHJIT_PROFILE_PASS:-fwd}_d$d.txt" | head -40
+        # FLASHJIT_PROFILE_SOURCE=1: warp-stall samples per SASS instruction (where the warps wait:
+        # which barrier, which wgmma), as CSV.
+        [[ -n ${FLASHJIT_PROFILE_SOURCE:-} ]] && ncu --clock-control none -k $kernel -c 1 --section WarpStateStats \
+            --section SourceCounters --page source --print-source sass --csv \
+            "$build/tools/flashjit-bench" --head-dims $d --seqlens ${FLASHJIT_PROFILE_SEQLEN:-4096} --causal off \
+            $pass_args --iters 1 --warmup 1 > "$out/ncu_source_${FLASHJIT_PROFILE_PASS:-fwd}_d$d.csv" 2>&1
       done ;;
     host)
       # Host time per call: flashjit's Python and C entry points beside SDPA's (bench/host_overhead.py).
