@@ -133,8 +133,12 @@ KernelSpec select_backward_kernel(const ForwardProblem& problem, const DevicePro
     check_forced_kernel(*problem.forced_kernel, problem, arch, /*backward=*/true);
     return *problem.forced_kernel;
   }
+  // Backward entries are keyed by fa2_bwd but may hold the sm90_bwd spec the tuner kept; this path
+  // runs fa2_bwd (deterministic mode, backend=fa2, layouts TMA cannot read), so only an fa2_bwd
+  // entry applies.
   if (problem.backend != Backend::reference)
-    if (auto spec = tuned_spec(tuning, problem, device, Family::fa2_bwd)) return *spec;
+    if (auto spec = tuned_spec(tuning, problem, device, Family::fa2_bwd); spec && spec->family == Family::fa2_bwd)
+      return *spec;
   if (problem.backend == Backend::reference)
     throw Error(ErrorCode::unsupported, "backward",
                 "there is no reference backward kernel (backend=reference); the tests use the float64 "
@@ -166,15 +170,20 @@ std::optional<std::string> sm90_backward_unusable_reason(const BackwardProblem& 
 KernelSpec select_backward_kernel(const BackwardProblem& problem, const DeviceProperties& device,
                                   const TuningSources* tuning) {
   const ForwardProblem& f = problem.forward;
-  if (f.forced_kernel || f.backend == Backend::reference || f.backend == Backend::fa2)
-    return select_backward_kernel(f, device, tuning);
   const Arch arch = checked_arch(device);
   const auto reason = sm90_backward_unusable_reason(problem, arch);
+  if (f.forced_kernel && f.forced_kernel->family == Family::sm90_bwd && reason)
+    throw Error(ErrorCode::invalid_argument, "backward",
+                fmt::format("options.kernel {} does not fit the problem: {}", f.forced_kernel->name(), *reason));
+  if (f.forced_kernel || f.backend == Backend::reference || f.backend == Backend::fa2)
+    return select_backward_kernel(f, device, tuning);
   if (f.backend == Backend::sm90) {
     if (reason) throw Error(ErrorCode::invalid_argument, "backward", fmt::format("backend sm90: {}", *reason));
     return heuristic_spec(f, arch, Family::sm90_bwd);
   }
-  if (auto spec = tuned_spec(tuning, f, device, Family::fa2_bwd)) return *spec;
+  // A tuned sm90_bwd spec applies only where sm90_bwd can run this problem.
+  if (auto spec = tuned_spec(tuning, f, device, Family::fa2_bwd); spec && (spec->family == Family::fa2_bwd || !reason))
+    return *spec;
   return reason ? select_backward_kernel(f, device, tuning) : heuristic_spec(f, arch, Family::sm90_bwd);
 }
 

@@ -28,9 +28,10 @@ KernelSpec select_forward_kernel(const ForwardProblem& problem, const DeviceProp
 KernelSpec select_backward_kernel(const ForwardProblem& problem, const DeviceProperties& device,
                                   const TuningSources* tuning = nullptr);
 
-// What the runtime's backward runs: a forced or tuned spec as above; else, on sm_90 devices in the
-// atomic-dQ mode, sm90_bwd where it has a kernel of the problem's fa2_bwd head dim (64 or 128) and
-// TMA can read q, k, v and dout; else the fa2_bwd spec above.
+// What the runtime's backward runs: a forced spec (an sm90_bwd one only where sm90_bwd can run the
+// problem); else a tuned one (likewise); else, on sm_90 devices in the atomic-dQ mode, sm90_bwd
+// where it has a kernel of the problem's fa2_bwd head dim (64, 128 or 256) and TMA can read q, k, v
+// and dout; else the fa2_bwd spec above.
 KernelSpec select_backward_kernel(const BackwardProblem& problem, const DeviceProperties& device,
                                   const TuningSources* tuning = nullptr);
 

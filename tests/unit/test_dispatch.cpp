@@ -7,6 +7,7 @@
 #include "flashjit/dispatch.hpp"
 #include "flashjit/codegen/render.hpp"
 #include "flashjit/error.hpp"
+#include "flashjit/tuning.hpp"
 #include "module_cache.hpp"
 #include "problem.hpp"
 
@@ -252,4 +253,53 @@ TEST_CASE("backward dispatch: sm90_bwd on sm_90 at fa2_bwd kernel head dims 64, 
   odd_dout.forward.backend = Backend::sm90;
   CHECK_THROWS_WITH(detail::select_backward_kernel(odd_dout, kH200),
                     Catch::Contains("dout: a stride of 12 elements is not a multiple of 16 bytes"));
+}
+
+TEST_CASE("backward dispatch: a tuned sm90_bwd entry applies only where sm90_bwd can run", "[dispatch]") {
+  // Backward entries are keyed by fa2_bwd; on an H200 the tuner keeps the heuristic's sm90_bwd spec
+  // unless an fa2_bwd tile beats it. Deterministic mode and layouts TMA cannot read must still get
+  // fa2_bwd.
+  auto backward = [](bool deterministic) {
+    auto q = TensorView::contiguous(arena, ScalarType::bfloat16, {2, 64, 4, 128});
+    auto lse = TensorView::contiguous(arena, ScalarType::float32, {2, 4, 64});
+    AttentionOptions options;
+    options.deterministic = deterministic;
+    return detail::make_backward_problem(q, q, q, q, q, &lse, q, q, q, nullptr, options);
+  };
+  const detail::BackwardProblem atomic = backward(false);
+  TunedEntry entry;
+  entry.device = DeviceStamp::of(kH200);
+  entry.problem = detail::problem_key(atomic.forward, Family::fa2_bwd);
+  entry.spec = detail::select_backward_kernel(atomic, kH200);
+  REQUIRE(entry.spec.family == Family::sm90_bwd);
+  entry.median_ms = 1;
+  entry.tuned_at = "2026-11-30T00:00:00Z";
+  TuningSources sources;
+  sources.add_in_memory(entry);
+
+  CHECK(detail::select_backward_kernel(atomic, kH200, &sources) == entry.spec);
+  CHECK(detail::select_backward_kernel(backward(true), kH200, &sources).family == Family::fa2_bwd);
+  detail::BackwardProblem odd_dout = backward(false);
+  odd_dout.params.do_row_stride = 12;
+  CHECK(detail::select_backward_kernel(odd_dout, kH200, &sources).family == Family::fa2_bwd);
+  CHECK(detail::select_backward_kernel(atomic.forward, kH200, &sources).family == Family::fa2_bwd);
+  // Forced, it is an error there, naming why.
+  detail::BackwardProblem forced = backward(true);
+  forced.forward.forced_kernel = entry.spec;
+  CHECK_THROWS_WITH(detail::select_backward_kernel(forced, kH200), Catch::Contains("deterministic mode"));
+  odd_dout.forward.forced_kernel = entry.spec;
+  CHECK_THROWS_WITH(detail::select_backward_kernel(odd_dout, kH200),
+                    Catch::Contains("dout: a stride of 12 elements is not a multiple of 16 bytes"));
+  forced = backward(false);
+  forced.forward.forced_kernel = entry.spec;
+  CHECK(detail::select_backward_kernel(forced, kH200) == entry.spec);
+
+  // An fa2_bwd entry applies on every path.
+  entry.spec = default_spec(Family::fa2_bwd, kH200.arch(), DType::bf16, 128, MaskKind::none);
+  entry.spec.block_n = 64;
+  REQUIRE_FALSE(entry.spec.validate().has_value());
+  TuningSources fa2_sources;
+  fa2_sources.add_in_memory(entry);
+  CHECK(detail::select_backward_kernel(atomic, kH200, &fa2_sources) == entry.spec);
+  CHECK(detail::select_backward_kernel(backward(true), kH200, &fa2_sources) == entry.spec);
 }
