@@ -266,40 +266,44 @@ TEST_CASE("backward dispatch: a tuned sm90_bwd entry applies only where sm90_bwd
     options.deterministic = deterministic;
     return detail::make_backward_problem(q, q, q, q, q, &lse, q, q, q, nullptr, options);
   };
+  // Dispatch caches a device's stamp by ordinal: another ordinal keeps this device's apart from the
+  // other tests' H200 of different properties.
+  DeviceProperties h200 = kH200;
+  h200.ordinal = 7;
   const detail::BackwardProblem atomic = backward(false);
   TunedEntry entry;
-  entry.device = DeviceStamp::of(kH200);
+  entry.device = DeviceStamp::of(h200);
   entry.problem = detail::problem_key(atomic.forward, Family::fa2_bwd);
-  entry.spec = detail::select_backward_kernel(atomic, kH200);
+  entry.spec = detail::select_backward_kernel(atomic, h200);
   REQUIRE(entry.spec.family == Family::sm90_bwd);
   entry.median_ms = 1;
   entry.tuned_at = "2026-11-30T00:00:00Z";
   TuningSources sources;
   sources.add_in_memory(entry);
 
-  CHECK(detail::select_backward_kernel(atomic, kH200, &sources) == entry.spec);
-  CHECK(detail::select_backward_kernel(backward(true), kH200, &sources).family == Family::fa2_bwd);
+  CHECK(detail::select_backward_kernel(atomic, h200, &sources) == entry.spec);
+  CHECK(detail::select_backward_kernel(backward(true), h200, &sources).family == Family::fa2_bwd);
   detail::BackwardProblem odd_dout = backward(false);
   odd_dout.params.do_row_stride = 12;
-  CHECK(detail::select_backward_kernel(odd_dout, kH200, &sources).family == Family::fa2_bwd);
-  CHECK(detail::select_backward_kernel(atomic.forward, kH200, &sources).family == Family::fa2_bwd);
+  CHECK(detail::select_backward_kernel(odd_dout, h200, &sources).family == Family::fa2_bwd);
+  CHECK(detail::select_backward_kernel(atomic.forward, h200, &sources).family == Family::fa2_bwd);
   // Forced, it is an error there, naming why.
   detail::BackwardProblem forced = backward(true);
   forced.forward.forced_kernel = entry.spec;
-  CHECK_THROWS_WITH(detail::select_backward_kernel(forced, kH200), Catch::Contains("deterministic mode"));
+  CHECK_THROWS_WITH(detail::select_backward_kernel(forced, h200), Catch::Contains("deterministic mode"));
   odd_dout.forward.forced_kernel = entry.spec;
-  CHECK_THROWS_WITH(detail::select_backward_kernel(odd_dout, kH200),
+  CHECK_THROWS_WITH(detail::select_backward_kernel(odd_dout, h200),
                     Catch::Contains("dout: a stride of 12 elements is not a multiple of 16 bytes"));
   forced = backward(false);
   forced.forward.forced_kernel = entry.spec;
-  CHECK(detail::select_backward_kernel(forced, kH200) == entry.spec);
+  CHECK(detail::select_backward_kernel(forced, h200) == entry.spec);
 
   // An fa2_bwd entry applies on every path.
-  entry.spec = default_spec(Family::fa2_bwd, kH200.arch(), DType::bf16, 128, MaskKind::none);
+  entry.spec = default_spec(Family::fa2_bwd, h200.arch(), DType::bf16, 128, MaskKind::none);
   entry.spec.block_n = 64;
   REQUIRE_FALSE(entry.spec.validate().has_value());
   TuningSources fa2_sources;
   fa2_sources.add_in_memory(entry);
-  CHECK(detail::select_backward_kernel(atomic, kH200, &fa2_sources) == entry.spec);
-  CHECK(detail::select_backward_kernel(backward(true), kH200, &fa2_sources) == entry.spec);
+  CHECK(detail::select_backward_kernel(atomic, h200, &fa2_sources) == entry.spec);
+  CHECK(detail::select_backward_kernel(backward(true), h200, &fa2_sources) == entry.spec);
 }
