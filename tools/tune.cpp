@@ -169,7 +169,9 @@ int dry_run(const Options& o, const std::vector<TuneShape>& shapes) {
   for (const auto& s : shapes) {
     const detail::ForwardProblem p = problem_of(s);
     const Family family = s.backward ? Family::fa2_bwd : detail::forward_family(p, arch);
-    const auto candidates = candidate_specs(family, arch, s.dtype, detail::kernel_head_dim(family, s.head_dim), p.mask, false);
+    const int head_dim = detail::kernel_head_dim(family, s.head_dim);
+    const auto candidates = s.backward ? backward_candidate_specs(arch, s.dtype, head_dim, p.mask, false)
+                                       : candidate_specs(family, arch, s.dtype, head_dim, p.mask, false);
     const ProblemKey key = detail::problem_key(p, family);
     if (o.json_output) {
       json names = json::array();

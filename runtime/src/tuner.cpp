@@ -175,8 +175,10 @@ TuneResult tune(Runtime& runtime, const TuneShape& shape, const TuneOptions& o) 
   };
 
   // Candidates, compiled on a pool; the GPU times each as soon as it is ready.
+  const int candidate_head_dim = kernel_head_dim(family, shape.head_dim);
   std::vector<KernelSpec> candidates =
-      candidate_specs(family, device.arch(), dtype, kernel_head_dim(family, shape.head_dim), problem.mask, false);
+      shape.backward ? backward_candidate_specs(device.arch(), dtype, candidate_head_dim, problem.mask, false)
+                     : candidate_specs(family, device.arch(), dtype, candidate_head_dim, problem.mask, false);
   candidates.erase(std::remove_if(candidates.begin(), candidates.end(),
                                   [&](const KernelSpec& s) { return dynamic_smem_bytes(s) > device.max_smem_per_block_optin; }),
                    candidates.end());

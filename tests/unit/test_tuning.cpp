@@ -97,6 +97,27 @@ TEST_CASE("candidates: legal, pruned to the arch's shared memory, default includ
   CHECK(candidate_specs(Family::reference_fwd, Arch::parse("sm_80"), DType::bf16, 64, MaskKind::none, false).size() == 1);
 }
 
+TEST_CASE("backward candidates: fa2_bwd tiles, and sm90_bwd's stage counts where it has the head dim", "[tuning]") {
+  const Arch hopper = Arch::parse("sm_90a");
+  for (int head_dim : {64, 96, 128, 256}) {
+    INFO("d" << head_dim);
+    const auto candidates = backward_candidate_specs(hopper, DType::bf16, head_dim, MaskKind::causal, false);
+    const auto fa2 = candidate_specs(Family::fa2_bwd, hopper, DType::bf16, head_dim, MaskKind::causal, false);
+    const auto sm90 = std::count_if(candidates.begin(), candidates.end(), [](const KernelSpec& c) { return c.family == Family::sm90_bwd; });
+    CHECK(candidates.size() == fa2.size() + sm90);
+    // Both stage counts fit at 64 and 128; at 256 the tiles leave room for two only; 96 has no kernel.
+    CHECK(sm90 == (head_dim == 96 ? 0 : head_dim == 256 ? 1 : 2));
+    const KernelSpec dispatch_default = heuristic_backward_spec(hopper, DType::bf16, head_dim, MaskKind::causal);
+    CHECK(std::find(candidates.begin(), candidates.end(), dispatch_default) != candidates.end());
+    for (const auto& c : candidates) {
+      CHECK_FALSE(c.validate().has_value());
+      CHECK(dynamic_smem_bytes(c) <= max_smem_per_block(hopper));
+    }
+  }
+  const auto ampere = backward_candidate_specs(Arch::parse("sm_80"), DType::bf16, 128, MaskKind::none, false);
+  CHECK(std::none_of(ampere.begin(), ampere.end(), [](const KernelSpec& c) { return c.family == Family::sm90_bwd; }));
+}
+
 TEST_CASE("problem keys bucket seqlens and batch x heads to powers of two", "[tuning]") {
   const std::pair<int64_t, int> buckets[] = {{0, 64}, {1, 64}, {64, 64}, {65, 128}, {4096, 4096}, {4097, 8192}, {100000, 131072}};
   for (auto [n, bucket] : buckets) CHECK(ProblemKey::bucket(n) == bucket);

@@ -28,6 +28,13 @@ namespace flashjit {
 std::vector<KernelSpec> candidate_specs(Family family, const Arch& arch, DType dtype, int head_dim,
                                         MaskKind mask, bool has_softcap);
 
+// What the tuner times for a backward problem of fa2_bwd kernel head dim `head_dim`: fa2_bwd's
+// tiles and, where sm90_bwd has a kernel of that head dim on `arch`, its stage counts. (Tuned
+// backward entries are keyed by fa2_bwd whichever family wins; dispatch applies an sm90_bwd one
+// only where sm90_bwd can run the problem.)
+std::vector<KernelSpec> backward_candidate_specs(const Arch& arch, DType dtype, int head_dim, MaskKind mask,
+                                                 bool has_softcap);
+
 // What a tuning result is valid for: the GPU and the software that compiled and ran the kernels.
 struct DeviceStamp {
   std::string name;
