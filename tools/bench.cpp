@@ -174,9 +174,10 @@ int run(const Options& o) {
                      : detail::forward_family(detail::make_forward_problem(view(q), view(k), view(v), view(out),
                                                                            &lse_view, nullptr, options),
                                               device.arch());
-      const auto candidates = candidate_specs(family, device.arch(), dtype,
-                                              detail::kernel_head_dim(family, r.head_dim),
-                                              r.causal ? MaskKind::causal : MaskKind::none, false);
+      const int head_dim = detail::kernel_head_dim(family, r.head_dim);
+      const MaskKind mask = r.causal ? MaskKind::causal : MaskKind::none;
+      const auto candidates = o.backward ? backward_candidate_specs(device.arch(), dtype, head_dim, mask, false)
+                                         : candidate_specs(family, device.arch(), dtype, head_dim, mask, false);
       std::vector<std::thread> compilers;
       std::atomic<size_t> next{0};
       for (unsigned t = 0; t < std::max(2u, std::thread::hardware_concurrency()); ++t)
@@ -309,7 +310,7 @@ int main(int argc, char** argv) {
   app.add_option("--tuning-db", o.tuning_db, "Dispatch from this tuning database (flashjit-tune) instead of FLASHJIT_TUNING_DB");
   app.add_option("--peak-tflops", o.peak_tflops, "The device's dense bf16 rate for the % of peak column (default: measured H200 764)");
   app.add_flag("--check", o.check, "Compare each row with the reference kernel");
-  app.add_flag("--sweep", o.sweep, "Time every spill-free fa2 candidate per row and keep the fastest");
+  app.add_flag("--sweep", o.sweep, "Time every spill-free candidate of the row's family per row and keep the fastest");
   app.add_flag("--backward", o.backward, "Time the backward pass (dq, dk, dv) instead of the forward");
   app.add_flag("--deterministic", o.deterministic, "With --backward: the bitwise-reproducible dQ path");
   app.add_flag("--versus-heuristic", o.versus_heuristic,
