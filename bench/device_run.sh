@@ -86,21 +86,22 @@ for r in json.load(open('$out/grid_tuned.json'))['rows']:
     profile)
       # Nsight Compute on the default kernels at one shape per head dim (FLASHJIT_PROFILE_DIMS,
       # FLASHJIT_PROFILE_SEQLEN); FLASHJIT_PROFILE_PASS=bwd profiles the backward's main kernel.
-      kernel=regex:flashjit_; pass_args=
-      [[ ${FLASHJIT_PROFILE_PASS:-fwd} == bwd ]] && kernel=regex:dkdv && pass_args=--backward
+      pass=${FLASHJIT_PROFILE_PASS:-fwd} kernel=regex:flashjit_ pass_args=
+      [[ $pass == bwd ]] && kernel=regex:dkdv && pass_args=--backward
       for d in ${FLASHJIT_PROFILE_DIMS:-64 128 256}; do
+        profiled=("$build/tools/flashjit-bench" --head-dims $d --seqlens ${FLASHJIT_PROFILE_SEQLEN:-4096} --causal off
+                  $pass_args --iters 1 --warmup 1)
         ncu --clock-control none -k $kernel -c 1 --section SpeedOfLight --section WarpStateStats \
             --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis_Tables --section Occupancy \
-            "$build/tools/flashjit-bench" --head-dims $d --seqlens ${FLASHJIT_PROFILE_SEQLEN:-4096} --causal off \
-            $pass_args --iters 1 --warmup 1 > "$out/ncu_${FLASHJIT_PROFILE_PASS:-fwd}_d$d.txt" 2>&1 || status=1
+            "${profiled[@]}" > "$out/ncu_${pass}_d$d.txt" 2>&1 || status=1
         grep -E "Duration|Throughput|Pipe|Stall|Bank|Occupancy|Registers|Issued|Eligible|No Eligible" \
-            "$out/ncu_${FLASHJIT_PROFILE_PASS:-fwd}_d$d.txt" | head -40
+            "$out/ncu_${pass}_d$d.txt" | head -40
         # FLASHJIT_PROFILE_SOURCE=1: warp-stall samples per SASS instruction (where the warps wait:
         # which barrier, which wgmma), as CSV.
-        [[ -n ${FLASHJIT_PROFILE_SOURCE:-} ]] && ncu --clock-control none -k $kernel -c 1 --section WarpStateStats \
-            --section SourceCounters --page source --print-source sass --csv \
-            "$build/tools/flashjit-bench" --head-dims $d --seqlens ${FLASHJIT_PROFILE_SEQLEN:-4096} --causal off \
-            $pass_args --iters 1 --warmup 1 > "$out/ncu_source_${FLASHJIT_PROFILE_PASS:-fwd}_d$d.csv" 2>&1
+        if [[ -n ${FLASHJIT_PROFILE_SOURCE:-} ]]; then
+          ncu --clock-control none -k $kernel -c 1 --section WarpStateStats --section SourceCounters --page source \
+              --print-source sass --csv "${profiled[@]}" > "$out/ncu_source_${pass}_d$d.csv" 2>&1 || status=1
+        fi
       done ;;
     host)
       # Host time per call: flashjit's Python and C entry points beside SDPA's (bench/host_overhead.py).
