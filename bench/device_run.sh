@@ -16,7 +16,7 @@ out=${OUT:-/tmp/flashjit-out}
 mkdir -p "$out"
 nvrtc=$(ls /usr/local/cuda/lib64/libnvrtc.so.13 2>/dev/null || find / -name 'libnvrtc.so.13' -print -quit 2>/dev/null)
 export LD_LIBRARY_PATH=$(dirname "$nvrtc"):${LD_LIBRARY_PATH:-}
-export FLASHJIT_CACHE_DIR=/tmp/flashjit-cache
+export FLASHJIT_CACHE_DIR=${FLASHJIT_CACHE_DIR:-/tmp/flashjit-cache}
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,temperature.gpu --format=csv,noheader
 status=0
 bounded() {
@@ -109,7 +109,9 @@ for r in json.load(open('$out/grid_tuned.json'))['rows']:
           2> "$out/host.log" || status=1
       head -n 40 "$out/host.log" ;;
     peers)
-      bounded python3 bench/peers.py ${PEERS_ARGS:-} > "$out/peers.json" 2> "$out/peers.log" || status=1
+      # PEERS_ARGS="--backends flashjit,flash,cudnn,flex" puts flashjit (the Python package) in the rounds.
+      FLASHJIT_LIBRARY=$build/runtime/libflashjit.so bounded python3 bench/peers.py ${PEERS_ARGS:-} \
+          > "$out/peers.json" 2> "$out/peers.log" || status=1
       tail -n 40 "$out/peers.log" ;;
     fwdbwd)
       # Forward + backward: flashjit (Python package) beside SDPA FLASH and CUDNN, one process.

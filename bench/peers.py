@@ -2,10 +2,12 @@
 """Time flashjit's peers on the standard grid of DESIGN.md, with the same method as flashjit-bench
 (batched calls between CUDA events, median of samples): PyTorch SDPA with the FLASH
 (FlashAttention-2) and CUDNN backends, and FlexAttention. The backends of a row are timed in turn,
-one sample each per round. Prints one JSON document.
+one sample each per round, with the SM clock read after each sample (NVML, where present). Prints
+one JSON document.
 
---mode fwdbwd times forward + backward (autograd over q, k, v with a random dout), where the
-"flashjit" backend (the Python package, on the same head-major tensors) runs beside the peers.
+The "flashjit" backend (the Python package, on (b, s, h, d) views of the same head-major tensors)
+runs beside the peers in the same rounds. --mode fwdbwd times forward + backward (autograd over
+q, k, v with a random dout).
 FLOPs: forward 4*B*H*S*S*D (halved when causal); forward + backward 3.5x that."""
 import argparse
 import json
@@ -19,9 +21,34 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 
-def interleaved_median_ms(fns, iters=20):
+class ClockReader:
+    """The SM clock and the active clock-event reasons (power cap, thermal) through NVML, read right
+    after each sample: whether a backend's time was set by the chip's clock rather than its code.
+    Inert where NVML is missing."""
+    POWER_CAP, THERMAL = 0x4 | 0x80, 0x20 | 0x40  # SW/HW power cap; SW/HW thermal slowdown
+
+    def __init__(self):
+        try:
+            import pynvml
+            pynvml.nvmlInit()
+            self.nvml = pynvml
+            self.handle = pynvml.nvmlDeviceGetHandleByIndex(torch.cuda.current_device())
+        except Exception:
+            self.nvml = None
+
+    def read(self):
+        if self.nvml is None:
+            return None
+        reasons = self.nvml.nvmlDeviceGetCurrentClocksEventReasons(self.handle)
+        return self.nvml.nvmlDeviceGetClockInfo(self.handle, self.nvml.NVML_CLOCK_SM), reasons
+
+
+def interleaved_median_ms(fns, iters=20, clocks=None):
     """Median ms per call of each function in `fns` (name -> callable), timed in turn: every round
-    takes one sample of each, so clock or thermal drift during a row falls on every backend alike."""
+    takes one sample of each, in an order that rotates, so clock or thermal drift during a row falls
+    on every backend alike.
+    With a ClockReader, also each backend's median SM clock (MHz) and the share of its samples that
+    ended under a power or thermal cap."""
     start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
 
     def timed(fn, calls):
@@ -36,10 +63,25 @@ def interleaved_median_ms(fns, iters=20):
     # previous call's kernel, as it does in a model: the samples time the GPU, not the launch path.
     calls = {name: max(1, min(200, int(10.0 / max(timed(fn, 1), 1e-3)))) for name, fn in fns.items()}
     samples = {name: [] for name in fns}
-    for _ in range(iters):
-        for name, fn in fns.items():
+    readings = {name: [] for name in fns}
+    names = list(fns)
+    for round_ in range(iters):
+        # The order rotates each round: no backend always runs right after the same one (a
+        # power-hungry predecessor leaves the clock lower for whatever follows it).
+        for name in names[round_ % len(names):] + names[:round_ % len(names)]:
+            fn = fns[name]
             samples[name].append(timed(fn, calls[name]) / calls[name])
-    return {name: sorted(v)[len(v) // 2] for name, v in samples.items()}
+            if clocks is not None and (reading := clocks.read()) is not None:
+                readings[name].append(reading)
+    median = lambda v: sorted(v)[len(v) // 2]
+    result = {}
+    for name, v in samples.items():
+        result[name] = dict(median_ms=median(v))
+        if readings[name]:
+            result[name]["sm_clock_mhz"] = median([mhz for mhz, _ in readings[name]])
+            result[name]["power_capped"] = sum(bool(r & ClockReader.POWER_CAP) for _, r in readings[name]) / len(readings[name])
+            result[name]["thermal_capped"] = sum(bool(r & ClockReader.THERMAL) for _, r in readings[name]) / len(readings[name])
+    return result
 
 
 def main():
@@ -67,6 +109,7 @@ def main():
         import flashjit
 
     rows = []
+    clocks = ClockReader()
     torch.manual_seed(0)
     for d in map(int, args.head_dims.split(",")):
         for s in map(int, args.seqlens.split(",")):
@@ -110,11 +153,14 @@ def main():
                         fns[name] = fn
                     except Exception as e:
                         print(f"{name} d{d} s{s} causal={causal}: {type(e).__name__}: {e}", file=sys.stderr)
-                for name, ms in interleaved_median_ms(fns, iters=args.iters).items():
+                for name, timing in interleaved_median_ms(fns, iters=args.iters, clocks=clocks).items():
+                    ms = timing["median_ms"]
                     rows.append(dict(backend=name, head_dim=d, seqlen=s, batch=b, heads=h, causal=causal,
-                                     median_ms=ms, tflops=flops / (ms * 1e-3) / 1e12))
-                    print(f"{name:6} d{d:<4} s{s:<6} {'causal' if causal else 'full':7} {ms:9.3f} ms "
-                          f"{rows[-1]['tflops']:7.1f} TFLOP/s", file=sys.stderr, flush=True)
+                                     tflops=flops / (ms * 1e-3) / 1e12, **timing))
+                    clock = (f"  {timing['sm_clock_mhz']} MHz, power-capped {timing['power_capped']:.0%}"
+                             if "sm_clock_mhz" in timing else "")
+                    print(f"{name:8} d{d:<4} s{s:<6} {'causal' if causal else 'full':7} {ms:9.3f} ms "
+                          f"{rows[-1]['tflops']:7.1f} TFLOP/s{clock}", file=sys.stderr, flush=True)
     json.dump(dict(device=torch.cuda.get_device_name(), torch=torch.__version__, mode=args.mode,
                    cudnn=torch.backends.cudnn.version(), rows=rows), sys.stdout, indent=1)
 

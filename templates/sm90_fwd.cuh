@@ -12,12 +12,17 @@
 //   block, head, batch) from a global counter, in sections of (batch, head) pairs whose K/V fit in
 //   L2 together, longest query blocks first within a section: a CTA that finishes early takes the
 //   next tile, which balances causal work. The producer fetches each tile and publishes it to the
-//   consumers in shared memory with the Q tile (on q_full); -1 ends the loop.
+//   consumers in shared memory with the Q tile (on that Q slot's q_full); -1 ends the loop. Two Q
+//   slots where shared memory allows, so the next tile's Q loads while this one runs.
+//   Across work tiles the pipeline does not drain: a tile's first QK^T issues beside the previous
+//   tile's last P V, its softmax overlaps that GEMM, and the previous tile's epilogue follows the
+//   step (a tile's first P V overwrites O instead of accumulating). Only an empty tile (no
+//   visible key) or the end drains it.
 //   ptxas serializes wgmma (warning C7520) when a wgmma sits on a path it cannot prove warp-uniform,
 //   which would undo the overlap: uniform values go through warp_uniform(), and the barrier waits
 //   come before the first wgmma of a step, never between two.
-//   Shared memory: Q (kPanels panels of kBlockM rows x 128 bytes), kStages K and V tiles (panels
-//   of kBlockN rows), then the barriers; the base is aligned to 1024 bytes (the swizzle atom). TMA
+//   Shared memory: kQStages Q tiles (kPanels panels of kBlockM rows x 128 bytes), kStages K and V
+//   tiles (panels of kBlockN rows), then the barriers; the base is aligned to 1024 bytes (the swizzle atom). TMA
 //   boxes are 64 values wide, so columns past the tensor's head dim read zeros.
 //   Varlen: the maps cover the packed rows as one batch entry; rows past a sequence's end belong
 //   to the next sequence, so its edge tiles are always masked and its rows past the end never
@@ -44,10 +49,13 @@ struct Sm90FwdShape {
   static constexpr int kQBytes = kPanels * kQPanelBytes;
   static constexpr int kKVPanelBytes = kBlockN * 128;
   static constexpr int kKVTileBytes = kPanels * kKVPanelBytes;
-  // q_full, q_empty, then k_full, v_full, k_empty and v_empty per stage.
-  static constexpr int kBarrierBytes = 8 * (2 + 4 * kStages);
-  // After the barriers: the work tile the producer published with the Q tile (16 bytes).
-  static constexpr int kSmemBytes = 1024 + kQBytes + 2 * kStages * kKVTileBytes + kBarrierBytes + 16;
+  // Q slots: with two, the next work tile's Q loads while this one's runs (where shared memory
+  // has room for a second; codegen decides).
+  static constexpr int kQStages = Config::kQStages;
+  // q_full and q_empty per Q slot, then k_full, v_full, k_empty and v_empty per stage.
+  static constexpr int kBarrierBytes = 8 * (2 * kQStages + 4 * kStages);
+  // After the barriers: the work tile the producer published with each Q slot (16 bytes).
+  static constexpr int kSmemBytes = 1024 + kQStages * kQBytes + 2 * kStages * kKVTileBytes + kBarrierBytes + 16;
   // setmaxnreg split of the 64K registers (FlashAttention-3's): the producer keeps a few.
   static constexpr int kProducerRegisters = kConsumers == 2 ? 24 : 32;
   static constexpr int kConsumerRegisters = kConsumers == 2 ? 240 : 160;
@@ -65,6 +73,7 @@ struct Sm90FwdShape {
 
   static_assert(kBlockM % 64 == 0 && kThreads == 128 * (1 + kConsumers), "one producer and kConsumers warpgroups");
   static_assert(kHeadDim % 32 == 0 && kBlockN % 16 == 0 && kStages >= 2, "whole k16 steps, two stages to overlap");
+  static_assert(kQStages == 1 || kQStages == 2, "one or two Q slots (16 bytes hold their published tiles)");
 };
 
 // Work tile `index` of the persistent schedule: sections of `section_pairs` (batch, head) pairs,
@@ -106,7 +115,7 @@ __device__ void sm90_fwd_kernel(const AttentionSm90FwdParams& params) {
   using Warp = typename Shape::Warp;
   using Element = typename Shape::Element;
   constexpr int kBlockM = Shape::kBlockM, kBlockN = Shape::kBlockN, kStages = Shape::kStages;
-  constexpr int kConsumers = Shape::kConsumers;
+  constexpr int kQStages = Shape::kQStages, kConsumers = Shape::kConsumers;
   constexpr MaskKind kMask = Config::kMask;
   constexpr float kLog2e = 1.4426950408889634f;
   const AttentionFwdParams& p = params.fwd;
@@ -114,15 +123,18 @@ __device__ void sm90_fwd_kernel(const AttentionSm90FwdParams& params) {
   extern __shared__ __align__(1024) unsigned char smem[];
   require_dynamic_smem(Shape::kSmemBytes);
   const unsigned base = (shared_address(smem) + 1023u) & ~1023u;
-  const unsigned sQ = base;
-  const unsigned sK = sQ + Shape::kQBytes;                 // kStages tiles
+  const unsigned sQ = base;                                 // kQStages tiles
+  const unsigned sK = sQ + kQStages * Shape::kQBytes;       // kStages tiles
   const unsigned sV = sK + kStages * Shape::kKVTileBytes;  // kStages tiles
-  const unsigned bar_q_full = sV + kStages * Shape::kKVTileBytes, bar_q_empty = bar_q_full + 8;
-  auto bar_k_full = [&](int stage) { return bar_q_full + 16 + 8 * stage; };
-  auto bar_v_full = [&](int stage) { return bar_q_full + 16 + 8 * (kStages + stage); };
-  auto bar_k_empty = [&](int stage) { return bar_q_full + 16 + 8 * (2 * kStages + stage); };
-  auto bar_v_empty = [&](int stage) { return bar_q_full + 16 + 8 * (3 * kStages + stage); };
-  int* const published_tile = reinterpret_cast<int*>(smem + (bar_q_full + Shape::kBarrierBytes - shared_address(smem)));
+  const unsigned barriers = sV + kStages * Shape::kKVTileBytes;
+  auto bar_q_full = [&](int slot) { return barriers + 8 * slot; };
+  auto bar_q_empty = [&](int slot) { return barriers + 8 * (kQStages + slot); };
+  auto bar_k_full = [&](int stage) { return barriers + 8 * (2 * kQStages + stage); };
+  auto bar_v_full = [&](int stage) { return barriers + 8 * (2 * kQStages + kStages + stage); };
+  auto bar_k_empty = [&](int stage) { return barriers + 8 * (2 * kQStages + 2 * kStages + stage); };
+  auto bar_v_empty = [&](int stage) { return barriers + 8 * (2 * kQStages + 3 * kStages + stage); };
+  // The work tile each Q slot holds (or -1, the end), published by the producer with the Q tile.
+  int* const published_tiles = reinterpret_cast<int*>(smem + (barriers + Shape::kBarrierBytes - shared_address(smem)));
 
   // Warp-uniform values go through a shuffle so that ptxas can see they are uniform: a wgmma on a
   // path it must treat as divergent is serialized (C7520), and the overlap is lost.
@@ -132,8 +144,10 @@ __device__ void sm90_fwd_kernel(const AttentionSm90FwdParams& params) {
   const bool varlen = p.cu_seqlens_q != nullptr;
 
   if (tid == 0) {
-    mbarrier_init(bar_q_full, 1);
-    mbarrier_init(bar_q_empty, 4 * kConsumers);  // lane 0 of each consumer warp
+    for (int slot = 0; slot < kQStages; ++slot) {
+      mbarrier_init(bar_q_full(slot), 1);
+      mbarrier_init(bar_q_empty(slot), 4 * kConsumers);  // lane 0 of each consumer warp
+    }
     for (int s = 0; s < kStages; ++s) {
       mbarrier_init(bar_k_full(s), 1);
       mbarrier_init(bar_v_full(s), 1);
@@ -147,7 +161,7 @@ __device__ void sm90_fwd_kernel(const AttentionSm90FwdParams& params) {
   if (group == 0) {  // producer
     registers_decrease<Shape::kProducerRegisters>();
     if (tid != 0) return;
-    int kv_count = 0, q_count = 0;  // loads so far: they select the stage and the barrier phase
+    int kv_count = 0, q_count = 0;  // loads so far: they select the slot or stage and the barrier phase
     for (int index = blockIdx.x;; index = gridDim.x + atomicAdd(params.tile_counter, 1)) {
       Sm90WorkTile work{};
       SequenceExtent seq{};
@@ -156,20 +170,22 @@ __device__ void sm90_fwd_kernel(const AttentionSm90FwdParams& params) {
         seq = sequence_extent(p, work.batch);
         if (work.m_block * kBlockM >= seq.seqlen_q) continue;  // varlen: a shorter sequence
       }
-      // Q's slot is free: publish the tile (or the end) with it, on q_full.
-      mbarrier_wait(bar_q_empty, (q_count++ & 1) ^ 1);  // a fresh barrier passes parity 1
-      *reinterpret_cast<volatile int*>(published_tile) = index < num_work_tiles ? index : -1;
+      // A Q slot is free: publish the tile (or the end) with it, on that slot's q_full.
+      const int q_slot = q_count % kQStages;
+      mbarrier_wait(bar_q_empty(q_slot), ((q_count / kQStages) & 1) ^ 1);  // a fresh barrier passes parity 1
+      ++q_count;
+      *reinterpret_cast<volatile int*>(published_tiles + q_slot) = index < num_work_tiles ? index : -1;
       if (index >= num_work_tiles) {
-        mbarrier_arrive(bar_q_full);
+        mbarrier_arrive(bar_q_full(q_slot));
         break;
       }
       const int m0 = work.m_block * kBlockM;
       const int kv_head = work.head / (p.num_heads_q / p.num_heads_kv), tma_batch = varlen ? 0 : work.batch;
       const KeyTileRange keys = key_tile_range<kBlockM, kBlockN, kMask>(p, seq, m0);
-      mbarrier_arrive_expect_tx(bar_q_full, Shape::kQBytes);
+      mbarrier_arrive_expect_tx(bar_q_full(q_slot), Shape::kQBytes);
       for (int panel = 0; panel < Shape::kPanels; ++panel)
-        tma_load_4d(sQ + panel * Shape::kQPanelBytes, params.q_map, bar_q_full, panel * 64, seq.q_start + m0,
-                    work.head, tma_batch);
+        tma_load_4d(sQ + q_slot * Shape::kQBytes + panel * Shape::kQPanelBytes, params.q_map, bar_q_full(q_slot),
+                    panel * 64, seq.q_start + m0, work.head, tma_batch);
       // Tile i of this work tile is key block n_block_max - 1 - i, in ring slot kv_count + i. K runs
       // one tile ahead of V: the consumers free a K slot as soon as its QK^T is done but a V slot
       // only after the next tile's softmax, so the next K never queues behind a V slot in use.
@@ -206,8 +222,8 @@ __device__ void sm90_fwd_kernel(const AttentionSm90FwdParams& params) {
 
   // S = Q K^T into `s` (async; the caller commits): 16-value k-steps advance both K-major
   // descriptors by 32 bytes inside a 64-value panel.
-  auto issue_qk = [&](float (&s)[kBlockN / 2], int stage) {
-    unsigned long long q_tile = smem_descriptor_sw128(sQ + consumer * 64 * 128, 16, 1024);
+  auto issue_qk = [&](float (&s)[kBlockN / 2], int q_slot, int stage) {
+    unsigned long long q_tile = smem_descriptor_sw128(sQ + q_slot * Shape::kQBytes + consumer * 64 * 128, 16, 1024);
     launder(q_tile);
     const unsigned long long k_tile = smem_descriptor_sw128(sK + stage * Shape::kKVTileBytes, 16, 1024);
 #pragma unroll
@@ -217,13 +233,15 @@ __device__ void sm90_fwd_kernel(const AttentionSm90FwdParams& params) {
                        smem_descriptor_advance(k_tile, (ks / 4) * Shape::kKVPanelBytes + k_bytes), ks > 0);
     }
   };
-  // O += P V (async): V is MN-major, each 16-key step is 16 rows (2048 bytes) further, and the
-  // 64-dim panels are kKVPanelBytes apart (the descriptor's leading offset).
-  auto issue_pv = [&](float (&o)[Shape::kHeadDim / 2], unsigned (&a)[kBlockN / 16][4], int stage) {
+  // O += P V (async), or O = P V for a work tile's first key block (`accumulate` false: O still
+  // holds the previous tile's output). V is MN-major, each 16-key step is 16 rows (2048 bytes)
+  // further, and the 64-dim panels are kKVPanelBytes apart (the descriptor's leading offset).
+  auto issue_pv = [&](float (&o)[Shape::kHeadDim / 2], unsigned (&a)[kBlockN / 16][4], int stage, bool accumulate) {
     const unsigned long long v_tile =
         smem_descriptor_sw128(sV + stage * Shape::kKVTileBytes, Shape::kKVPanelBytes, 1024);
 #pragma unroll
-    for (int ks = 0; ks < kBlockN / 16; ++ks) Config::wgmma_pv(o, a[ks], smem_descriptor_advance(v_tile, ks * 16 * 128), true);
+    for (int ks = 0; ks < kBlockN / 16; ++ks)
+      Config::wgmma_pv(o, a[ks], smem_descriptor_advance(v_tile, ks * 16 * 128), ks > 0 || accumulate);
   };
   // Softcap and the mask of tile n0 on fresh scores, then the softmax's first half.
   auto scores_to_probabilities = [&](RowStatistics<Warp>& st, float (&s)[1][Warp::kSFrags][4],
@@ -253,104 +271,20 @@ __device__ void sm90_fwd_kernel(const AttentionSm90FwdParams& params) {
       a[ks][3] = pack2<Element>(s[0][2 * ks + 1][2], s[0][2 * ks + 1][3]);
     }
   };
-  // This warp is done with the K (or V) tile of a stage.
+  // This warp is done with the K (or V or Q) tile behind a barrier.
   auto release = [&](unsigned empty_barrier) {
     if (lane == 0) mbarrier_arrive(empty_barrier);
   };
-
-  int kv_count = 0, q_count = 0;
-  for (;;) {
-    // The producer publishes each work tile (or -1 at the end) with its Q tile. Lane 0 alone reads
-    // it: the same thread later arrives on q_empty, which orders the read before the next write.
-    mbarrier_wait(bar_q_full, q_count++ & 1);
-    const int index = warp_uniform(lane == 0 ? *reinterpret_cast<volatile int*>(published_tile) : 0);
-    if (index < 0) break;
+  // Normalise and store work tile `index`'s O straight from the registers (4-byte pairs), and its
+  // LSE. The tile's coordinates are derived again from the index: cheaper than keeping them live
+  // beside the next tile's across a step.
+  auto store_output = [&](int index, const RowStatistics<Warp>& st, const float (&o)[Shape::kHeadDim / 2]) {
     const Sm90WorkTile work = sm90_work_tile(params, index);
-    const int m0 = work.m_block * kBlockM;
     const SequenceExtent seq = sequence_extent(p, work.batch);
-    KeyTileRange keys = key_tile_range<kBlockM, kBlockN, kMask>(p, seq, m0);
-    keys.n_block_min = warp_uniform(keys.n_block_min);
-    keys.n_block_max = warp_uniform(keys.n_block_max);
-
-    // O is a flat array, the form the wgmma wrappers take (the mma.sync layout [1][kOFrags][4]
-    // flattened). It sits apart from the row statistics: inside one struct, behind a reinterpreting
-    // alias, NVVM left a 132-float state in local memory at head dim 256.
-    RowStatistics<Warp> st;
-    st.reset();
-    float o_flat[Shape::kHeadDim / 2];
-#pragma unroll
-    for (int i = 0; i < Shape::kHeadDim / 2; ++i) o_flat[i] = 0.f;
-
-    if (keys.count() > 0) {
-      // The first (last in key order) tile: S, then its softmax; O is still zero.
-      int stage = kv_count % kStages;
-      unsigned a[kBlockN / 16][4];
-      {
-        float s[1][Warp::kSFrags][4];
-        float(&s_flat)[kBlockN / 2] = reinterpret_cast<float(&)[kBlockN / 2]>(s);
-        mbarrier_wait(bar_k_full(stage), (kv_count / kStages) & 1);
-        wait_turn();
-        fence_operands(s_flat);
-        wgmma_fence();
-        issue_qk(s_flat, stage);
-        wgmma_commit();
-        pass_turn();
-        wgmma_wait<0>();
-        fence_operands(s_flat);
-        release(bar_k_empty(stage));
-        scores_to_probabilities(st, s, seq, m0, (keys.n_block_max - 1) * kBlockN);
-        pack_probabilities(a, s);
-      }
-      for (int n_block = keys.n_block_max - 2; n_block >= keys.n_block_min; --n_block) {
-        const int next = (kv_count + 1) % kStages;
-        float s[1][Warp::kSFrags][4];
-        float(&s_flat)[kBlockN / 2] = reinterpret_cast<float(&)[kBlockN / 2]>(s);
-        mbarrier_wait(bar_k_full(next), ((kv_count + 1) / kStages) & 1);
-        mbarrier_wait(bar_v_full(stage), (kv_count / kStages) & 1);
-        wait_turn();
-        fence_operands(s_flat);
-        fence_operands(o_flat);
-        fence_operands(a);
-        wgmma_fence();
-        issue_qk(s_flat, next);
-        wgmma_commit();
-        issue_pv(o_flat, a, stage);
-        wgmma_commit();
-        pass_turn();
-        wgmma_wait<1>();  // S of the next tile is ready; P V still runs
-        fence_operands(s_flat);
-        release(bar_k_empty(next));
-        const OutputRescale<Warp> rescale = scores_to_probabilities(st, s, seq, m0, n_block * kBlockN);
-        wgmma_wait<0>();
-        fence_operands(o_flat);
-        fence_operands(a);
-        release(bar_v_empty(stage));
-        rescale_output<Warp>(o_flat, rescale);
-        pack_probabilities(a, s);
-        stage = next;
-        ++kv_count;
-      }
-      // Q is no longer read: the producer may load the next work tile's.
-      if (lane == 0) mbarrier_arrive(bar_q_empty);
-      mbarrier_wait(bar_v_full(stage), (kv_count / kStages) & 1);
-      fence_operands(o_flat);
-      fence_operands(a);
-      wgmma_fence();
-      issue_pv(o_flat, a, stage);
-      wgmma_commit();
-      wgmma_wait<0>();
-      fence_operands(o_flat);
-      fence_operands(a);
-      release(bar_v_empty(stage));
-      ++kv_count;
-    } else if (lane == 0) {
-      mbarrier_arrive(bar_q_empty);
-    }
-
-    // Epilogue: normalise and store O straight from the registers (4-byte pairs), and the LSE.
     Element* gO = static_cast<Element*>(p.o) + seq.o_batch_offset + seq.q_start * p.o_row_stride +
                   work.head * p.o_head_stride;
-    const int thread_row0 = m0 + warp_row0 + lane / 4;
+    const int tid = fresh_thread_index(), lane = tid % 32;  // (consumer threads start at 128)
+    const int thread_row0 = work.m_block * kBlockM + tid / 32 % 4 * 16 + (tid / 128 - 1) * 64 + lane / 4;
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       const float sum = quad_sum(st.row_sum[0][h]);
@@ -363,7 +297,7 @@ __device__ void sm90_fwd_kernel(const AttentionSm90FwdParams& params) {
         const int col = nd * 8 + (lane % 4) * 2;
         if (col < p.head_dim)
           *reinterpret_cast<unsigned*>(out_row + col) =
-              pack2<Element>(o_flat[4 * nd + 2 * h] * inv_sum, o_flat[4 * nd + 2 * h + 1] * inv_sum);
+              pack2<Element>(o[4 * nd + 2 * h] * inv_sum, o[4 * nd + 2 * h + 1] * inv_sum);
       }
       if (p.lse != nullptr && lane % 4 == 0) {
         const long long lse_row = varlen ? seq.q_start + row : row;
@@ -371,6 +305,141 @@ __device__ void sm90_fwd_kernel(const AttentionSm90FwdParams& params) {
             row_logsumexp<Config::kHasSoftcap>(p, st.row_max[0][h], sum);
       }
     }
+  };
+
+  // The work tile whose key blocks the consumers compute: it arrives with its Q tile, in Q slot
+  // `q_slot`. Lane 0 alone reads the published index: the same thread later arrives on that
+  // slot's q_empty, which orders the read before the producer's next write.
+  struct FrontTile {
+    int index, q_slot, m0;
+    SequenceExtent seq;
+    KeyTileRange keys;
+  };
+  int kv_count = 0, q_count = 0;
+  auto fetch_tile = [&](FrontTile& t) {
+    t.q_slot = q_count % kQStages;
+    mbarrier_wait(bar_q_full(t.q_slot), (q_count / kQStages) & 1);
+    ++q_count;
+    t.index = warp_uniform(lane == 0 ? *reinterpret_cast<volatile int*>(published_tiles + t.q_slot) : 0);
+    if (t.index < 0) return false;
+    const Sm90WorkTile work = sm90_work_tile(params, t.index);
+    t.m0 = work.m_block * kBlockM;
+    t.seq = sequence_extent(p, work.batch);
+    t.keys = key_tile_range<kBlockM, kBlockN, kMask>(p, t.seq, t.m0);
+    t.keys.n_block_min = warp_uniform(t.keys.n_block_min);
+    t.keys.n_block_max = warp_uniform(t.keys.n_block_max);
+    return true;
+  };
+
+  // The key blocks of consecutive work tiles form one stream: the step that computes S for a work
+  // tile's first block also runs P V for the previous tile's last, so the softmax of one tile's
+  // start overlaps the GEMM of the last one's end, and the epilogue follows that step.
+  // O is a flat array, the form the wgmma wrappers take (the mma.sync layout [1][kOFrags][4]
+  // flattened). It sits apart from the row statistics: inside one struct, behind a reinterpreting
+  // alias, NVVM left a 132-float state in local memory at head dim 256. A tile's first P V
+  // overwrites it, so it is never zeroed in the loop (a branch that did would leave ptxas copies
+  // of the accumulators, and a serialized wgmma pipeline).
+  float o_flat[Shape::kHeadDim / 2];
+#pragma unroll
+  for (int i = 0; i < Shape::kHeadDim / 2; ++i) o_flat[i] = 0.f;
+  FrontTile front;
+  bool more = fetch_tile(front);
+  while (more) {
+    RowStatistics<Warp> st;
+    st.reset();
+    if (front.keys.count() == 0) {  // no visible key: O is zero and the LSE +inf
+#pragma unroll
+      for (int i = 0; i < Shape::kHeadDim / 2; ++i) o_flat[i] = 0.f;
+      release(bar_q_empty(front.q_slot));
+      store_output(front.index, st, o_flat);
+      more = fetch_tile(front);
+      continue;
+    }
+
+    // The tile's first (last in key order) block: S, then its softmax; no P V is pending.
+    int stage = kv_count % kStages, n_block = front.keys.n_block_max - 1, back_index = front.index;
+    bool accumulate = false;  // whether O holds this tile's sum so far
+    unsigned a[kBlockN / 16][4];
+    {
+      float s[1][Warp::kSFrags][4];
+      float(&s_flat)[kBlockN / 2] = reinterpret_cast<float(&)[kBlockN / 2]>(s);
+      mbarrier_wait(bar_k_full(stage), (kv_count / kStages) & 1);
+      wait_turn();
+      fence_operands(s_flat);
+      wgmma_fence();
+      issue_qk(s_flat, front.q_slot, stage);
+      wgmma_commit();
+      pass_turn();
+      wgmma_wait<0>();
+      fence_operands(s_flat);
+      release(bar_k_empty(stage));
+      if (front.keys.count() == 1) release(bar_q_empty(front.q_slot));  // Q's last use (see the loop)
+      scores_to_probabilities(st, s, front.seq, front.m0, n_block * kBlockN);
+      pack_probabilities(a, s);
+    }
+    // Steps: S of the next key block (the next work tile's first when this one is done) beside P V
+    // of this one.
+    for (;;) {
+      const bool tile_done = warp_uniform(n_block == front.keys.n_block_min);
+      if (tile_done) {
+        more = fetch_tile(front);
+        if (!more || front.keys.count() == 0) break;
+        n_block = front.keys.n_block_max;
+      }
+      const int next = (kv_count + 1) % kStages, next_block = n_block - 1;
+      float s[1][Warp::kSFrags][4];
+      float(&s_flat)[kBlockN / 2] = reinterpret_cast<float(&)[kBlockN / 2]>(s);
+      mbarrier_wait(bar_k_full(next), ((kv_count + 1) / kStages) & 1);
+      mbarrier_wait(bar_v_full(stage), (kv_count / kStages) & 1);
+      wait_turn();
+      fence_operands(s_flat);
+      fence_operands(o_flat);
+      fence_operands(a);
+      wgmma_fence();
+      issue_qk(s_flat, front.q_slot, next);
+      wgmma_commit();
+      issue_pv(o_flat, a, stage, accumulate);
+      wgmma_commit();
+      pass_turn();
+      wgmma_wait<1>();  // S of the next block is ready; P V still runs
+      fence_operands(s_flat);
+      release(bar_k_empty(next));
+      // After a tile's last QK^T its Q is no longer read: the producer may refill the slot.
+      if (next_block == front.keys.n_block_min) release(bar_q_empty(front.q_slot));
+      RowStatistics<Warp> st_next = st;
+      if (tile_done) st_next.reset();
+      OutputRescale<Warp> rescale = scores_to_probabilities(st_next, s, front.seq, front.m0, next_block * kBlockN);
+      wgmma_wait<0>();
+      fence_operands(o_flat);
+      fence_operands(a);
+      release(bar_v_empty(stage));
+      rescale.any_moved = rescale.any_moved && !tile_done;
+      rescale_output<Warp>(o_flat, rescale);
+      pack_probabilities(a, s);
+      if (tile_done) {  // the previous tile's O is complete (stored once P is packed: fewer live registers)
+        store_output(back_index, st, o_flat);
+        back_index = front.index;
+      }
+      accumulate = !tile_done;  // the next P V starts the new tile's O
+      st = st_next;
+      stage = next;
+      ++kv_count;
+      n_block = next_block;
+    }
+    // P V of the tile's last block alone (the next tile has no key block, or there is none), then
+    // its output; `front` already holds what comes next.
+    mbarrier_wait(bar_v_full(stage), (kv_count / kStages) & 1);
+    fence_operands(o_flat);
+    fence_operands(a);
+    wgmma_fence();
+    issue_pv(o_flat, a, stage, accumulate);
+    wgmma_commit();
+    wgmma_wait<0>();
+    fence_operands(o_flat);
+    fence_operands(a);
+    release(bar_v_empty(stage));
+    ++kv_count;
+    store_output(back_index, st, o_flat);
   }
 }
 

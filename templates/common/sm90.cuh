@@ -116,6 +116,15 @@ __device__ __forceinline__ void registers_decrease() {
 // ---------------------------------------------------------------------------------------------
 // Keeping ptxas's view of the code warp-uniform, and wgmma operands in place.
 
+// threadIdx.x read afresh where it is used: a volatile read is neither hoisted nor kept live, so
+// code on a cold path (a per-tile epilogue) derives its thread coordinates there instead of
+// holding them in registers (or spilling them) across the hot loop.
+__device__ __forceinline__ int fresh_thread_index() {
+  int tid;
+  asm volatile("mov.u32 %0, %%tid.x;\n" : "=r"(tid));
+  return tid;
+}
+
 // `value` as lane 0 has it: the same in every lane, and visibly so to ptxas, which serializes a
 // wgmma on a path it cannot prove warp-uniform (warning C7520).
 __device__ __forceinline__ int warp_uniform(int value) { return __shfl_sync(0xffffffffu, value, 0); }

@@ -1,6 +1,7 @@
 // Rules of the Hopper forward family (templates/sm90_fwd.cuh): query tiles of block_m rows over a
 // TMA producer warpgroup and block_m / 64 wgmma consumer warpgroups, K/V tiles of block_n keys in
-// a ring of num_stages stages. The shared-memory arithmetic mirrors Sm90FwdShape in the template.
+// a ring of num_stages stages, one or two Q slots. The shared-memory arithmetic mirrors
+// Sm90FwdShape in the template.
 #include <fmt/format.h>
 
 #include "../family_rules.hpp"
@@ -13,10 +14,13 @@ namespace {
 int consumers(const KernelSpec& s) { return s.block_m / 64; }
 int panels(const KernelSpec& s) { return (s.head_dim + 63) / 64; }
 
-int smem_bytes(const KernelSpec& s) {
+int smem_bytes_with(const KernelSpec& s, int q_stages) {
   const int q_bytes = panels(s) * s.block_m * 128, kv_tile_bytes = panels(s) * s.block_n * 128;
-  return 1024 + q_bytes + 2 * s.num_stages * kv_tile_bytes + 8 * (2 + 4 * s.num_stages) + 16;
+  return 1024 + q_stages * q_bytes + 2 * s.num_stages * kv_tile_bytes + 8 * (2 * q_stages + 4 * s.num_stages) + 16;
 }
+// Two Q slots (the next work tile's Q loads during this one) where shared memory has room.
+int q_stages(const KernelSpec& s) { return smem_bytes_with(s, 2) <= max_smem_per_block(s.arch) ? 2 : 1; }
+int smem_bytes(const KernelSpec& s) { return smem_bytes_with(s, q_stages(s)); }
 
 // A consumer thread holds O (head_dim / 2 fp32), the next tile's scores (block_n / 2) and the
 // current tile's probabilities as 16-bit pairs (block_n / 4) at once, plus registers of addresses,
@@ -75,7 +79,8 @@ int threads(const KernelSpec& s) { return 32 * s.num_warps; }
 // S = Q K^T over block_n keys (both operands in shared memory) and O += P V over head_dim columns
 // (P from registers).
 std::string config_members(const KernelSpec& s) {
-  return wgmma_member_function("wgmma_qk", s.block_n, s.dtype, WgmmaOperands::ss_k_major) +
+  return fmt::format("  static constexpr int kQStages = {};\n", q_stages(s)) +
+         wgmma_member_function("wgmma_qk", s.block_n, s.dtype, WgmmaOperands::ss_k_major) +
          wgmma_member_function("wgmma_pv", s.head_dim, s.dtype, WgmmaOperands::rs_b_mn_major);
 }
 
