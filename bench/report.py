@@ -19,6 +19,7 @@ def main():
     ap.add_argument("--name", required=True)
     ap.add_argument("--sweep", help="flashjit-bench --sweep output of the same call, kept alongside")
     ap.add_argument("--note", default="")
+    ap.add_argument("--min-seqlen", type=int, default=1024, help="rows in the summary's ratios")
     args = ap.parse_args()
 
     if len(args.sources) > 2:
@@ -34,17 +35,22 @@ def main():
             grid["hidden"] = own[0]["heads"] * own[0]["head_dim"]
     mode = peers.get("mode", "fwd")
     peer = {(r["backend"], r["head_dim"], r["seqlen"], r["causal"]): r["tflops"] for r in peers["rows"]}
+    peer_clock = {(r["backend"], r["head_dim"], r["seqlen"], r["causal"]): r.get("sm_clock_mhz") for r in peers["rows"]}
     rows, ratios = [], {"flash": [], "cudnn": [], "flex": []}
     print(f"{'d':>4} {'S':>6} {'mask':7} {'flashjit':>8} {'FA2':>7} {'cuDNN':>7} {'Flex':>7} {'/FA2':>6} {'/cuDNN':>7}  spec")
     for r in grid["rows"]:
         key = (r["head_dim"], r["seqlen"], r["causal"])
         row = dict(head_dim=r["head_dim"], seqlen=r["seqlen"], batch=r["batch"], heads=r["heads"],
                    causal=r["causal"], flashjit_tflops=r["tflops"], flashjit_ms=r["median_ms"], spec=r["spec"])
+        if r.get("sm_clock_mhz"):
+            row["flashjit_sm_clock_mhz"] = r["sm_clock_mhz"]
         for name in ratios:
             tf = peer.get((name,) + key)
             row[f"{name}_tflops"] = tf
             row[f"ratio_vs_{name}"] = r["tflops"] / tf if tf else None
-            if tf and r["seqlen"] >= 1024:
+            if peer_clock.get((name,) + key):
+                row[f"{name}_sm_clock_mhz"] = peer_clock[(name,) + key]
+            if tf and r["seqlen"] >= args.min_seqlen:
                 ratios[name].append(r["tflops"] / tf)
         rows.append(row)
         fmt = lambda x: f"{x:7.1f}" if x else "      -"
@@ -56,16 +62,18 @@ def main():
         if values:
             summary[name] = dict(geomean_ratio=math.exp(sum(map(math.log, values)) / len(values)),
                                  min_ratio=min(values), rows=len(values))
-            print(f"vs {name} (rows with S >= 1k): geomean {summary[name]['geomean_ratio']:.3f}, "
+            print(f"vs {name} (rows with S >= {args.min_seqlen}): geomean {summary[name]['geomean_ratio']:.3f}, "
                   f"min {summary[name]['min_ratio']:.3f} over {len(values)} rows")
     result = dict(name=args.name, date=datetime.date.today().isoformat(), device=grid["device"],
                   torch=peers.get("torch"), cudnn=peers.get("cudnn"), dtype=grid["dtype"],
                   tokens=grid["tokens"], hidden=grid["hidden"],
-                  mode=mode, flop_convention="4*B*H*S*S*D, halved when causal" + (
+                  mode=mode, summary_min_seqlen=args.min_seqlen, flop_convention="4*B*H*S*S*D, halved when causal" + (
                       "; forward + backward = 3.5x" if mode == "fwdbwd" else ""), method=(
-                      "median of 20 samples, each ~10 ms of back-to-back calls between CUDA events, "
+                      "median of the samples, each ~10 ms of back-to-back calls between CUDA events, "
                       "after warm-up; " + ("flashjit-bench and peers.py in one device call" if len(args.sources) == 2
-                                           else "flashjit (Python package) and the peers in one process")),
+                                           else "flashjit (Python package) and the peers in one process, one "
+                                                "sample of each per round in a rotating order, the SM clock "
+                                                "read after each sample")),
                   note=args.note, summary=summary, rows=rows)
     if args.sweep:
         result["sweep"] = json.load(open(args.sweep))["rows"]

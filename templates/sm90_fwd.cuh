@@ -13,11 +13,14 @@
 //   L2 together, longest query blocks first within a section: a CTA that finishes early takes the
 //   next tile, which balances causal work. The producer fetches each tile and publishes it to the
 //   consumers in shared memory with the Q tile (on that Q slot's q_full); -1 ends the loop. Two Q
-//   slots where shared memory allows, so the next tile's Q loads while this one runs.
-//   Across work tiles the pipeline does not drain: a tile's first QK^T issues beside the previous
-//   tile's last P V, its softmax overlaps that GEMM, and the previous tile's epilogue follows the
-//   step (a tile's first P V overwrites O instead of accumulating). Only an empty tile (no
-//   visible key) or the end drains it.
+//   slots where shared memory allows, so the next tile's Q loads while this one runs. (Claiming
+//   the next tile before loading this one's, to hide the atomic, was tried: causal rows fell 3-8%
+//   against cuDNN between two runs, likely as a CTA held a claimed tile while others ran dry.)
+//   With two Q slots the pipeline does not drain between work tiles: a tile's first QK^T issues
+//   beside the previous tile's last P V, its softmax overlaps that GEMM, and the previous tile's
+//   epilogue follows the step (a tile's first P V overwrites O instead of accumulating). Only an
+//   empty tile (no visible key) or the end drains it; with one Q slot (head dim 256), every tile
+//   does, as the next Q can only load after this tile's last QK^T.
 //   ptxas serializes wgmma (warning C7520) when a wgmma sits on a path it cannot prove warp-uniform,
 //   which would undo the overlap: uniform values go through warp_uniform(), and the barrier waits
 //   come before the first wgmma of a step, never between two.
@@ -379,10 +382,15 @@ __device__ void sm90_fwd_kernel(const AttentionSm90FwdParams& params) {
     }
     // Steps: S of the next key block (the next work tile's first when this one is done) beside P V
     // of this one.
+    bool fetched = false;
     for (;;) {
       const bool tile_done = warp_uniform(n_block == front.keys.n_block_min);
       if (tile_done) {
+        // With one Q slot the next tile's Q loads only once this tile's last QK^T is done: waiting
+        // for it here would stall this tile's last P V, so the pipeline drains first.
+        if (kQStages == 1) break;
         more = fetch_tile(front);
+        fetched = true;
         if (!more || front.keys.count() == 0) break;
         n_block = front.keys.n_block_max;
       }
@@ -426,8 +434,8 @@ __device__ void sm90_fwd_kernel(const AttentionSm90FwdParams& params) {
       ++kv_count;
       n_block = next_block;
     }
-    // P V of the tile's last block alone (the next tile has no key block, or there is none), then
-    // its output; `front` already holds what comes next.
+    // P V of the tile's last block alone (the next tile has no key block, there is none, or it
+    // waits for the one Q slot), then its output and the next tile.
     mbarrier_wait(bar_v_full(stage), (kv_count / kStages) & 1);
     fence_operands(o_flat);
     fence_operands(a);
@@ -440,6 +448,7 @@ __device__ void sm90_fwd_kernel(const AttentionSm90FwdParams& params) {
     release(bar_v_empty(stage));
     ++kv_count;
     store_output(back_index, st, o_flat);
+    if (!fetched) more = fetch_tile(front);
   }
 }
 
