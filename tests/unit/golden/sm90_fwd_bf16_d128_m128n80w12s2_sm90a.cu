@@ -12,6 +12,7 @@ struct Config {
   static constexpr flashjit::kernels::MaskKind kMask = flashjit::kernels::MaskKind::kNone;
   static constexpr bool kHasSoftcap = false;
   static constexpr int kArch = 90;
+  static constexpr int kQStages = 2;
   static __device__ __forceinline__ void wgmma_qk(float (&d)[40], unsigned long long desc_a,
       unsigned long long desc_b, bool accumulate) {
     asm volatile(
