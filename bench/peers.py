@@ -25,14 +25,20 @@ class ClockReader:
     """The SM clock and the active clock-event reasons (power cap, thermal) through NVML, read right
     after each sample: whether a backend's time was set by the chip's clock rather than its code.
     Inert where NVML is missing."""
-    POWER_CAP, THERMAL = 0x4 | 0x80, 0x20 | 0x40  # SW/HW power cap; SW/HW thermal slowdown
+    POWER_CAP, THERMAL = 0x4 | 0x80, 0x20 | 0x40  # SW power cap, HW power brake; SW/HW thermal slowdown
 
     def __init__(self):
         try:
             import pynvml
             pynvml.nvmlInit()
             self.nvml = pynvml
-            self.handle = pynvml.nvmlDeviceGetHandleByIndex(torch.cuda.current_device())
+            device = torch.cuda.current_device()
+            try:  # NVML numbers GPUs its own way (CUDA_VISIBLE_DEVICES does not apply): ours by PCI bus
+                props = torch.cuda.get_device_properties(device)
+                bus = f"{props.pci_domain_id:08x}:{props.pci_bus_id:02x}:{props.pci_device_id:02x}.0"
+                self.handle = pynvml.nvmlDeviceGetHandleByPciBusId(bus)
+            except Exception:
+                self.handle = pynvml.nvmlDeviceGetHandleByIndex(device)
         except Exception:
             self.nvml = None
 
@@ -78,9 +84,9 @@ def interleaved_median_ms(fns, iters=20, clocks=None):
     for name, v in samples.items():
         result[name] = dict(median_ms=median(v))
         if readings[name]:
-            result[name]["sm_clock_mhz"] = median([mhz for mhz, _ in readings[name]])
-            result[name]["power_capped"] = sum(bool(r & ClockReader.POWER_CAP) for _, r in readings[name]) / len(readings[name])
-            result[name]["thermal_capped"] = sum(bool(r & ClockReader.THERMAL) for _, r in readings[name]) / len(readings[name])
+            share = lambda mask: sum(bool(r & mask) for _, r in readings[name]) / len(readings[name])
+            result[name].update(sm_clock_mhz=median([mhz for mhz, _ in readings[name]]),
+                                power_capped=share(ClockReader.POWER_CAP), thermal_capped=share(ClockReader.THERMAL))
     return result
 
 

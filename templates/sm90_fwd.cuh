@@ -25,8 +25,8 @@
 //   which would undo the overlap: uniform values go through warp_uniform(), and the barrier waits
 //   come before the first wgmma of a step, never between two.
 //   Shared memory: kQStages Q tiles (kPanels panels of kBlockM rows x 128 bytes), kStages K and V
-//   tiles (panels of kBlockN rows), then the barriers; the base is aligned to 1024 bytes (the swizzle atom). TMA
-//   boxes are 64 values wide, so columns past the tensor's head dim read zeros.
+//   tiles (panels of kBlockN rows), then the barriers; the base is aligned to 1024 bytes (the
+//   swizzle atom). TMA boxes are 64 values wide, so columns past the tensor's head dim read zeros.
 //   Varlen: the maps cover the packed rows as one batch entry; rows past a sequence's end belong
 //   to the next sequence, so its edge tiles are always masked and its rows past the end never
 //   written.
@@ -334,9 +334,10 @@ __device__ void sm90_fwd_kernel(const AttentionSm90FwdParams& params) {
     return true;
   };
 
-  // The key blocks of consecutive work tiles form one stream: the step that computes S for a work
-  // tile's first block also runs P V for the previous tile's last, so the softmax of one tile's
-  // start overlaps the GEMM of the last one's end, and the epilogue follows that step.
+  // With two Q slots the key blocks of consecutive work tiles form one stream: the step that
+  // computes S for a work tile's first block also runs P V for the previous tile's last, so the
+  // softmax of one tile's start overlaps the GEMM of the last one's end, and the epilogue follows
+  // that step.
   // O is a flat array, the form the wgmma wrappers take (the mma.sync layout [1][kOFrags][4]
   // flattened). It sits apart from the row statistics: inside one struct, behind a reinterpreting
   // alias, NVVM left a 132-float state in local memory at head dim 256. A tile's first P V
