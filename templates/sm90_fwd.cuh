@@ -19,8 +19,8 @@
 //   With two Q slots the pipeline does not drain between work tiles: a tile's first QK^T issues
 //   beside the previous tile's last P V, its softmax overlaps that GEMM, and the previous tile's
 //   epilogue follows the step (a tile's first P V overwrites O instead of accumulating). Only an
-//   empty tile (no visible key) or the end drains it; with one Q slot (head dim 256), every tile
-//   does, as the next Q can only load after this tile's last QK^T.
+//   empty tile (no visible key) or the end drains it; with one Q slot (the default tiles at head
+//   dims 192 and 256), every tile does, as the next Q can only load after this tile's last QK^T.
 //   ptxas serializes wgmma (warning C7520) when a wgmma sits on a path it cannot prove warp-uniform,
 //   which would undo the overlap: uniform values go through warp_uniform(), and the barrier waits
 //   come before the first wgmma of a step, never between two.
