@@ -58,6 +58,24 @@ TEST_CASE("sm90_fwd's Config carries the wgmma instructions of its tile widths",
   CHECK_THAT(render(s).text, Catch::Contains("m64n80k16.f32.f16.f16") && Catch::Contains("m64n128k16.f32.f16.f16"));
 }
 
+TEST_CASE("sm90_fwd takes a second Q slot where shared memory holds it", "[render]") {
+  // Shared memory: 1024 (alignment) + Q slots x block_m x 128 bytes per 64-dim panel + two rings of
+  // K and V tiles + barriers (8 bytes each: q_full, q_empty per slot, four per stage) + 16.
+  auto expected = [](const KernelSpec& s, int q_slots) {
+    const int panels = (s.head_dim + 63) / 64;
+    return 1024 + q_slots * panels * s.block_m * 128 + 2 * s.num_stages * panels * s.block_n * 128 +
+           8 * (2 * q_slots + 4 * s.num_stages) + 16;
+  };
+  const Arch sm90 = Arch::parse("sm_90a");
+  const KernelSpec d128 = default_spec(Family::sm90_fwd, sm90, DType::bf16, 128);  // m128 n128: 193 KB with two
+  CHECK(dynamic_smem_bytes(d128) == expected(d128, 2));
+  CHECK_THAT(render(d128).text, Catch::Contains("kQStages = 2;"));
+  const KernelSpec d256 = default_spec(Family::sm90_fwd, sm90, DType::bf16, 256);  // m128 n64: 257 KB with two
+  CHECK(dynamic_smem_bytes(d256) == expected(d256, 1));
+  CHECK(expected(d256, 2) > 227 * 1024);
+  CHECK_THAT(render(d256).text, Catch::Contains("kQStages = 1;"));
+}
+
 TEST_CASE("variants differ only after the fixed include block", "[render]") {
   // Same includes, then constexpr values: keeps NVRTC's precompiled-header path open.
   const auto a = render(default_spec(Family::reference_fwd, Arch::parse("sm_80"), DType::bf16, 64));
