@@ -14,13 +14,12 @@ rounds=3
 if [[ $# -gt 0 && $1 != -- ]]; then rounds=$1; shift; fi
 [[ ${1:-} == -- ]] && shift
 out=$(mktemp -d)
-for r in $(seq "$rounds"); do
-  "$a" "$@" --json > "$out/a_$r.json"
-  "$b" "$@" --json > "$out/b_$r.json"
-done
-python3 - "$out" "$rounds" <<'PY'
+# The table after every round (over the rounds so far): a run cut short still leaves one.
+report() {
+python3 - "$out" "$1" <<'PY'
 import json, statistics, sys
 out, rounds = sys.argv[1], int(sys.argv[2])
+print(f"after {rounds} round(s):")
 def load(side):
     rows = {}
     for r in range(1, rounds + 1):
@@ -32,5 +31,11 @@ print(f"{'d':>4} {'S':>6} {'mask':7} {'A ms':>9} {'B ms':>9} {'B speedup':>9}")
 for key in sorted(a):
     ma, mb = statistics.median(a[key]), statistics.median(b[key])
     d, s, causal = key
-    print(f"{d:4} {s:6} {'causal' if causal else 'full':7} {ma:9.3f} {mb:9.3f} {ma / mb:9.3f}")
+    print(f"{d:4} {s:6} {'causal' if causal else 'full':7} {ma:9.3f} {mb:9.3f} {ma / mb:9.3f}", flush=True)
 PY
+}
+for r in $(seq "$rounds"); do
+  "$a" "$@" --json > "$out/a_$r.json"
+  "$b" "$@" --json > "$out/b_$r.json"
+  report "$r"
+done
