@@ -5,8 +5,9 @@
 one sample each per round, with the SM clock read after each sample (NVML, where present). Prints
 one JSON document.
 
-The "flashjit" backend (the Python package, on (b, s, h, d) views of the same head-major tensors)
-runs beside the peers in the same rounds. --mode fwdbwd times forward + backward (autograd over
+The "flashjit" backend (the Python package, on (b, s, h, d) views of the same tensors) runs beside
+the peers in the same rounds. --layout bshd stores the tensors sequence-major (flash-attn's order)
+instead of head-major (SDPA's). --mode fwdbwd times forward + backward (autograd over
 q, k, v with a random dout).
 FLOPs: forward 4*B*H*S*S*D (halved when causal); forward + backward 3.5x that."""
 import argparse
@@ -101,6 +102,8 @@ def main():
     ap.add_argument("--flex-head-dims", default="64,128,256", help="FlexAttention compiles per shape: limit it")
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--mode", choices=("fwd", "fwdbwd"), default="fwd")
+    ap.add_argument("--layout", choices=("bhsd", "bshd"), default="bhsd",
+                    help="memory order of q, k, v and dout: head-major (SDPA's) or sequence-major (flash-attn's)")
     args = ap.parse_args()
     backward = args.mode == "fwdbwd"
 
@@ -122,9 +125,16 @@ def main():
             for c in args.causal.split(","):
                 causal = c == "on"
                 b, h = args.tokens // s, args.hidden // d
-                q, k, v = (torch.randn(b, h, s, d, device="cuda", dtype=torch.bfloat16, requires_grad=backward)
-                           for _ in range(3))
-                dout = torch.randn(b, h, s, d, device="cuda", dtype=torch.bfloat16)
+                # Every backend sees (b, h, s, d) tensors over memory in --layout's order (FA2 runs
+                # 8-13% faster on sequence-major memory at 1k tokens, measured on the H200).
+                def tensor(grad=False):
+                    if args.layout == "bhsd":
+                        return torch.randn(b, h, s, d, device="cuda", dtype=torch.bfloat16, requires_grad=grad)
+                    base = torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16, requires_grad=grad)
+                    return base.transpose(1, 2)
+
+                q, k, v = (tensor(backward) for _ in range(3))
+                dout = tensor()
                 flops = 4.0 * b * h * s * s * d / (2 if causal else 1) * (3.5 if backward else 1.0)
 
                 def make_attention(name):
@@ -134,7 +144,7 @@ def main():
                             with sdpa_kernel(backend):
                                 return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
                         return attention
-                    if name == "flashjit":  # (b, s, h, d) views of the same head-major tensors
+                    if name == "flashjit":  # (b, s, h, d) views of the same tensors
                         return lambda: flashjit.flash_attn_func(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                                                                 causal=causal).transpose(1, 2)
                     if name == "flex" and str(d) in args.flex_head_dims.split(","):
@@ -167,7 +177,7 @@ def main():
                              if "sm_clock_mhz" in timing else "")
                     print(f"{name:8} d{d:<4} s{s:<6} {'causal' if causal else 'full':7} {ms:9.3f} ms "
                           f"{rows[-1]['tflops']:7.1f} TFLOP/s{clock}", file=sys.stderr, flush=True)
-    json.dump(dict(device=torch.cuda.get_device_name(), torch=torch.__version__, mode=args.mode,
+    json.dump(dict(device=torch.cuda.get_device_name(), torch=torch.__version__, mode=args.mode, layout=args.layout,
                    cudnn=torch.backends.cudnn.version(), rows=rows), sys.stdout, indent=1)
 
 

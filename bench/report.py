@@ -67,7 +67,7 @@ def main():
     result = dict(name=args.name, date=datetime.date.today().isoformat(), device=grid["device"],
                   torch=peers.get("torch"), cudnn=peers.get("cudnn"), dtype=grid["dtype"],
                   tokens=grid["tokens"], hidden=grid["hidden"],
-                  mode=mode, summary_min_seqlen=args.min_seqlen, flop_convention="4*B*H*S*S*D, halved when causal" + (
+                  mode=mode, layout=peers.get("layout", "bhsd"), summary_min_seqlen=args.min_seqlen, flop_convention="4*B*H*S*S*D, halved when causal" + (
                       "; forward + backward = 3.5x" if mode == "fwdbwd" else ""), method=(
                       "median of the samples, each ~10 ms of back-to-back calls between CUDA events, "
                       "after warm-up; " + ("flashjit-bench and peers.py in one device call" if len(args.sources) == 2

@@ -97,7 +97,8 @@ def _kernel_ready(t):
     return t.stride(-1) == 1 and all(s % 8 == 0 for s, n in zip(t.stride()[:-1], t.shape[:-1]) if n > 1)
 
 
-# The raw calls, on the current stream of the tensors' device. The custom ops in _torch_ops wrap them.
+# The raw calls, on the current stream of the tensors' device. _torch_ops wraps them in custom ops and
+# autograd.Functions.
 
 def _forward(q, k, v, softmax_scale, causal, window_left, window_right, softcap, backend, sm_margin):
     torch = _torch()
@@ -184,7 +185,7 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
     (like q), and with return_lse=True also the float32 logsumexp (batch, heads_q, seqlen_q), which
     is not differentiable. deterministic=True makes the backward bitwise reproducible (slower).
     sm_margin: SMs the persistent Hopper forward leaves free for other kernels (as in FlashAttention-3).
-    A torch custom op (torch.ops.flashjit.attention), so torch.compile traces through it.
+    Under torch.compile a torch custom op (torch.ops.flashjit.attention), which it traces through.
     """
     _unsupported(dropout_p, alibi_slopes, return_attn_probs)
     _check_options(softmax_scale, window_size, backend)
@@ -192,9 +193,11 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
         if t.dim() != 4:
             raise ValueError(f"{name}: expected 4 dims (batch, seqlen, heads, head_dim), got shape {tuple(t.shape)}")
     _same_device((q, k, v), ("q", "k", "v"))
-    if _needs_autograd_or_tracing(q, k, v):
-        out, lse = _ops().attention(q, k, v, softmax_scale, bool(causal), int(window_size[0]), int(window_size[1]),
-                                    float(softcap), backend, int(sm_margin), bool(deterministic))
+    path = _autograd_path(q, k, v)
+    if path is not None:
+        attention = _ops().attention if path == "traced" else _ops().eager_attention
+        out, lse = attention(q, k, v, softmax_scale, bool(causal), int(window_size[0]), int(window_size[1]),
+                             float(softcap), backend, int(sm_margin), bool(deterministic))
     else:  # inference: the raw call, without the custom op's dispatch
         out, lse = _forward(q, k, v, softmax_scale, bool(causal), int(window_size[0]), int(window_size[1]),
                             float(softcap), backend, int(sm_margin))
@@ -214,10 +217,12 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
         if t.dim() != 3:
             raise ValueError(f"{name}: expected 3 dims (total, heads, head_dim), got shape {tuple(t.shape)}")
     _same_device((q, k, v, cu_seqlens_q, cu_seqlens_k), ("q", "k", "v", "cu_seqlens_q", "cu_seqlens_k"))
-    if _needs_autograd_or_tracing(q, k, v):
-        out, lse = _ops().attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k),
-                                           softmax_scale, bool(causal), int(window_size[0]), int(window_size[1]),
-                                           float(softcap), backend, int(sm_margin), bool(deterministic))
+    path = _autograd_path(q, k, v)
+    if path is not None:
+        attention = _ops().attention_varlen if path == "traced" else _ops().eager_attention_varlen
+        out, lse = attention(q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k),
+                             softmax_scale, bool(causal), int(window_size[0]), int(window_size[1]),
+                             float(softcap), backend, int(sm_margin), bool(deterministic))
     else:
         out, lse = _forward_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k),
                                    softmax_scale, bool(causal), int(window_size[0]), int(window_size[1]),
@@ -225,13 +230,16 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     return (out, lse) if return_lse else out
 
 
-def _needs_autograd_or_tracing(*tensors):
-    """The custom op is needed to record a backward or to be traced by torch.compile; a plain
-    inference call skips its dispatch."""
+def _autograd_path(*tensors):
+    """Returns "traced" under torch.compile (the custom op, which it traces through), "eager" where a
+    backward must be recorded (an autograd.Function: less host time per call than the custom op's
+    dispatch), None for a plain inference call (the raw call)."""
     torch = _torch()
     if torch.compiler.is_compiling():
-        return True
-    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+        return "traced"
+    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+        return "eager"
+    return None
 
 
 def _ops():

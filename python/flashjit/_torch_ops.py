@@ -1,6 +1,7 @@
 """torch custom ops around the C API: flashjit::attention (and _varlen) with autograd through
 flashjit::attention_backward, plus fake implementations so torch.compile traces through them
-without graph breaks. Imported on first use by the package (which itself loads without torch)."""
+without graph breaks; and the same autograd as plain autograd.Functions for eager calls.
+Imported on first use by the package (which itself loads without torch)."""
 import types
 from typing import Optional, Tuple
 
@@ -90,6 +91,53 @@ def register(impl):
 
     attention_varlen.register_autograd(backward_varlen, setup_context=setup_context_varlen)
 
+    # Eager autograd: the same forward and backward as plain autograd.Functions over the raw calls.
+    # The custom ops' dispatch (schema checks, the autograd wrapper, a zero-filled gradient for the
+    # LSE) costs host time on every call, which shows at short sequences; the package uses these
+    # unless torch.compile is tracing.
+    class EagerAttention(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, q, k, v, softmax_scale, causal, window_left, window_right, softcap, backend, sm_margin,
+                    deterministic):
+            out, lse = impl._forward(q, k, v, softmax_scale, causal, window_left, window_right, softcap, backend,
+                                     sm_margin)
+            ctx.mark_non_differentiable(lse)
+            ctx.set_materialize_grads(False)  # no zero-filled dLSE: it is unused
+            ctx.save_for_backward(q, k, v, out, lse)
+            ctx.options = (softmax_scale, causal, window_left, window_right, softcap, deterministic)
+            return out, lse
+
+        @staticmethod
+        def backward(ctx, dout, _dlse):
+            if dout is None:  # out did not reach the loss
+                return (None,) * 11
+            q, k, v, out, lse = ctx.saved_tensors
+            return impl._backward(dout, q, k, v, out, lse, *ctx.options) + (None,) * 8
+
+    class EagerAttentionVarlen(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
+                    window_left, window_right, softcap, backend, sm_margin, deterministic):
+            out, lse = impl._forward_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                            softmax_scale, causal, window_left, window_right, softcap, backend,
+                                            sm_margin)
+            ctx.mark_non_differentiable(lse)
+            ctx.set_materialize_grads(False)
+            ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k)
+            ctx.options = (max_seqlen_q, max_seqlen_k, softmax_scale, causal, window_left, window_right, softcap,
+                           deterministic)
+            return out, lse
+
+        @staticmethod
+        def backward(ctx, dout, _dlse):
+            if dout is None:
+                return (None,) * 15
+            q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k = ctx.saved_tensors
+            return impl._backward_varlen(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k,
+                                         *ctx.options) + (None,) * 12
+
     return types.SimpleNamespace(attention=attention, attention_varlen=attention_varlen,
                                  attention_backward=attention_backward,
-                                 attention_varlen_backward=attention_varlen_backward)
+                                 attention_varlen_backward=attention_varlen_backward,
+                                 eager_attention=EagerAttention.apply,
+                                 eager_attention_varlen=EagerAttentionVarlen.apply)

@@ -234,6 +234,26 @@ def test_custom_op_registration_and_torch_compile():
         assert torch.equal(a, b) or (a.float() - b.float()).abs().max() < 1e-2
 
 
+def test_eager_autograd_and_custom_op_agree():
+    """Eager calls record a plain autograd.Function (less host time per call); the custom op's
+    autograd, which torch.compile traces, gives the same bits (deterministic backward)."""
+    torch.manual_seed(6)
+    q = torch.randn(2, 160, 4, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    k = torch.randn(2, 160, 2, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    v = torch.randn(2, 160, 2, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    dout = torch.randn_like(q)
+    out = flash_attn_func(q, k, v, causal=True, deterministic=True)
+    assert type(out.grad_fn).__name__ == "EagerAttentionBackward"
+    eager = torch.autograd.grad(out, (q, k, v), dout)
+    op_out, _ = torch.ops.flashjit.attention(q, k, v, None, True, -1, -1, 0.0, "auto", 0, True)
+    assert op_out.grad_fn is not None and "EagerAttention" not in type(op_out.grad_fn).__name__
+    through_op = torch.autograd.grad(op_out, (q, k, v), dout)
+    assert torch.equal(out, op_out)
+    for a, b, name in zip(eager, through_op, ("dq", "dk", "dv")):
+        assert a.abs().max() > 0, name
+        assert torch.equal(a, b), name
+
+
 def test_backward_argument_errors():
     q = torch.randn(1, 64, 4, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     out, lse = flashjit._forward(q, q, q, None, False, -1, -1, 0.0, "auto", 0)
@@ -259,7 +279,7 @@ def test_load_tuning_db_errors(tmp_path):
 
 
 def test_inference_and_autograd_paths_agree():
-    """No-grad calls skip the custom op; both paths run the same kernel and give the same bits."""
+    """No-grad calls skip autograd; both paths run the same kernel and give the same bits."""
     torch.manual_seed(11)
     q = torch.randn(2, 200, 4, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     k = torch.randn(2, 200, 2, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
