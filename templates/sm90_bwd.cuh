@@ -357,15 +357,24 @@ __device__ void sm90_bwd_dkdv_atomic_dq_kernel(const AttentionSm90BwdParams& par
     if (!computes_dq) continue;
 
     float* accum = p.dq_accum + static_cast<long long>(head) * p.workspace_rows * f.head_dim;
+    // Where the head dim is the kernel's, no column needs a bounds check: the atomics then share
+    // one address register at constant offsets. Guarded, each sat in its own branch with its own
+    // address, and the next address waited for the previous atomic to read its registers.
+    const bool full_width = f.head_dim == kHeadDim;
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       const int row = m0 + warp_in_group * 16 + lane / 4 + h * 8;
       if (row >= seq.seqlen_q) continue;
-      float* accum_row = accum + static_cast<long long>(workspace_row(f, seq, batch, row)) * f.head_dim;
+      const int col0 = (Shape::kDqAlternates ? 0 : consumer * Shape::kDqCols) + (lane % 4) * 2;
+      float* accum_row = accum + static_cast<long long>(workspace_row(f, seq, batch, row)) * f.head_dim + col0;
+      if (full_width) {
 #pragma unroll
-      for (int j = 0; j < Shape::kDqCols / 8; ++j) {
-        const int col = (Shape::kDqAlternates ? 0 : consumer * Shape::kDqCols) + j * 8 + (lane % 4) * 2;
-        if (col < f.head_dim) atomic_add_pair<90>(accum_row + col, dq[4 * j + 2 * h], dq[4 * j + 2 * h + 1]);
+        for (int j = 0; j < Shape::kDqCols / 8; ++j)
+          atomic_add_pair<90>(accum_row + j * 8, dq[4 * j + 2 * h], dq[4 * j + 2 * h + 1]);
+      } else {
+#pragma unroll
+        for (int j = 0; j < Shape::kDqCols / 8; ++j)
+          if (col0 + j * 8 < f.head_dim) atomic_add_pair<90>(accum_row + j * 8, dq[4 * j + 2 * h], dq[4 * j + 2 * h + 1]);
       }
     }
   }
