@@ -232,8 +232,8 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
 
 def _autograd_path(*tensors):
     """Returns "traced" under torch.compile (the custom op, which it traces through), "eager" where a
-    backward must be recorded (an autograd.Function: less host time per call than the custom op's
-    dispatch), None for a plain inference call (the raw call)."""
+    backward must be recorded (an autograd.Function, without the custom op's dispatch), None for a
+    plain inference call (the raw call)."""
     torch = _torch()
     if torch.compiler.is_compiling():
         return "traced"

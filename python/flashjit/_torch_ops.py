@@ -92,9 +92,9 @@ def register(impl):
     attention_varlen.register_autograd(backward_varlen, setup_context=setup_context_varlen)
 
     # Eager autograd: the same forward and backward as plain autograd.Functions over the raw calls.
-    # The custom ops' dispatch (schema checks, the autograd wrapper, a zero-filled gradient for the
-    # LSE) costs host time on every call, which shows at short sequences; the package uses these
-    # unless torch.compile is tracing.
+    # They skip the custom ops' dispatch (schema checks, the autograd wrapper, a zero-filled
+    # gradient for the LSE), host work on every call; the package uses them unless torch.compile
+    # is tracing.
     class EagerAttention(torch.autograd.Function):
         @staticmethod
         def forward(ctx, q, k, v, softmax_scale, causal, window_left, window_right, softcap, backend, sm_margin,
