@@ -109,12 +109,17 @@ std::vector<KernelSpec> gather_specs(const Options& o) {
         for (int head_dim : o.head_dims)
           for (MaskKind mask : cli::parse_masks(o.masks))
             for (const auto& pass : o.passes) {
+              KernelSpec heuristic;
               if (pass == "fwd")
-                specs.push_back(heuristic_forward_spec(arch, dtype, head_dim, mask));
+                heuristic = heuristic_forward_spec(arch, dtype, head_dim, mask);
               else if (pass == "bwd")
-                specs.push_back(heuristic_backward_spec(arch, dtype, head_dim, mask));
+                heuristic = heuristic_backward_spec(arch, dtype, head_dim, mask);
               else
                 throw Error(ErrorCode::invalid_argument, "--passes", fmt::format("'{}' is not fwd or bwd", pass));
+              specs.push_back(heuristic);
+              // Where the bundled database overrides the heuristic (the H200's tuned tiles), its
+              // picks too: dispatch runs them for the shapes they were tuned on.
+              for (const KernelSpec& tuned : bundled_tuned_specs(heuristic)) specs.push_back(tuned);
             }
   }
   // Drop duplicates (head dims that round to the same kernel), keep the order.
@@ -241,7 +246,7 @@ int main(int argc, char** argv) {
       "  flashjit-warm --tuning-db tuning.json                    what flashjit-tune chose\n"
       "\nExit status: 0 all good, 1 a compile or check failed, 2 bad arguments or input.");
   app.add_option("--arch", o.archs, "Target arch, repeatable (sm_80, sm_86, sm_89, sm_90a, ...)");
-  app.add_option("--preset", o.preset, "Named spec set: 'default' = dispatch's heuristic choices");
+  app.add_option("--preset", o.preset, "Named spec set: 'default' = dispatch's heuristic choices and the bundled tuning database's picks");
   app.add_option("--head-dims", o.head_dims, "Head dims for the preset")->delimiter(',');
   app.add_option("--dtypes", o.dtypes, "Dtypes for the preset (bf16, fp16)")->delimiter(',');
   app.add_option("--masks", o.masks, "Mask kinds for the preset (none, causal, window)")->delimiter(',');

@@ -2,6 +2,7 @@
 
 #include "flashjit/dispatch.hpp"
 
+#include <algorithm>
 #include <map>
 #include <mutex>
 
@@ -211,6 +212,18 @@ KernelSpec heuristic_backward_spec(const Arch& arch, DType dtype, int head_dim, 
   const int kernel_head_dim = detail::kernel_head_dim(Family::fa2_bwd, head_dim);
   const Family family = family_covers(Family::sm90_bwd, arch, kernel_head_dim) ? Family::sm90_bwd : Family::fa2_bwd;
   return default_spec(family, arch, dtype, kernel_head_dim, mask, has_softcap);
+}
+
+std::vector<KernelSpec> bundled_tuned_specs(const KernelSpec& heuristic) {
+  std::vector<KernelSpec> specs;
+  for (const TunedEntry& e : bundled_tuning_db().entries()) {
+    const KernelSpec& s = e.spec;
+    const bool same_kind = s.family == heuristic.family && s.arch == heuristic.arch && s.dtype == heuristic.dtype &&
+                           s.head_dim == heuristic.head_dim && s.mask == heuristic.mask &&
+                           s.has_softcap == heuristic.has_softcap;
+    if (same_kind && std::find(specs.begin(), specs.end(), s) == specs.end()) specs.push_back(s);
+  }
+  return specs;
 }
 
 }  // namespace flashjit

@@ -16,4 +16,9 @@ KernelSpec heuristic_forward_spec(const Arch& arch, DType dtype, int head_dim, M
 KernelSpec heuristic_backward_spec(const Arch& arch, DType dtype, int head_dim, MaskKind mask,
                                    bool has_softcap = false);
 
+// The bundled tuning database's winners of the same kind as `heuristic` (family, arch, dtype,
+// kernel head dim, mask, softcap): what dispatch runs instead of it on the GPUs the database was
+// tuned on, for some sequence lengths and batch sizes. Each spec once, in database order.
+std::vector<KernelSpec> bundled_tuned_specs(const KernelSpec& heuristic);
+
 }  // namespace flashjit
