@@ -146,7 +146,7 @@ TEST_CASE("JSON with unknown, missing or mistyped fields is rejected", "[spec]")
   rejects(json::array(), "must be a JSON object");
 }
 
-TEST_CASE("fa2_bwd: tile rules, per-entry shared memory, names", "[spec]") {
+TEST_CASE("fa2_bwd: tile rules, per-entry shared memory (and sm90_bwd's), names", "[spec]") {
   const Arch hopper = Arch::parse("sm_90a"), ampere = Arch::parse("sm_80");
   const KernelSpec base = default_spec(Family::fa2_bwd, hopper, DType::bf16, 128, MaskKind::causal);
   CHECK(base.name() == "fa2_bwd_bf16_d128_m64n128w8s2_causal_sm90a");
@@ -187,6 +187,16 @@ TEST_CASE("fa2_bwd: tile rules, per-entry shared memory, names", "[spec]") {
       CHECK(largest == dynamic_smem_bytes(s));
       CHECK(dynamic_smem_bytes(s) <= max_smem_per_block(arch));
     }
+  // sm90_bwd likewise: only its main entry (dkdv_atomic_dq) takes the shared memory; launched with
+  // it, the row passes ran one CTA per SM.
+  for (int d : {64, 128, 256}) {
+    const KernelSpec s = default_spec(Family::sm90_bwd, hopper, DType::bf16, d);
+    INFO(s.name());
+    REQUIRE(render(s).entry_names.size() == 3);
+    CHECK(entry_dynamic_smem_bytes(s, 0) == 0);
+    CHECK(entry_dynamic_smem_bytes(s, 1) == dynamic_smem_bytes(s));
+    CHECK(entry_dynamic_smem_bytes(s, 2) == 0);
+  }
   CHECK_FALSE(is_forward_family(Family::fa2_bwd));
   CHECK(is_forward_family(Family::fa2_fwd));
 }

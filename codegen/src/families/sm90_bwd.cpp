@@ -45,6 +45,12 @@ std::optional<std::string> validate_tiles(const KernelSpec& s) {
   return std::nullopt;
 }
 
+// The entries, in the order of the rules' list. The row passes use no shared memory: launched with
+// the main kernel's (up to 224 KB) they ran one CTA per SM, at half the memory bandwidth.
+enum Entry { kPreprocess, kDkdvAtomicDq, kConvertDq };
+
+int entry_smem_bytes(const KernelSpec& s, int entry) { return entry == kDkdvAtomicDq ? smem_bytes(s) : 0; }
+
 void set_default_tiles(KernelSpec& s) {
   s.block_m = 64;
   s.block_n = keys_per_cta(s);
@@ -89,7 +95,7 @@ const FamilyRules kSm90BwdRules{
     set_default_tiles,
     threads,
     smem_bytes,
-    /*entry_smem_bytes=*/nullptr,
+    entry_smem_bytes,
     config_members,
 };
 
