@@ -59,6 +59,7 @@ def interleaved_median_ms(fns, iters=20, clocks=None):
     start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
 
     def timed(fn, calls):
+        fn()  # untimed lead call (see below)
         start.record()
         for _ in range(calls):
             fn()
@@ -68,6 +69,11 @@ def interleaved_median_ms(fns, iters=20, clocks=None):
 
     # Back-to-back calls filling ~10 ms per sample, so that one call's host work overlaps the
     # previous call's kernel, as it does in a model: the samples time the GPU, not the launch path.
+    # An untimed lead call runs before the start event, so the GPU is busy while the host queues the
+    # timed calls. Without it each sample began with the GPU waiting for the host's first launches:
+    # on the H200 machine that cost a forward + backward sample ~0.4 ms through flashjit's Python
+    # autograd path and ~0.17 ms through SDPA's (batches of 1 to 16 calls, 1k tokens, head dim 64),
+    # 3-6% of a 10 ms sample, a launch-path cost the samples are not meant to hold.
     calls = {name: max(1, min(200, int(10.0 / max(timed(fn, 1), 1e-3)))) for name, fn in fns.items()}
     samples = {name: [] for name in fns}
     readings = {name: [] for name in fns}

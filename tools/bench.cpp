@@ -67,11 +67,14 @@ struct Row {
 // Median per-call time of each of `calls`, over `iters` samples taken in turn (so clock and
 // thermal drift hit them alike). A sample times back-to-back calls between two events, enough to
 // span ~10 ms (up to 200): each call's host work overlaps the previous kernel, as in a model, so the
-// samples time the GPU rather than the launch path. Warm-up calls first keep compiles, module loads
-// and lazy loading out of the numbers.
+// samples time the GPU rather than the launch path. An untimed lead call before the start event
+// keeps the GPU busy while the host queues the timed ones: without it the GPU waited for the first
+// launch, a cost of the launch path. Warm-up calls first keep compiles, module loads and lazy
+// loading out of the numbers.
 std::vector<double> median_ms(const std::vector<std::function<void()>>& calls, int warmup, int iters, CUevent start,
                               CUevent stop) {
   auto timed = [&](const std::function<void()>& call, int count) {
+    call();  // the lead call (untimed)
     FLASHJIT_CU(cuEventRecord, start, nullptr);
     for (int i = 0; i < count; ++i) call();
     FLASHJIT_CU(cuEventRecord, stop, nullptr);
