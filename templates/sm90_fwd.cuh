@@ -5,7 +5,8 @@
 //   warpgroups after it own 64 query rows each.
 //   A consumer step (intra-warpgroup overlap): issue S' = Q K'^T for the next key tile and
 //   O += P V for the current one (P from registers, V MN-major in shared memory), both async; wait
-//   for S' only (then free K's slot) and run its softmax while the PV GEMM still runs; then wait
+//   for S' only (then free K's slot) and run its softmax while the PV GEMM still runs (so the
+//   source says; ptxas hoists the wait for PV above the softmax, see README); then wait
 //   for PV, free V's slot and rescale O (with one Q slot, the rescale waits for the next step and
 //   runs between its two GEMM issues). Ping-pong: a named-barrier token passes between the consumer
 //   warpgroups so that they issue their GEMMs in turn, and one's softmax overlaps the other's GEMMs.
