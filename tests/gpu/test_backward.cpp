@@ -4,6 +4,7 @@
 // deterministic reruns. Every case runs fa2_bwd, and on sm_90 devices, where it has a kernel of the
 // head dim (33-64, 97-128 and 225-256), sm90_bwd too.
 #include <catch2/catch.hpp>
+#include <utility>
 
 #include "support/backward_case.hpp"
 
@@ -213,13 +214,15 @@ TEST_CASE("backward: one head and an odd row count (workspace alignment)", "[bac
   // heads_q x rows = 37 puts the dQ accumulator right after 148 bytes of row statistics unless the
   // launcher aligns it; its float4 accesses would then fault.
   // Also the smallest case of each sm90_bwd head dim, which the sanitize step of bench/device_run.sh
-  // runs under racecheck and synccheck.
+  // runs under racecheck and synccheck, and a small one with four query steps and two key tiles:
+  // the dQ writer warps' shared buffer is handed back and forth between steps.
   uint64_t seed = 19000;
   for (int head_dim : {64, 128, 256})
-    for (bool causal : {false, true}) {
-      Run r;
-      r.shape = AttentionShape::make(1, 37, 53, 1, 1, head_dim);
-      r.shape.causal = causal;
-      check(r, seed++);
-    }
+    for (bool causal : {false, true})
+      for (auto [seqlen_q, seqlen_k] : {std::pair{37, 53}, std::pair{203, 131}}) {
+        Run r;
+        r.shape = AttentionShape::make(1, seqlen_q, seqlen_k, 1, 1, head_dim);
+        r.shape.causal = causal;
+        check(r, seed++);
+      }
 }
