@@ -214,8 +214,8 @@ TEST_CASE("backward: one head and an odd row count (workspace alignment)", "[bac
   // heads_q x rows = 37 puts the dQ accumulator right after 148 bytes of row statistics unless the
   // launcher aligns it; its float4 accesses would then fault.
   // Also the smallest case of each sm90_bwd head dim, which the sanitize step of bench/device_run.sh
-  // runs under racecheck and synccheck, and a small one with four query steps and two key tiles:
-  // the dQ writer warps' shared buffer is handed back and forth between steps.
+  // runs under racecheck and synccheck, and a small one with four query steps and two key tiles,
+  // so that the shared buffers reused from step to step are checked too.
   uint64_t seed = 19000;
   for (int head_dim : {64, 128, 256})
     for (bool causal : {false, true})
