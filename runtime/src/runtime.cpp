@@ -42,6 +42,13 @@ AttentionSm90FwdParams sm90_forward_params(const KernelSpec& spec, const Forward
                                         a.k_row_stride, a.k_head_stride, a.k_batch_stride, spec.block_n);
   params.v_map = make_attention_tma_map(a.v, problem.dtype, a.head_dim, rows_k, a.num_heads_kv, batches,
                                         a.v_row_stride, a.v_head_stride, a.v_batch_stride, spec.block_n);
+  // O through TMA stores, one consumer warpgroup's 64 rows per box (the kernel uses it where it
+  // can stage O in shared memory).
+  params.o_via_tma = !problem.is_varlen && !tma_unusable_reason("out", a.o, a.o_row_stride, a.o_head_stride,
+                                                                  a.o_batch_stride, rows_q, a.num_heads_q, batches);
+  if (params.o_via_tma)
+    params.o_map = make_attention_tma_map(a.o, problem.dtype, a.head_dim, rows_q, a.num_heads_q, batches,
+                                          a.o_row_stride, a.o_head_stride, a.o_batch_stride, 64);
   params.num_m_blocks = static_cast<int>(blocks(problem.seqlen_q, spec.block_m));
   // Sections of (batch, head) pairs whose K/V (shared by a GQA group) fill half the L2, so the
   // CTAs working on a section reread K/V from L2 rather than HBM.

@@ -66,6 +66,12 @@ std::optional<std::string> unusable_reason(const TmaOperand& t) {
 
 }  // namespace
 
+std::optional<std::string> tma_unusable_reason(const char* name, const void* data, long long row_stride,
+                                               long long head_stride, long long batch_stride, int rows, int heads,
+                                               int batches) {
+  return unusable_reason({name, data, row_stride, head_stride, batch_stride, rows, heads, batches});
+}
+
 std::optional<std::string> tma_unusable_reason(const ForwardProblem& problem) {
   const AttentionFwdParams& a = problem.params;
   const auto [rows_q, rows_k, batches] = tma_extents(problem);

@@ -28,6 +28,10 @@ TmaExtents tma_extents(const ForwardProblem& problem);
 // 16-byte aligned; a stride of a dim longer than one that is not a multiple of 16 bytes), or
 // nothing when all three can.
 std::optional<std::string> tma_unusable_reason(const ForwardProblem& problem);
+// The same for one (batch, seqlen, heads, head_dim) tensor named `name` (the output, say).
+std::optional<std::string> tma_unusable_reason(const char* name, const void* data, long long row_stride,
+                                               long long head_stride, long long batch_stride, int rows, int heads,
+                                               int batches);
 // The same for a backward problem: q, k, v and dout.
 std::optional<std::string> tma_unusable_reason(const BackwardProblem& problem);
 

@@ -42,7 +42,7 @@ struct alignas(64) TmaDescriptor {
   unsigned long long opaque[16];
 };
 
-// Hopper forward (sm90_fwd): the forward's arguments plus TMA maps of q, k and v, each a 4-D tensor
+// Hopper forward (sm90_fwd): the forward's arguments plus TMA maps of q, k, v and o, each a 4-D tensor
 // (head_dim, seqlen, heads, batch) with 64-value, 128-byte-swizzled boxes.
 // The kernel is persistent: its work tiles are (query block, head, batch), num_m_blocks of
 // kBlockM rows per sequence (the longest, when varlen), ordered in sections of `section_pairs`
@@ -52,10 +52,14 @@ struct AttentionSm90FwdParams {
   TmaDescriptor q_map;
   TmaDescriptor k_map;
   TmaDescriptor v_map;
+  TmaDescriptor o_map;  // boxes of 64 rows; used where o_via_tma
   AttentionFwdParams fwd;
   int num_m_blocks;
   int section_pairs;
   int* tile_counter;
+  // Nonzero: O may leave through shared memory and TMA stores of o_map. Not with varlen, where the
+  // map clips rows only at the packed tensor's end, not at each sequence's.
+  int o_via_tma;
 };
 
 // Backward attention (fa2_bwd). `fwd` holds the forward's inputs and options: q, k, v, o, the

@@ -52,6 +52,37 @@ __device__ __forceinline__ void tma_load_4d(unsigned smem, const TmaDescriptor& 
       : "memory");
 }
 
+// A 4-D tile from shared memory out to global memory (the map clips what lies past the tensor's
+// extents), in this thread's current bulk async-group.
+__device__ __forceinline__ void tma_store_4d(const TmaDescriptor& map, unsigned smem, int c0, int c1, int c2, int c3) {
+  asm volatile(
+      "cp.async.bulk.tensor.4d.global.shared::cta.bulk_group [%0, {%2, %3, %4, %5}], [%1];\n" ::"l"(
+          reinterpret_cast<unsigned long long>(&map)),
+      "r"(smem), "r"(c0), "r"(c1), "r"(c2), "r"(c3)
+      : "memory");
+}
+__device__ __forceinline__ void bulk_commit_group() { asm volatile("cp.async.bulk.commit_group;\n" ::: "memory"); }
+// Waits until at most kPending of this thread's bulk groups still read their shared memory (the
+// source may then be overwritten; the global writes may still be in flight).
+template <int kPending>
+__device__ __forceinline__ void bulk_wait_group_read() {
+  asm volatile("cp.async.bulk.wait_group.read %0;\n" ::"n"(kPending) : "memory");
+}
+// Waits until at most kPending of this thread's bulk groups are incomplete, writes included.
+template <int kPending>
+__device__ __forceinline__ void bulk_wait_group() {
+  asm volatile("cp.async.bulk.wait_group %0;\n" ::"n"(kPending) : "memory");
+}
+
+// Four 8x8 16-bit matrices to shared memory: lanes 8 j .. 8 j + 7 give the row addresses of matrix
+// j, and register j of each thread holds its mma.sync C-layout pair of matrix j (row lane / 4,
+// columns 2 (lane % 4) and the next).
+__device__ __forceinline__ void stmatrix_x4(unsigned smem, unsigned r0, unsigned r1, unsigned r2, unsigned r3) {
+  asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(smem), "r"(r0), "r"(r1),
+               "r"(r2), "r"(r3)
+               : "memory");
+}
+
 // ---------------------------------------------------------------------------------------------
 // wgmma
 
