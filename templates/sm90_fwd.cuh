@@ -15,9 +15,10 @@
 //   L2 together, longest query blocks first within a section: a CTA that finishes early takes the
 //   next tile, which balances causal work. The producer fetches each tile and publishes it to the
 //   consumers in shared memory with the Q tile (on that Q slot's q_full); -1 ends the loop. Two Q
-//   slots where shared memory allows, so the next tile's Q loads while this one runs. (Claiming
-//   the next tile before loading this one's, to hide the atomic, was tried: causal rows fell 3-8%
-//   against cuDNN between two runs, likely as a CTA held a claimed tile while others ran dry.)
+//   slots where shared memory allows, so the next tile's Q loads while this one runs. The next
+//   tile is claimed just before this one's last K and V loads (+4-5% at head dim 128, 2k; claiming
+//   it before loading any of this one's was tried: causal rows fell 3-8% against cuDNN between two
+//   runs, likely as a CTA held a claimed tile while others ran dry).
 //   With two Q slots the pipeline does not drain between work tiles: a tile's first QK^T issues
 //   beside the previous tile's last P V, its softmax overlaps that GEMM, and the previous tile's
 //   epilogue follows the step (a tile's first P V overwrites O instead of accumulating). Only an
@@ -178,13 +179,17 @@ __device__ void sm90_fwd_kernel(const AttentionSm90FwdParams& params) {
     registers_decrease<Shape::kProducerRegisters>();
     if (tid != 0) return;
     int kv_count = 0, q_count = 0;  // loads so far: they select the slot or stage and the barrier phase
-    for (int index = blockIdx.x;; index = gridDim.x + atomicAdd(params.tile_counter, 1)) {
+    auto claim_tile = [&] { return static_cast<int>(gridDim.x) + atomicAdd(params.tile_counter, 1); };
+    for (int index = blockIdx.x, next_index = -1;; index = next_index) {
       Sm90WorkTile work{};
       SequenceExtent seq{};
       if (index < num_work_tiles) {
         work = sm90_work_tile(params, index);
         seq = sequence_extent(p, work.batch);
-        if (work.m_block * kBlockM >= seq.seqlen_q) continue;  // varlen: a shorter sequence
+        if (work.m_block * kBlockM >= seq.seqlen_q) {  // varlen: a shorter sequence
+          next_index = claim_tile();
+          continue;
+        }
       }
       // A Q slot is free: publish the tile (or the end) with it, on that slot's q_full.
       const int q_slot = q_count % kQStages;
@@ -213,10 +218,19 @@ __device__ void sm90_fwd_kernel(const AttentionSm90FwdParams& params) {
           tma_load_4d(smem_ring + stage * Shape::kKVTileBytes + panel * Shape::kKVPanelBytes, map, full + 8 * stage,
                       panel * 64, seq.k_start + n0, kv_head, tma_batch);
       };
+      // The next tile is claimed before this one's last K and V loads, which wait for free slots: the
+      // atomic's round trip overlaps those waits instead of delaying the next tile's Q and first K.
+      // (The counter's value is first read after the loop, so the thread does not wait for it there;
+      // adding gridDim.x at the claim made ptxas wait for the atomic on the spot.)
+      const int claim_at = max(keys.count() - 1, 0);
+      int claimed = 0;
       for (int i = 0; i <= keys.count() && keys.count() > 0; ++i) {
+        if (i == claim_at) claimed = atomicAdd(params.tile_counter, 1);
         if (i < keys.count()) load(sK, params.k_map, bar_k_full(0), bar_k_empty(0), i);
         if (i > 0) load(sV, params.v_map, bar_v_full(0), bar_v_empty(0), i - 1);
       }
+      if (keys.count() == 0) claimed = atomicAdd(params.tile_counter, 1);
+      next_index = gridDim.x + claimed;
       kv_count += keys.count();
     }
     return;
