@@ -9,8 +9,13 @@
 //                      P^T, dS^T elementwise                       (registers; dS^T also to smem)
 //                      dV += P^T dO, dK += dS^T Q                  (wgmma, P^T and dS^T from registers)
 //                      dQ = dS K                                   (wgmma, dS^T and K from smem)
-//                    and add their dQ shares to the accumulator with vector atomics. How the
-//                    consumers share the work depends on the head dim:
+//                    and hand their dQ shares, through shared memory, to the producer group's three
+//                    spare warps, which add them to the accumulator with 16-byte atomics (where the
+//                    buffer fits: head dims 64 and 128 at two stages; elsewhere the consumers add
+//                    dQ with their own 8-byte atomics). The buffer passes between them on two
+//                    mbarriers (full, free), every writing or reading thread arriving itself (on
+//                    named barriers, compute-sanitizer's racecheck reported hazards it does not
+//                    report here). How the consumers share the work depends on the head dim:
 //                      64   each owns 64 keys (kBlockN 128); dQ is one 64-column panel, so they take
 //                           turns: on even steps consumer 0 computes it over all 128 keys, on odd
 //                           steps consumer 1 (the other only signals that its dS^T rows are in);
@@ -27,7 +32,7 @@
 // Shared memory (1024-byte aligned, every tile in 64-value panels with the 128-byte swizzle TMA
 // writes): K, V (kBlockN rows); kStages slots of Q and dO (kBlockM rows); two dS^T buffers (keys x
 // queries, queries contiguous: the dQ GEMM's MN-major A operand), and at head dim 256 two of P^T;
-// kStages slots of LSE (base 2) and delta; the barriers.
+// kStages slots of LSE (base 2) and delta; the dQ rows for the writer warps; the barriers.
 #pragma once
 
 #include "common/bwd.cuh"
@@ -69,9 +74,18 @@ struct Sm90BwdShape {
   static constexpr int kPOffset = kDsOffset + 2 * kDsBytes;  // P^T, double-buffered like dS^T (head dim 256)
   static constexpr int kLseOffset = kPOffset + (kSplitHeadDim ? 2 * kDsBytes : 0);
   static constexpr int kDeltaOffset = kLseOffset + kStages * kBlockM * 4;
-  static constexpr int kBarrierOffset = kDeltaOffset + kStages * kBlockM * 4;
-  // kv_full, then full and empty per stage.
-  static constexpr int kSmemBytes = 1024 + kBarrierOffset + 8 * (1 + 2 * kStages);
+  // dQ writers (codegen decides, where the buffer fits): the consumers store a step's dQ to shared
+  // memory and the producer group's three spare warps add it to the accumulator with 16-byte
+  // atomics, off the consumers' path. Rows are padded by 32 bytes: a quad's 32-byte store then
+  // shares its banks with one other row of the warp's eight, the minimum for 256 bytes.
+  static constexpr bool kDqWriters = Config::kDqWriters;
+  static constexpr int kDqRowBytes = kHeadDim * 4 + 32;
+  static constexpr int kDqOffset = kDeltaOffset + kStages * kBlockM * 4;
+  static constexpr int kBarrierOffset = kDqOffset + (kDqWriters ? kBlockM * kDqRowBytes : 0);
+  static constexpr int kDqWriterThreads = 96;  // warps 1-3
+  static constexpr int kDqConsumerThreads = kDqAlternates ? 128 : 128 * kConsumers;  // a step's dQ
+  // kv_full, then full and empty per stage, then the dQ buffer's full and free.
+  static constexpr int kSmemBytes = 1024 + kBarrierOffset + 8 * (1 + 2 * kStages) + (kDqWriters ? 16 : 0);
 
   static constexpr int kProducerRegisters = 24;
   static constexpr int kConsumerRegisters = 240;
@@ -152,6 +166,8 @@ __device__ void sm90_bwd_dkdv_atomic_dq_kernel(const AttentionSm90BwdParams& par
   const unsigned bar_kv_full = base + Shape::kBarrierOffset;
   auto bar_full = [&](int stage) { return bar_kv_full + 8 + 8 * stage; };
   auto bar_empty = [&](int stage) { return bar_kv_full + 8 + 8 * (kStages + stage); };
+  // The dQ buffer: written (every consumer thread of the step arrives), free again (every writer).
+  const unsigned bar_dq_full = bar_kv_full + 8 + 16 * kStages, bar_dq_free = bar_dq_full + 8;
 
   const int tid = threadIdx.x, lane = tid % 32;
   const int warp = warp_uniform(tid / 32), group = warp / 4;
@@ -185,13 +201,44 @@ __device__ void sm90_bwd_dkdv_atomic_dq_kernel(const AttentionSm90BwdParams& par
       mbarrier_init(bar_full(s), 32);
       mbarrier_init(bar_empty(s), 128 * Shape::kConsumers);
     }
+    if constexpr (Shape::kDqWriters) {
+      mbarrier_init(bar_dq_full, Shape::kDqConsumerThreads);
+      mbarrier_init(bar_dq_free, Shape::kDqWriterThreads);
+    }
     fence_barrier_init();
   }
   __syncthreads();
 
+  // Where the head dim is the kernel's, no dQ column needs a bounds check, and a step's dQ rows are
+  // one contiguous block of the accumulator.
+  const bool full_width = f.head_dim == kHeadDim;
+  const bool dq_writers = Shape::kDqWriters && full_width;
+
   if (group == 0) {  // producer: warp 0; lane 0 issues the TMA loads, every lane copies LSE and delta
     registers_decrease<Shape::kProducerRegisters>();
-    if (warp != 0) return;
+    if (warp != 0) {
+      if (dq_writers && num_steps > 0) {
+        // dQ writers: each step, add the consumers' dQ rows to the accumulator, 16 bytes per atomic.
+        // Rows past the sequence (zeros) are skipped: past the last one is the end of the buffer.
+        const int writer = tid - 32;
+        constexpr int kChunksPerRow = kHeadDim / 4;
+        const unsigned buffer = base + Shape::kDqOffset;
+        for (int step = 0; step < num_steps; ++step) {
+          const int head = step_head(step), m0 = step_m0(step);
+          const int chunks = min(kBlockM, seq.seqlen_q - m0) * kChunksPerRow;
+          float* accum = p.dq_accum +
+                         (static_cast<long long>(head) * p.workspace_rows + workspace_row(f, seq, batch, m0)) * kHeadDim;
+          mbarrier_wait(bar_dq_full, step & 1);
+          for (int chunk = writer; chunk < chunks; chunk += Shape::kDqWriterThreads) {
+            const float4 v = load_shared_quad(buffer + (chunk / kChunksPerRow) * Shape::kDqRowBytes +
+                                              (chunk % kChunksPerRow) * 16);
+            atomic_add_quad(accum + 4 * chunk, v);
+          }
+          mbarrier_arrive(bar_dq_free);
+        }
+      }
+      return;
+    }
     if (lane == 0) {
       mbarrier_arrive_expect_tx(bar_kv_full, 2 * Shape::kKvTileBytes);
       for (int panel = 0; panel < Shape::kPanels; ++panel) {
@@ -385,11 +432,26 @@ __device__ void sm90_bwd_dkdv_atomic_dq_kernel(const AttentionSm90BwdParams& par
     mbarrier_arrive(bar_empty(stage));  // Q, dO, LSE and delta of this stage are free
     if (!computes_dq) continue;
 
+    if (dq_writers) {  // to the writer warps, through shared memory (rows past the sequence too: zeros)
+      mbarrier_wait(bar_dq_free, (step & 1) ^ 1);  // a fresh barrier passes parity 1
+      const unsigned buffer = base + Shape::kDqOffset;
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int row = warp_in_group * 16 + lane / 4 + h * 8;
+        const int col0 = (Shape::kDqAlternates ? 0 : consumer * Shape::kDqCols) + (lane % 4) * 2;
+        const unsigned row_address = buffer + row * Shape::kDqRowBytes + col0 * 4;
+#pragma unroll
+        for (int j = 0; j < Shape::kDqCols / 8; ++j)
+          store_shared_pair(row_address + j * 32, dq[4 * j + 2 * h], dq[4 * j + 2 * h + 1]);
+      }
+      mbarrier_arrive(bar_dq_full);
+      continue;
+    }
+
     float* accum = p.dq_accum + static_cast<long long>(head) * p.workspace_rows * f.head_dim;
     // Where the head dim is the kernel's, no column needs a bounds check: the atomics then share
     // one address register at constant offsets. Guarded, each sat in its own branch with its own
     // address, and the next address waited for the previous atomic to read its registers.
-    const bool full_width = f.head_dim == kHeadDim;
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       const int row = m0 + warp_in_group * 16 + lane / 4 + h * 8;

@@ -17,12 +17,27 @@ int panels(const KernelSpec& s) { return s.head_dim / 64; }
 bool split_head_dim(const KernelSpec& s) { return panels(s) == 4; }
 int keys_per_cta(const KernelSpec& s) { return split_head_dim(s) ? 64 : 64 * kConsumers; }
 
-int smem_bytes(const KernelSpec& s) {
+int smem_bytes_without_dq_buffer(const KernelSpec& s) {
   const int kv_tile = panels(s) * s.block_n * 128, step_tile = panels(s) * s.block_m * 128;
   const int ds = s.block_n * s.block_m * 2, rows = s.num_stages * s.block_m * 4;
   const int exchanged_tiles = split_head_dim(s) ? 4 : 2;  // dS^T double-buffered, and P^T at head dim 256
   return 1024 + 2 * kv_tile + 2 * s.num_stages * step_tile + exchanged_tiles * ds + 2 * rows +
          8 * (1 + 2 * s.num_stages);
+}
+
+// The step's dQ (block_m rows of fp32, each row padded by 32 bytes against bank conflicts), handed
+// from the consumers to the producer group's three spare warps, which add it to the accumulator,
+// and its two mbarriers (full, free).
+int dq_buffer_bytes(const KernelSpec& s) { return s.block_m * (s.head_dim * 4 + 32) + 16; }
+
+// Writer warps where the buffer fits beside the rest: head dims 64 and 128 at two stages. At 256
+// (and 128 with three stages) the consumers add dQ with their own atomics.
+bool dq_writers(const KernelSpec& s) {
+  return smem_bytes_without_dq_buffer(s) + dq_buffer_bytes(s) <= max_smem_per_block(s.arch);
+}
+
+int smem_bytes(const KernelSpec& s) {
+  return smem_bytes_without_dq_buffer(s) + (dq_writers(s) ? dq_buffer_bytes(s) : 0);
 }
 
 std::optional<std::string> validate_tiles(const KernelSpec& s) {
@@ -69,7 +84,8 @@ std::string config_members(const KernelSpec& s) {
   const int score_queries = split ? s.block_m / kConsumers : s.block_m;
   const int grad_cols = split ? s.head_dim / kConsumers : s.head_dim;
   const int dq_cols = panels(s) < kConsumers ? s.head_dim : s.head_dim / kConsumers;
-  return wgmma_member_function("wgmma_scores", score_queries, s.dtype, WgmmaOperands::ss_k_major) +
+  return fmt::format("  static constexpr bool kDqWriters = {};\n", dq_writers(s) ? "true" : "false") +
+         wgmma_member_function("wgmma_scores", score_queries, s.dtype, WgmmaOperands::ss_k_major) +
          wgmma_member_function("wgmma_key_gradient", grad_cols, s.dtype,
                                split ? WgmmaOperands::ss_b_mn_major : WgmmaOperands::rs_b_mn_major) +
          wgmma_member_function("wgmma_dq", dq_cols, s.dtype, WgmmaOperands::ss_mn_major);
