@@ -179,7 +179,6 @@ __device__ void sm90_fwd_kernel(const AttentionSm90FwdParams& params) {
     registers_decrease<Shape::kProducerRegisters>();
     if (tid != 0) return;
     int kv_count = 0, q_count = 0;  // loads so far: they select the slot or stage and the barrier phase
-    auto claim_tile = [&] { return static_cast<int>(gridDim.x) + atomicAdd(params.tile_counter, 1); };
     for (int index = blockIdx.x, next_index = -1;; index = next_index) {
       Sm90WorkTile work{};
       SequenceExtent seq{};
@@ -187,7 +186,7 @@ __device__ void sm90_fwd_kernel(const AttentionSm90FwdParams& params) {
         work = sm90_work_tile(params, index);
         seq = sequence_extent(p, work.batch);
         if (work.m_block * kBlockM >= seq.seqlen_q) {  // varlen: a shorter sequence
-          next_index = claim_tile();
+          next_index = gridDim.x + atomicAdd(params.tile_counter, 1);
           continue;
         }
       }
