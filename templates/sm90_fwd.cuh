@@ -450,6 +450,10 @@ __device__ void sm90_fwd_kernel(const AttentionSm90FwdParams& params) {
     // The tile whose O accumulates (the back tile) and its Q slot; a Q slot whose staged O TMA may
     // still be reading (o_via_tma), or -1.
     int back_index = front.index, back_slot = front.q_slot, staged_slot = -1;
+    auto free_staged_slot = [&] {
+      if (staged_slot >= 0) release_staged_output(staged_slot);
+      staged_slot = -1;
+    };
     bool accumulate = false;  // whether O holds this tile's sum so far
     unsigned a[kBlockN / 16][4];
     {
@@ -486,8 +490,7 @@ __device__ void sm90_fwd_kernel(const AttentionSm90FwdParams& params) {
         // for it here would stall this tile's last P V, so the pipeline drains first.
         if (kQStages == 1) break;
         // The next tile may need the slot of the O staged a step ago (a one-block tile between).
-        if (staged_slot >= 0) release_staged_output(staged_slot);
-        staged_slot = -1;
+        free_staged_slot();
         more = fetch_tile(front);
         fetched = true;
         if (!more || front.keys.count() == 0) break;
@@ -519,8 +522,7 @@ __device__ void sm90_fwd_kernel(const AttentionSm90FwdParams& params) {
       // After a tile's last QK^T its Q is no longer read: the producer may refill the slot, unless O
       // is to be staged there. A staged O has had this step's GEMM issue to leave: free its slot.
       if (!o_via_tma && next_block == front.keys.n_block_min) release(bar_q_empty(front.q_slot));
-      if (staged_slot >= 0) release_staged_output(staged_slot);
-      staged_slot = -1;
+      free_staged_slot();
       RowStatistics<Warp> st_next = st;
       if (tile_done) st_next.reset();
       OutputRescale<Warp> rescale = scores_to_probabilities(st_next, s, front.seq, front.m0, next_block * kBlockN);
@@ -560,7 +562,6 @@ __device__ void sm90_fwd_kernel(const AttentionSm90FwdParams& params) {
     fence_operands(a);
     release(bar_v_empty(stage));
     ++kv_count;
-    if (staged_slot >= 0) release_staged_output(staged_slot);
     store_output(back_index, st, o_flat, back_slot);
     if (o_via_tma) release_staged_output(back_slot);  // (the next tile may be waiting for this slot)
     if (!fetched) more = fetch_tile(front);
