@@ -33,6 +33,7 @@ struct Options {
   int hidden = 2048;
   std::string dtype = "bf16";
   std::string backend = "auto";
+  std::string layout = "bshd";  // bshd: sequence-major (flash-attn's order); bhsd: head-major (SDPA's)
   int warmup = 3;
   int iters = 20;
   bool check = false;
@@ -108,6 +109,8 @@ int run(const Options& o) {
   else if (o.backend != "auto")
     throw Error(ErrorCode::invalid_argument, "--backend",
                 fmt::format("unknown backend '{}' (auto, reference, fa2, sm90)", o.backend));
+  if (o.layout != "bshd" && o.layout != "bhsd")
+    throw Error(ErrorCode::invalid_argument, "--layout", fmt::format("'{}' is not bshd or bhsd", o.layout));
   if (o.check && o.backward)
     throw Error(ErrorCode::invalid_argument, "--check",
                 "checks forward rows against the reference kernel; the backward is checked by the GPU tests");
@@ -150,8 +153,14 @@ int run(const Options& o) {
       auto host = detail::random_half_bits(n, dtype, seed * 1000 + r.seqlen + r.head_dim);
       FLASHJIT_CU(cuMemcpyHtoD, reinterpret_cast<CUdeviceptr>(mem->get()), host.data(), n * 2);
     }
+    // (batch, seqlen, heads, head_dim) views over memory in --layout's order.
     auto view = [&](const detail::DeviceMemory& m) {
-      return TensorView::contiguous(m.get(), scalar, {r.batch, r.seqlen, r.heads, r.head_dim}, o.device);
+      TensorView t = TensorView::contiguous(m.get(), scalar, {r.batch, r.seqlen, r.heads, r.head_dim}, o.device);
+      if (o.layout == "bhsd") {
+        t.strides[1] = r.head_dim;
+        t.strides[2] = int64_t(r.seqlen) * r.head_dim;
+      }
+      return t;
     };
     auto lse_view = TensorView::contiguous(lse.get(), ScalarType::float32, {r.batch, r.heads, r.seqlen}, o.device);
     AttentionOptions options;
@@ -266,7 +275,7 @@ int run(const Options& o) {
   detail::driver().cuEventDestroy(start);
   detail::driver().cuEventDestroy(stop);
   if (o.json_output) {
-    json j{{"device", device.name}, {"peak_tflops", peak}, {"mode", o.backward ? (o.deterministic ? "bwd_deterministic" : "bwd") : "fwd"}, {"dtype", o.dtype}, {"tokens", o.tokens}, {"hidden", o.hidden}, {"rows", json::array()}};
+    json j{{"device", device.name}, {"peak_tflops", peak}, {"mode", o.backward ? (o.deterministic ? "bwd_deterministic" : "bwd") : "fwd"}, {"dtype", o.dtype}, {"layout", o.layout}, {"tokens", o.tokens}, {"hidden", o.hidden}, {"rows", json::array()}};
     for (const Row& r : rows) {
       j["rows"].push_back({{"head_dim", r.head_dim}, {"seqlen", r.seqlen}, {"batch", r.batch}, {"heads", r.heads},
                            {"causal", r.causal}, {"median_ms", r.median_ms}, {"median_us", r.median_ms * 1e3},
@@ -307,6 +316,7 @@ int main(int argc, char** argv) {
   app.add_option("--hidden", o.hidden, "heads x head_dim per row");
   app.add_option("--dtype", o.dtype, "bf16 or fp16");
   app.add_option("--backend", o.backend, "auto, reference, fa2 or sm90");
+  app.add_option("--layout", o.layout, "bshd (sequence-major, the default) or bhsd (head-major, SDPA's order)");
   app.add_option("--warmup", o.warmup, "Untimed calls first");
   app.add_option("--iters", o.iters, "Timed calls (median reported)");
   app.add_option("--device", o.device, "CUDA device ordinal");
