@@ -90,6 +90,12 @@ struct Sm90FwdShape {
   // slot; the producer refills the slot a step later, long before it needs it. With one Q slot the
   // next tile's Q is loading into it by then, and no other space is free: O leaves from registers.
   static constexpr bool kStagesOutputInQSlot = kQStages == 2;
+  // With one Q slot and no ping-pong (head dims 192 and 256), the last consumer warpgroup stages its
+  // O in the first 64 rows of the V tile that every consumer's last P V has just read (the producer
+  // refills that stage only for the next tile's second block); the others store from registers
+  // meanwhile. The consumers meet on a barrier first: without ping-pong their last P V end
+  // together, with it the first would wait half a step.
+  static constexpr bool kStagesOutputInVStage = kQStages == 1 && !kPingPong && kBlockN >= 64;
 };
 
 // Work tile `index` of the persistent schedule: sections of `section_pairs` (batch, head) pairs,
@@ -159,6 +165,7 @@ __device__ void sm90_fwd_kernel(const AttentionSm90FwdParams& params) {
   const int num_work_tiles = params.num_m_blocks * p.num_heads_q * p.batch;
   const bool varlen = p.cu_seqlens_q != nullptr;
   const bool o_via_tma = Shape::kStagesOutputInQSlot && params.o_via_tma != 0;
+  const bool o_via_v_stage = Shape::kStagesOutputInVStage && params.o_via_tma != 0;
 
   if (tid == 0) {
     for (int slot = 0; slot < kQStages; ++slot) {
@@ -245,8 +252,9 @@ __device__ void sm90_fwd_kernel(const AttentionSm90FwdParams& params) {
   if (Shape::kPingPong && consumer == 0) named_barrier_arrive(my_turn, 256);
   auto wait_turn = [&] { if (Shape::kPingPong) named_barrier_sync(my_turn, 256); };
   auto pass_turn = [&] { if (Shape::kPingPong) named_barrier_arrive(next_turn, 256); };
-  // Barrier 4 + c: consumer c's warps have staged their O rows (ids 1..3 carry the token).
-  const int output_staged = 4 + consumer;
+  // Barrier 4 + c: consumer c's warps have staged their O rows (ids 1..3 carry the token); 7: every
+  // consumer's last P V of a tile has read its V tile (before the last consumer writes O there).
+  const int output_staged = 4 + consumer, v_tile_read = 7;
 
   const float scale_log2 = Config::kHasSoftcap ? kLog2e : p.softmax_scale * kLog2e;
   const float softcap_scale = Config::kHasSoftcap ? p.softmax_scale / p.softcap : 0.f;
@@ -306,13 +314,14 @@ __device__ void sm90_fwd_kernel(const AttentionSm90FwdParams& params) {
   auto release = [&](unsigned empty_barrier) {
     if (lane == 0) mbarrier_arrive(empty_barrier);
   };
-  // Normalise work tile `index`'s O and store it with its LSE. Through TMA (o_via_tma): stmatrix
-  // writes the consumer's 64 rows into the tile's Q slot in Q's swizzled panel layout, and the
-  // consumer's first thread sends them with one TMA store per panel; the slot is freed once TMA has
-  // read it (release_staged_output). Otherwise straight from the registers (4-byte pairs). The
-  // tile's coordinates are derived again from the index: cheaper than keeping them live beside the
-  // next tile's across a step.
-  auto store_output = [&](int index, const RowStatistics<Warp>& st, const float (&o)[Shape::kHeadDim / 2], int q_slot) {
+  // Normalise work tile `index`'s O and store it with its LSE. Through TMA (`box` nonzero: the
+  // consumer's 64-row box in a Q slot or a V tile, panels `panel_bytes` apart): stmatrix writes the
+  // rows in the 128-byte-swizzled panel layout TMA reads, and the consumer's first thread sends them
+  // with one TMA store per panel; the space is freed once TMA has read it (release_staged_output).
+  // Otherwise straight from the registers (4-byte pairs). The tile's coordinates are derived again
+  // from the index: cheaper than keeping them live beside the next tile's across a step.
+  auto store_output = [&](int index, const RowStatistics<Warp>& st, const float (&o)[Shape::kHeadDim / 2],
+                          unsigned box, unsigned panel_bytes) {
     const Sm90WorkTile work = sm90_work_tile(params, index);
     const SequenceExtent seq = sequence_extent(p, work.batch);
     const int tid = fresh_thread_index(), lane = tid % 32;  // (consumer threads start at 128)
@@ -324,15 +333,13 @@ __device__ void sm90_fwd_kernel(const AttentionSm90FwdParams& params) {
       sum[h] = quad_sum(st.row_sum[0][h]);
       inv_sum[h] = sum[h] > 0.f ? 1.f / sum[h] : 0.f;
     }
-    if (o_via_tma) {
-      const unsigned box = sQ + q_slot * Shape::kQBytes + consumer * 64 * 128;
+    if (box != 0) {
       // Lanes 8 j .. 8 j + 7 address the rows of matrix j: rows h = j % 2 of 8-column block j / 2.
       const int row = tid / 32 % 4 * 16 + lane / 8 % 2 * 8 + lane % 8;
 #pragma unroll
       for (int pair = 0; pair < Warp::kOFrags / 2; ++pair) {
         const int block = 2 * pair + lane / 16;  // 16-byte chunk of the row, before the swizzle
-        const unsigned address =
-            box + block / 8 * Shape::kQPanelBytes + row * 128 + ((block % 8 ^ row % 8) << 4);
+        const unsigned address = box + block / 8 * panel_bytes + row * 128 + ((block % 8 ^ row % 8) << 4);
         const float* f = o + 8 * pair;
         stmatrix_x4(address, pack2<Element>(f[0] * inv_sum[0], f[1] * inv_sum[0]),
                     pack2<Element>(f[2] * inv_sum[1], f[3] * inv_sum[1]),
@@ -344,7 +351,7 @@ __device__ void sm90_fwd_kernel(const AttentionSm90FwdParams& params) {
       if (tid % 128 == 0) {  // (never varlen: the map's rows are one sequence's)
 #pragma unroll
         for (int panel = 0; panel < Shape::kPanels; ++panel)
-          tma_store_4d(params.o_map, box + panel * Shape::kQPanelBytes, panel * 64,
+          tma_store_4d(params.o_map, box + panel * panel_bytes, panel * 64,
                        work.m_block * kBlockM + consumer * 64, work.head, work.batch);
         bulk_commit_group();
       }
@@ -386,12 +393,17 @@ __device__ void sm90_fwd_kernel(const AttentionSm90FwdParams& params) {
       }
     }
   };
-  // After a staged O: once TMA has read it (the issuing thread waits), each warp frees the Q slot.
-  auto release_staged_output = [&](int q_slot) {
+  // After a staged O: once TMA has read it (the issuing thread waits), each warp frees the space
+  // (its arrival on the Q slot's or V stage's empty barrier).
+  auto release_staged_output = [&](unsigned empty_barrier) {
     if (lane == 0) {
       if (warp_in_group == 0) bulk_wait_group_read<0>();
-      mbarrier_arrive(bar_q_empty(q_slot));
+      mbarrier_arrive(empty_barrier);
     }
+  };
+  // This consumer's box in Q slot `q_slot` where O goes there (o_via_tma), else 0 (registers).
+  auto q_slot_box = [&](int q_slot) {
+    return o_via_tma ? sQ + q_slot * Shape::kQBytes + consumer * 64 * 128 : 0u;
   };
 
   // The work tile whose key blocks the consumers compute: it arrives with its Q tile, in Q slot
@@ -439,8 +451,8 @@ __device__ void sm90_fwd_kernel(const AttentionSm90FwdParams& params) {
 #pragma unroll
       for (int i = 0; i < Shape::kHeadDim / 2; ++i) o_flat[i] = 0.f;
       if (!o_via_tma) release(bar_q_empty(front.q_slot));
-      store_output(front.index, st, o_flat, front.q_slot);
-      if (o_via_tma) release_staged_output(front.q_slot);
+      store_output(front.index, st, o_flat, q_slot_box(front.q_slot), Shape::kQPanelBytes);
+      if (o_via_tma) release_staged_output(bar_q_empty(front.q_slot));
       more = fetch_tile(front);
       continue;
     }
@@ -451,7 +463,7 @@ __device__ void sm90_fwd_kernel(const AttentionSm90FwdParams& params) {
     // still be reading (o_via_tma), or -1.
     int back_index = front.index, back_slot = front.q_slot, staged_slot = -1;
     auto free_staged_slot = [&] {
-      if (staged_slot >= 0) release_staged_output(staged_slot);
+      if (staged_slot >= 0) release_staged_output(bar_q_empty(staged_slot));
       staged_slot = -1;
     };
     bool accumulate = false;  // whether O holds this tile's sum so far
@@ -537,7 +549,7 @@ __device__ void sm90_fwd_kernel(const AttentionSm90FwdParams& params) {
         rescale_output<Warp>(o_flat, rescale);
       pack_probabilities(a, s);
       if (tile_done) {  // the previous tile's O is complete (stored once P is packed: fewer live registers)
-        store_output(back_index, st, o_flat, back_slot);
+        store_output(back_index, st, o_flat, q_slot_box(back_slot), Shape::kQPanelBytes);
         if (o_via_tma) staged_slot = back_slot;
         back_index = front.index;
         back_slot = front.q_slot;
@@ -560,14 +572,24 @@ __device__ void sm90_fwd_kernel(const AttentionSm90FwdParams& params) {
     wgmma_wait<0>();
     fence_operands(o_flat);
     fence_operands(a);
-    release(bar_v_empty(stage));
+    // One Q slot: the last consumer stages its O in this V tile's first 64 rows once every
+    // consumer's P V has read the tile; the others free the stage and store from registers. (All
+    // of them sync: with arrive-only, a consumer a tile ahead could complete the barrier alone.)
+    const bool stages_in_v = o_via_v_stage && consumer == kConsumers - 1;
+    if (o_via_v_stage) named_barrier_sync(v_tile_read, 128 * kConsumers);
+    if (!stages_in_v) release(bar_v_empty(stage));
     ++kv_count;
-    store_output(back_index, st, o_flat, back_slot);
-    if (o_via_tma) release_staged_output(back_slot);  // (the next tile may be waiting for this slot)
+    if (stages_in_v) {
+      store_output(back_index, st, o_flat, sV + stage * Shape::kKVTileBytes, Shape::kKVPanelBytes);
+      release_staged_output(bar_v_empty(stage));
+    } else {
+      store_output(back_index, st, o_flat, q_slot_box(back_slot), Shape::kQPanelBytes);
+      if (o_via_tma) release_staged_output(bar_q_empty(back_slot));  // (the next tile may be waiting for this slot)
+    }
     if (!fetched) more = fetch_tile(front);
   }
   // The bulk stores complete before the CTA (and its shared memory) goes.
-  if (o_via_tma && tid % 128 == 0) bulk_wait_group<0>();
+  if ((o_via_tma || o_via_v_stage) && tid % 128 == 0) bulk_wait_group<0>();
 }
 
 }  // namespace flashjit::kernels
