@@ -155,12 +155,9 @@ int run(const Options& o) {
     }
     // (batch, seqlen, heads, head_dim) views over memory in --layout's order.
     auto view = [&](const detail::DeviceMemory& m) {
-      TensorView t = TensorView::contiguous(m.get(), scalar, {r.batch, r.seqlen, r.heads, r.head_dim}, o.device);
-      if (o.layout == "bhsd") {
-        t.strides[1] = r.head_dim;
-        t.strides[2] = int64_t(r.seqlen) * r.head_dim;
-      }
-      return t;
+      return o.layout == "bhsd"
+                 ? TensorView::head_major(m.get(), scalar, r.batch, r.seqlen, r.heads, r.head_dim, o.device)
+                 : TensorView::contiguous(m.get(), scalar, {r.batch, r.seqlen, r.heads, r.head_dim}, o.device);
     };
     auto lse_view = TensorView::contiguous(lse.get(), ScalarType::float32, {r.batch, r.heads, r.seqlen}, o.device);
     AttentionOptions options;

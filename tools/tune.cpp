@@ -28,6 +28,7 @@ struct Options {
   std::vector<std::string> causal{"off"};
   std::vector<std::string> dtypes{"bf16"};
   std::vector<std::string> passes{"fwd"};
+  std::string layout = "bshd";  // the tensors timed: bshd (sequence-major) or bhsd (head-major)
   std::string output;
   bool dry_run = false;
   std::string arch;  // --dry-run: the target (default: sm_90a)
@@ -53,6 +54,9 @@ std::vector<TuneShape> expand(int batch, int sq, int sk, int hq, int hkv, int d,
         s.dtype = parse_dtype(dtype);
         s.batch = batch, s.seqlen_q = sq, s.seqlen_k = sk, s.heads_q = hq, s.heads_kv = hkv, s.head_dim = d;
         s.causal = c == "on";
+        if (o.layout != "bshd" && o.layout != "bhsd")
+          throw usage("--layout", fmt::format("'{}' is not bshd or bhsd", o.layout));
+        s.head_major = o.layout == "bhsd";
         out.push_back(s);
       }
   }
@@ -60,7 +64,8 @@ std::vector<TuneShape> expand(int batch, int sq, int sk, int hq, int hkv, int d,
 }
 
 // A JSON array of {"batch", "seqlen_q", "seqlen_k", "heads_q", "heads_kv", "head_dim"} objects, each
-// optionally with "causal" (bool), "dtype" and "pass" ("fwd"/"bwd") overriding the command line's.
+// optionally with "causal" (bool), "dtype", "pass" ("fwd"/"bwd") and "layout" ("bshd"/"bhsd")
+// overriding the command line's.
 std::vector<TuneShape> read_shapes_file(const std::string& path, const Options& o) {
   std::ifstream in(path);
   if (!in) throw usage("--shapes", fmt::format("cannot read {}", path));
@@ -69,7 +74,7 @@ std::vector<TuneShape> read_shapes_file(const std::string& path, const Options& 
   const json j = detail::parse_json_text(buffer.str(), path, "--shapes");
   if (!j.is_array()) throw usage("--shapes", fmt::format("{}: expected a JSON array of shapes", path));
   static const std::vector<std::string> kRequired{"batch", "seqlen_q", "seqlen_k", "heads_q", "heads_kv", "head_dim"};
-  static const std::vector<std::string> kOptional{"causal", "dtype", "pass"};
+  static const std::vector<std::string> kOptional{"causal", "dtype", "pass", "layout"};
   std::vector<TuneShape> shapes;
   for (size_t i = 0; i < j.size(); ++i) {
     const json& s = j[i];
@@ -97,6 +102,10 @@ std::vector<TuneShape> read_shapes_file(const std::string& path, const Options& 
         if (!s.at(key).is_string()) throw bad(fmt::format("'{}' must be a string", key));
         (std::string(key) == "dtype" ? local.dtypes : local.passes) = {s.at(key).get<std::string>()};
       }
+    if (s.contains("layout")) {
+      if (!s.at("layout").is_string()) throw bad("'layout' must be a string");
+      local.layout = s.at("layout").get<std::string>();
+    }
     try {
       for (const auto& t : expand(v[0], v[1], v[2], v[3], v[4], v[5], local)) shapes.push_back(t);
     } catch (const Error& e) {
@@ -131,8 +140,12 @@ detail::ForwardProblem problem_of(const TuneShape& s) {
   const ScalarType t = s.dtype == DType::bf16 ? ScalarType::bfloat16 : ScalarType::float16;
   for (int v : {s.batch, s.seqlen_q, s.seqlen_k, s.heads_q, s.heads_kv, s.head_dim})
     if (v < 1) throw usage("shape", fmt::format("{}: every extent must be positive", s.describe()));
-  auto q = TensorView::contiguous(stand_in, t, {s.batch, s.seqlen_q, s.heads_q, s.head_dim});
-  auto k = TensorView::contiguous(stand_in, t, {s.batch, s.seqlen_k, s.heads_kv, s.head_dim});
+  auto view = [&](int seqlen, int heads) {
+    return s.head_major ? TensorView::head_major(stand_in, t, s.batch, seqlen, heads, s.head_dim)
+                        : TensorView::contiguous(stand_in, t, {s.batch, seqlen, heads, s.head_dim});
+  };
+  auto q = view(s.seqlen_q, s.heads_q);
+  auto k = view(s.seqlen_k, s.heads_kv);
   AttentionOptions options;
   options.causal = s.causal;
   try {
@@ -242,7 +255,9 @@ int main(int argc, char** argv) {
   app.footer(
       "Shapes: B,SQ,SK,HQ,HKV,D (batch, seqlen_q, seqlen_k, heads_q, heads_kv, head_dim), crossed with\n"
       "--causal, --dtype and --pass. A --shapes file is a JSON array of objects with those six fields\n"
-      "(batch, seqlen_q, seqlen_k, heads_q, heads_kv, head_dim) and optional causal/dtype/pass.\n"
+      "(batch, seqlen_q, seqlen_k, heads_q, heads_kv, head_dim) and optional causal/dtype/pass/layout.\n"
+      "--layout bhsd times head-major tensors (PyTorch SDPA's order) and keys the entries so: dispatch\n"
+      "uses an entry of the call's own layout first, then the other layout's.\n"
       "Examples:\n"
       "  flashjit-tune --shape 2,8192,8192,32,8,128 --causal on --output tuning.json\n"
       "  flashjit-tune --grid --causal off,on --pass fwd,bwd --output tuning.json\n"
@@ -257,6 +272,7 @@ int main(int argc, char** argv) {
   app.add_option("--causal", o.causal, "off, on, or off,on")->delimiter(',');
   app.add_option("--dtype", o.dtypes, "bf16, fp16, or both")->delimiter(',');
   app.add_option("--pass", o.passes, "fwd, bwd, or fwd,bwd")->delimiter(',');
+  app.add_option("--layout", o.layout, "bshd (sequence-major, flash-attn's order; the default) or bhsd (head-major, SDPA's)");
   app.add_option("--output", o.output, "Merge the results into this tuning database (atomic); default: stdout");
   app.add_flag("--dry-run", o.dry_run, "List each shape's candidate specs; no GPU needed");
   app.add_option("--arch", o.arch, "Target arch for --dry-run (default sm_90a)");

@@ -111,6 +111,8 @@ ProblemKey problem_key(const ForwardProblem& problem, Family family) {
   key.softcap = problem.has_softcap;
   key.seqlen_bucket = ProblemKey::bucket(std::max(problem.seqlen_q, problem.seqlen_k));
   key.batch_heads_bucket = ProblemKey::bucket(int64_t(problem.batch) * problem.heads_q);
+  // Varlen's packed rows are sequence-major; otherwise the order of q's head and row strides.
+  key.head_major = !problem.is_varlen && problem.heads_q > 1 && problem.params.q_head_stride > problem.params.q_row_stride;
   return key;
 }
 

@@ -46,6 +46,14 @@ TensorView TensorView::contiguous(void* data, ScalarType dtype, std::initializer
   return view;
 }
 
+TensorView TensorView::head_major(void* data, ScalarType dtype, int64_t batch, int64_t seqlen, int64_t heads,
+                                  int64_t head_dim, int device) {
+  TensorView view = contiguous(data, dtype, {batch, seqlen, heads, head_dim}, device);
+  view.strides[1] = head_dim;
+  view.strides[2] = seqlen * head_dim;
+  return view;
+}
+
 int64_t TensorView::numel() const {
   int64_t n = 1;
   for (int d = 0; d < rank; ++d) n *= shape[d];

@@ -28,8 +28,8 @@ namespace flashjit {
 using namespace detail;
 
 std::string TuneShape::describe() const {
-  return fmt::format("{} {} b{} sq{} sk{} hq{} hkv{} d{}{}", backward ? "bwd" : "fwd", to_string(dtype), batch, seqlen_q,
-                     seqlen_k, heads_q, heads_kv, head_dim, causal ? " causal" : "");
+  return fmt::format("{} {} b{} sq{} sk{} hq{} hkv{} d{}{}{}", backward ? "bwd" : "fwd", to_string(dtype), batch,
+                     seqlen_q, seqlen_k, heads_q, heads_kv, head_dim, causal ? " causal" : "", head_major ? " bhsd" : "");
 }
 
 namespace {
@@ -109,12 +109,14 @@ TuneResult tune(Runtime& runtime, const TuneShape& shape, const TuneOptions& o) 
       buffers.push_back(std::move(b));
     }
   }
-  auto q_view = [&](const DeviceMemory& m) {
-    return TensorView::contiguous(m.get(), scalar, {shape.batch, shape.seqlen_q, shape.heads_q, shape.head_dim}, o.device);
+  // (batch, seqlen, heads, head_dim) views over memory in the shape's layout.
+  auto view = [&](const DeviceMemory& m, int seqlen, int heads) {
+    return shape.head_major
+               ? TensorView::head_major(m.get(), scalar, shape.batch, seqlen, heads, shape.head_dim, o.device)
+               : TensorView::contiguous(m.get(), scalar, {shape.batch, seqlen, heads, shape.head_dim}, o.device);
   };
-  auto kv_view = [&](const DeviceMemory& m) {
-    return TensorView::contiguous(m.get(), scalar, {shape.batch, shape.seqlen_k, shape.heads_kv, shape.head_dim}, o.device);
-  };
+  auto q_view = [&](const DeviceMemory& m) { return view(m, shape.seqlen_q, shape.heads_q); };
+  auto kv_view = [&](const DeviceMemory& m) { return view(m, shape.seqlen_k, shape.heads_kv); };
   auto lse_view = [&](const DeviceMemory& m) {
     return TensorView::contiguous(m.get(), ScalarType::float32, {shape.batch, shape.heads_q, shape.seqlen_q}, o.device);
   };

@@ -59,14 +59,14 @@ int ProblemKey::bucket(int64_t n) {
 }
 
 std::string ProblemKey::describe() const {
-  return fmt::format("{} {} d{}{}{} s<={} bh<={}", to_string(family), to_string(dtype), head_dim,
+  return fmt::format("{} {} d{}{}{} s<={} bh<={}{}", to_string(family), to_string(dtype), head_dim,
                      mask == MaskKind::none ? "" : fmt::format(" {}", to_string(mask)), softcap ? " softcap" : "",
-                     seqlen_bucket, batch_heads_bucket);
+                     seqlen_bucket, batch_heads_bucket, head_major ? " bhsd" : "");
 }
 
 bool ProblemKey::operator==(const ProblemKey& o) const {
   return family == o.family && dtype == o.dtype && head_dim == o.head_dim && mask == o.mask && softcap == o.softcap &&
-         seqlen_bucket == o.seqlen_bucket && batch_heads_bucket == o.batch_heads_bucket;
+         seqlen_bucket == o.seqlen_bucket && batch_heads_bucket == o.batch_heads_bucket && head_major == o.head_major;
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -84,13 +84,19 @@ class Reader {
   Reader(const json& j, std::string path, const std::string& origin) : j_(j), path_(std::move(path)), origin_(origin) {
     if (!j_.is_object()) throw fail(fmt::format("{} must be an object, got {}", where(), j_.type_name()));
   }
-  void expect_fields(std::initializer_list<const char*> fields) const {
+  // `fields` are required, `optional` ones may be absent; nothing else is allowed.
+  void expect_fields(std::initializer_list<const char*> fields, std::initializer_list<const char*> optional = {}) const {
+    auto listed = [](std::initializer_list<const char*> list, const std::string& key) {
+      return std::find_if(list.begin(), list.end(), [&](const char* f) { return key == f; }) != list.end();
+    };
     for (const auto& [key, value] : j_.items())
-      if (std::find_if(fields.begin(), fields.end(), [&](const char* f) { return key == f; }) == fields.end())
-        throw fail(fmt::format("{}: unknown field '{}' (known: {})", where(), key, fmt::join(fields, ", ")));
+      if (!listed(fields, key) && !listed(optional, key))
+        throw fail(fmt::format("{}: unknown field '{}' (known: {}{}{})", where(), key, fmt::join(fields, ", "),
+                               optional.size() ? ", " : "", fmt::join(optional, ", ")));
     for (const char* f : fields)
       if (!j_.contains(f)) throw fail(fmt::format("{}: missing field '{}'", where(), f));
   }
+  bool has(const char* key) const { return j_.contains(key); }
   const json& at(const char* key) const { return j_.at(key); }
   std::string path(const char* key) const { return path_.empty() ? key : path_ + "." + key; }
   std::string text(const char* key) const {
@@ -171,11 +177,11 @@ json problem_json(const ProblemKey& p) {
   return json{{"family", to_string(p.family)},   {"dtype", to_string(p.dtype)},
               {"head_dim", p.head_dim},          {"mask", to_string(p.mask)},
               {"softcap", p.softcap},            {"seqlen_bucket", p.seqlen_bucket},
-              {"batch_heads_bucket", p.batch_heads_bucket}};
+              {"batch_heads_bucket", p.batch_heads_bucket}, {"layout", p.head_major ? "bhsd" : "bshd"}};
 }
 
 ProblemKey read_problem(const Reader& r) {
-  r.expect_fields({"family", "dtype", "head_dim", "mask", "softcap", "seqlen_bucket", "batch_heads_bucket"});
+  r.expect_fields({"family", "dtype", "head_dim", "mask", "softcap", "seqlen_bucket", "batch_heads_bucket"}, {"layout"});
   ProblemKey p;
   p.family = r.parsed("family", parse_family);
   if (p.family == Family::reference_fwd)
@@ -191,6 +197,12 @@ ProblemKey read_problem(const Reader& r) {
     const int64_t v = r.integer(key, 1);
     if (ProblemKey::bucket(v) != v)
       throw r.fail(fmt::format("{} must be a power of two >= 64, got {}", r.path(key), v));
+  }
+  if (r.has("layout")) {
+    const std::string layout = r.text("layout");
+    if (layout != "bshd" && layout != "bhsd")
+      throw r.fail(fmt::format("{} must be \"bshd\" or \"bhsd\", got \"{}\"", r.path("layout"), layout));
+    p.head_major = layout == "bhsd";
   }
   return p;
 }
@@ -397,10 +409,16 @@ bool TuningSources::empty() const { return !impl_->has_entries.load(std::memory_
 
 std::optional<TunedEntry> TuningSources::lookup(const DeviceStamp& device, const ProblemKey& problem) const {
   std::lock_guard<std::mutex> lock(impl_->mutex);
-  for (const auto& [db, origin] : {std::pair<const TuningDb*, std::string>{&impl_->in_memory, "in-memory tuning"},
-                                   {&impl_->user, impl_->user_origin},
-                                   {&impl_->bundled, "the bundled tuning database"}})
-    if (const TunedEntry* e = impl_->find(*db, origin, device, problem)) return *e;
+  // The problem's own layout in every source first; then the other layout's entry, a closer guess
+  // than the heuristic (the tile preferences of the two differ by a few percent).
+  ProblemKey other_layout = problem;
+  other_layout.head_major = !problem.head_major;
+  const ProblemKey* const keys[] = {&problem, &other_layout};
+  for (const ProblemKey* key : keys)
+    for (const auto& [db, origin] : {std::pair<const TuningDb*, std::string>{&impl_->in_memory, "in-memory tuning"},
+                                     {&impl_->user, impl_->user_origin},
+                                     {&impl_->bundled, "the bundled tuning database"}})
+      if (const TunedEntry* e = impl_->find(*db, origin, device, *key)) return *e;
   return std::nullopt;
 }
 

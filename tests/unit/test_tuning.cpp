@@ -44,9 +44,10 @@ DeviceProperties tabulated_h200() {
   return d;
 }
 
-detail::ForwardProblem causal_problem(int batch, int seqlen, int heads, int head_dim) {
+detail::ForwardProblem causal_problem(int batch, int seqlen, int heads, int head_dim, bool head_major = false) {
   alignas(16) static unsigned char arena[16];
-  auto q = TensorView::contiguous(arena, ScalarType::bfloat16, {batch, seqlen, heads, head_dim});
+  auto q = head_major ? TensorView::head_major(arena, ScalarType::bfloat16, batch, seqlen, heads, head_dim)
+                      : TensorView::contiguous(arena, ScalarType::bfloat16, {batch, seqlen, heads, head_dim});
   AttentionOptions options;
   options.causal = true;
   return detail::make_forward_problem(q, q, q, q, nullptr, nullptr, options);
@@ -128,6 +129,39 @@ TEST_CASE("problem keys bucket seqlens and batch x heads to powers of two", "[tu
   CHECK(key.seqlen_bucket == 4096);
   CHECK(key.batch_heads_bucket == 64);
   CHECK(key.describe() == "fa2_bwd bf16 d128 causal s<=4096 bh<=64");
+  CHECK_FALSE(key.head_major);
+}
+
+TEST_CASE("problem keys carry the layout: head-major q is keyed apart from sequence-major", "[tuning]") {
+  const ProblemKey bhsd = detail::problem_key(causal_problem(2, 3000, 16, 128, true), Family::sm90_fwd);
+  CHECK(bhsd.head_major);
+  CHECK(bhsd.describe() == "sm90_fwd bf16 d128 causal s<=4096 bh<=64 bhsd");
+  ProblemKey bshd = bhsd;
+  bshd.head_major = false;
+  CHECK_FALSE(bshd == bhsd);
+  CHECK(detail::problem_key(causal_problem(2, 3000, 16, 128), Family::sm90_fwd) == bshd);
+  // One head: the strides do not tell a layout, and sequence-major is the default.
+  CHECK_FALSE(detail::problem_key(causal_problem(2, 3000, 1, 128, true), Family::sm90_fwd).head_major);
+
+  // The database keeps the layout ("layout": "bhsd"); an entry without the field is sequence-major
+  // (databases written before it), and anything else is refused by name.
+  TuningDb db;
+  TunedEntry e = numbered_entry(0);
+  e.problem.head_major = true;
+  db.upsert(e);
+  db.upsert(numbered_entry(0));  // the same problem in the other layout: a second entry
+  REQUIRE(db.entries().size() == 2);
+  nlohmann::json j = nlohmann::json::parse(db.dump());
+  CHECK(j["entries"][0]["problem"]["layout"] == "bhsd");
+  CHECK(j["entries"][1]["problem"]["layout"] == "bshd");
+  j["entries"][1]["problem"].erase("layout");
+  const TuningDb back = TuningDb::parse(j.dump(), "memory");
+  REQUIRE(back.entries().size() == 2);
+  CHECK(back.entries()[0].problem.head_major);
+  CHECK_FALSE(back.entries()[1].problem.head_major);
+  j["entries"][0]["problem"]["layout"] = "bsdh";
+  CHECK_THROWS_WITH(TuningDb::parse(j.dump(), "db.json"),
+                    Catch::Contains("entries[0].problem.layout must be \"bshd\" or \"bhsd\", got \"bsdh\""));
 }
 
 TEST_CASE("tuning db: round trip and strict parsing", "[tuning]") {
@@ -264,6 +298,41 @@ TEST_CASE("dispatch order: forced, in-memory, user, bundled, heuristic; other de
   CHECK_THAT(warnings[0], Catch::Contains("old.json") && Catch::Contains("skipped"));
 }
 
+TEST_CASE("dispatch: an entry of the call's own layout first, else the other layout's", "[tuning]") {
+  const DeviceProperties device = tabulated_h200();
+  const detail::ForwardProblem bshd = causal_problem(2, 4096, 16, 128);
+  const detail::ForwardProblem bhsd = causal_problem(2, 4096, 16, 128, true);
+  auto entry_with = [&](int block_n, const detail::ForwardProblem& problem) {
+    TunedEntry e;
+    e.device = DeviceStamp::of(device);
+    e.problem = detail::problem_key(problem, Family::sm90_fwd);
+    e.spec = default_spec(Family::sm90_fwd, device.arch(), DType::bf16, 128, MaskKind::causal);
+    e.spec.block_n = block_n;
+    REQUIRE_FALSE(e.spec.validate().has_value());
+    e.median_ms = 1;
+    e.tuned_at = "2026-11-30T00:00:00Z";
+    return e;
+  };
+  TuningSources sources;
+  TuningDb bundled;
+  bundled.upsert(entry_with(64, bshd));
+  sources.set_bundled_db(bundled);
+  // Only a sequence-major entry: head-major calls use it too.
+  CHECK(detail::select_forward_kernel(bshd, device, &sources).block_n == 64);
+  CHECK(detail::select_forward_kernel(bhsd, device, &sources).block_n == 64);
+  // A head-major entry (even in a later source) serves head-major calls only.
+  TuningDb user;
+  user.upsert(entry_with(96, bhsd));
+  sources.set_user_db(user, "user.json");
+  CHECK(detail::select_forward_kernel(bhsd, device, &sources).block_n == 96);
+  CHECK(detail::select_forward_kernel(bshd, device, &sources).block_n == 64);
+  bundled.upsert(entry_with(112, bhsd));
+  sources.set_bundled_db(bundled);
+  sources.set_user_db(TuningDb{}, "none");
+  CHECK(detail::select_forward_kernel(bhsd, device, &sources).block_n == 112);
+  CHECK(detail::select_forward_kernel(bshd, device, &sources).block_n == 64);
+}
+
 TEST_CASE("flashjit-tune: dry run lists candidates; bad input exits 2 and writes nothing", "[tuning]") {
   TempDir dir;
   Tool t = run_tool({FLASHJIT_TUNE_TOOL, "--shape", "2,4096,4096,16,8,128", "--causal", "off,on", "--pass", "fwd,bwd",
@@ -277,6 +346,10 @@ TEST_CASE("flashjit-tune: dry run lists candidates; bad input exits 2 and writes
     CHECK(shape["candidates"].size() >= 4);
     for (const auto& name : shape["candidates"]) CHECK_THAT(name.get<std::string>(), Catch::EndsWith("_sm80"));
   }
+  // --layout bhsd keys the shapes head-major.
+  t = run_tool({FLASHJIT_TUNE_TOOL, "--shape", "2,4096,4096,16,8,128", "--layout", "bhsd", "--dry-run", "--json"});
+  REQUIRE(t.status == 0);
+  CHECK(nlohmann::json::parse(t.output)[0]["problem"] == "sm90_fwd bf16 d128 s<=4096 bh<=64 bhsd");
 
   auto expect_usage = [&](std::vector<std::string> args, const std::string& why) {
     args.insert(args.begin(), FLASHJIT_TUNE_TOOL);
@@ -290,6 +363,7 @@ TEST_CASE("flashjit-tune: dry run lists candidates; bad input exits 2 and writes
   expect_usage({"--shape", "2,64,64,4,4,64", "--dry-run", "--arch", "sm_99"}, "an arch NVRTC does not know");
   expect_usage({"--shape", "2,64,64,4,4,64", "--dry-run", "--arch", "gfx90a"}, "not an arch name");
   expect_usage({"--dry-run"}, "no shapes");
+  expect_usage({"--shape", "2,64,64,4,4,64", "--layout", "bsdh", "--dry-run"}, "unknown layout");
   write_file(dir / "shapes.json", "[{\"batch\": 1, \"seqlen_q\": 64,\n  \"seqlen_k\" 64}]");
   expect_usage({"--shapes", dir / "shapes.json", "--dry-run"}, "malformed JSON");
   write_file(dir / "shapes2.json", "[{\"batch\":1,\"seqlen_q\":64,\"seqlen_k\":64,\"heads_q\":4,\"heads_kv\":4,\"head_dim\":64,\"windw\":1}]");

@@ -37,6 +37,10 @@ struct TensorView {
   // A row-major contiguous view of `shape` (rank 1 to 4).
   static TensorView contiguous(void* data, ScalarType dtype, std::initializer_list<int64_t> shape,
                                int device = 0);
+  // A (batch, seqlen, heads, head_dim) view of memory stored head-major, as (batch, heads, seqlen,
+  // head_dim) contiguous: PyTorch SDPA's layout seen in flashjit's dimension order.
+  static TensorView head_major(void* data, ScalarType dtype, int64_t batch, int64_t seqlen, int64_t heads,
+                               int64_t head_dim, int device = 0);
   int64_t numel() const;
 };
 

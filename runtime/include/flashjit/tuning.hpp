@@ -60,9 +60,14 @@ struct ProblemKey {
   bool softcap = false;
   int seqlen_bucket = 0;      // bucket(max(seqlen_q, seqlen_k))
   int batch_heads_bucket = 0; // bucket(batch * heads_q)
+  // q stored (batch, heads, seqlen, head_dim), SDPA's order, rather than sequence-major (batch,
+  // seqlen, heads, head_dim), flash-attn's: the layouts favour different tiles (H200, head dim 128).
+  // JSON "layout": "bhsd" or "bshd" (absent: bshd, as databases before it). Dispatch falls back to
+  // the other layout's entry where its own has none.
+  bool head_major = false;
 
   static int bucket(int64_t n);  // the smallest power of two >= n, at least 64 (1 -> 64, 100 -> 128)
-  std::string describe() const;  // "fa2_fwd bf16 d128 causal s<=4096 bh<=64"
+  std::string describe() const;  // "fa2_fwd bf16 d128 causal s<=4096 bh<=64", then " bhsd" if head-major
   bool operator==(const ProblemKey& o) const;
 };
 
@@ -141,6 +146,7 @@ struct TuneShape {
   DType dtype = DType::bf16;
   int batch = 1, seqlen_q = 4096, seqlen_k = 4096, heads_q = 16, heads_kv = 16, head_dim = 128;
   bool causal = false;
+  bool head_major = false;  // time (batch, heads, seqlen, head_dim) tensors; the entry is keyed so
 
   std::string describe() const;
 };
