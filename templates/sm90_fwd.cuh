@@ -64,8 +64,9 @@ struct Sm90FwdShape {
   static constexpr int kQStages = Config::kQStages;
   // q_full and q_empty per Q slot, then k_full, v_full, k_empty and v_empty per stage.
   static constexpr int kBarrierBytes = 8 * (2 * kQStages + 4 * kStages);
-  // After the barriers: the work tile the producer published with each Q slot (16 bytes).
-  static constexpr int kSmemBytes = 1024 + kQStages * kQBytes + 2 * kStages * kKVTileBytes + kBarrierBytes + 16;
+  // After the barriers: the work tile the producer published with each Q slot (16 bytes each).
+  static constexpr int kSmemBytes =
+      1024 + kQStages * kQBytes + 2 * kStages * kKVTileBytes + kBarrierBytes + 16 * kQStages;
   // setmaxnreg split of the 64K registers (FlashAttention-3's): the producer keeps a few.
   static constexpr int kProducerRegisters = kConsumers == 2 ? 24 : 32;
   static constexpr int kConsumerRegisters = kConsumers == 2 ? 240 : 160;
@@ -83,7 +84,7 @@ struct Sm90FwdShape {
 
   static_assert(kBlockM % 64 == 0 && kThreads == 128 * (1 + kConsumers), "one producer and kConsumers warpgroups");
   static_assert(kHeadDim % 32 == 0 && kBlockN % 16 == 0 && kStages >= 2, "whole k16 steps, two stages to overlap");
-  static_assert(kQStages == 1 || kQStages == 2, "one or two Q slots (16 bytes hold their published tiles)");
+  static_assert(kQStages == 1 || kQStages == 2, "one or two Q slots");
 
   // With two Q slots a finished tile's O is staged in its own Q slot (Q's panel layout, each consumer
   // in the 64 rows only its QK^T read) and leaves by TMA stores, while the next tile runs in the other
@@ -103,6 +104,26 @@ struct Sm90FwdShape {
 struct Sm90WorkTile {
   int m_block, head, batch;
 };
+// The work tile the producer publishes with a Q slot (16 bytes of shared memory): its index (-1:
+// the end) and its coordinates, so that the consumers need not decode the index again (a decode is
+// five integer divisions, some 100 instructions on the consumers' busy issue slots).
+struct PublishedTile {
+  int index;
+  Sm90WorkTile work;
+};
+__device__ __forceinline__ void publish_tile(unsigned address, int index, const Sm90WorkTile& work) {
+  asm volatile("st.volatile.shared.v4.s32 [%0], {%1, %2, %3, %4};\n" ::"r"(address), "r"(index), "r"(work.m_block),
+               "r"(work.head), "r"(work.batch)
+               : "memory");
+}
+__device__ __forceinline__ PublishedTile read_published_tile(unsigned address) {
+  PublishedTile t;
+  asm volatile("ld.volatile.shared.v4.s32 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(t.index), "=r"(t.work.m_block), "=r"(t.work.head), "=r"(t.work.batch)
+               : "r"(address)
+               : "memory");
+  return t;
+}
 __device__ __forceinline__ Sm90WorkTile sm90_work_tile(const AttentionSm90FwdParams& params, int index) {
   const int pairs = params.fwd.num_heads_q * params.fwd.batch;
   const int section_tiles = params.section_pairs * params.num_m_blocks;
@@ -155,8 +176,8 @@ __device__ void sm90_fwd_kernel(const AttentionSm90FwdParams& params) {
   auto bar_v_full = [&](int stage) { return barriers + 8 * (2 * kQStages + kStages + stage); };
   auto bar_k_empty = [&](int stage) { return barriers + 8 * (2 * kQStages + 2 * kStages + stage); };
   auto bar_v_empty = [&](int stage) { return barriers + 8 * (2 * kQStages + 3 * kStages + stage); };
-  // The work tile each Q slot holds (or -1, the end), published by the producer with the Q tile.
-  int* const published_tiles = reinterpret_cast<int*>(smem + (barriers + Shape::kBarrierBytes - shared_address(smem)));
+  // The work tile each Q slot holds (PublishedTile), published by the producer with the Q tile.
+  auto published_tile = [&](int slot) { return barriers + Shape::kBarrierBytes + 16 * slot; };
 
   // Warp-uniform values go through a shuffle so that ptxas can see they are uniform: a wgmma on a
   // path it must treat as divergent is serialized (C7520), and the overlap is lost.
@@ -201,7 +222,7 @@ __device__ void sm90_fwd_kernel(const AttentionSm90FwdParams& params) {
       const int q_slot = q_count % kQStages;
       mbarrier_wait(bar_q_empty(q_slot), ((q_count / kQStages) & 1) ^ 1);  // a fresh barrier passes parity 1
       ++q_count;
-      *reinterpret_cast<volatile int*>(published_tiles + q_slot) = index < num_work_tiles ? index : -1;
+      publish_tile(published_tile(q_slot), index < num_work_tiles ? index : -1, work);
       if (index >= num_work_tiles) {
         mbarrier_arrive(bar_q_full(q_slot));
         break;
@@ -318,11 +339,10 @@ __device__ void sm90_fwd_kernel(const AttentionSm90FwdParams& params) {
   // consumer's 64-row box in a Q slot or a V tile, panels `panel_bytes` apart): stmatrix writes the
   // rows in the 128-byte-swizzled panel layout TMA reads, and the consumer's first thread sends them
   // with one TMA store per panel; the space is freed once TMA has read it (release_staged_output).
-  // Otherwise straight from the registers (4-byte pairs). The tile's coordinates are derived again
-  // from the index: cheaper than keeping them live beside the next tile's across a step.
-  auto store_output = [&](int index, const RowStatistics<Warp>& st, const float (&o)[Shape::kHeadDim / 2],
-                          unsigned box, unsigned panel_bytes) {
-    const Sm90WorkTile work = sm90_work_tile(params, index);
+  // Otherwise straight from the registers (4-byte pairs). The caller finds the tile's coordinates
+  // again (finished_tile): cheaper than keeping them live beside the next tile's across a step.
+  auto store_output = [&](const Sm90WorkTile& work, const RowStatistics<Warp>& st,
+                          const float (&o)[Shape::kHeadDim / 2], unsigned box, unsigned panel_bytes) {
     const SequenceExtent seq = sequence_extent(p, work.batch);
     const int tid = fresh_thread_index(), lane = tid % 32;  // (consumer threads start at 128)
     const int consumer = tid / 128 - 1;
@@ -406,9 +426,23 @@ __device__ void sm90_fwd_kernel(const AttentionSm90FwdParams& params) {
     return o_via_tma ? sQ + q_slot * Shape::kQBytes + consumer * 64 * 128 : 0u;
   };
 
+  // The tile published with Q slot `q_slot`, while the consumers hold the slot. Lane 0 alone reads
+  // it: the same thread later arrives on that slot's q_empty, which orders the read before the
+  // producer's next write. The shuffles also show ptxas the values are warp-uniform.
+  auto read_tile = [&](int q_slot) {
+    PublishedTile t{};
+    if (lane == 0) t = read_published_tile(published_tile(q_slot));
+    return PublishedTile{warp_uniform(t.index),
+                         {warp_uniform(t.work.m_block), warp_uniform(t.work.head), warp_uniform(t.work.batch)}};
+  };
+  // A finished tile's coordinates for its O store: from its Q slot where O is staged there (the slot
+  // is still held), else decoded from the index (the producer may have reused the slot).
+  auto finished_tile = [&](int index, int q_slot) {
+    return o_via_tma ? read_tile(q_slot).work : sm90_work_tile(params, index);
+  };
+
   // The work tile whose key blocks the consumers compute: it arrives with its Q tile, in Q slot
-  // `q_slot`. Lane 0 alone reads the published index: the same thread later arrives on that
-  // slot's q_empty, which orders the read before the producer's next write.
+  // `q_slot`.
   struct FrontTile {
     int index, q_slot, m0;
     SequenceExtent seq;
@@ -419,11 +453,11 @@ __device__ void sm90_fwd_kernel(const AttentionSm90FwdParams& params) {
     t.q_slot = q_count % kQStages;
     mbarrier_wait(bar_q_full(t.q_slot), (q_count / kQStages) & 1);
     ++q_count;
-    t.index = warp_uniform(lane == 0 ? *reinterpret_cast<volatile int*>(published_tiles + t.q_slot) : 0);
+    const PublishedTile published = read_tile(t.q_slot);
+    t.index = published.index;
     if (t.index < 0) return false;
-    const Sm90WorkTile work = sm90_work_tile(params, t.index);
-    t.m0 = work.m_block * kBlockM;
-    t.seq = sequence_extent(p, work.batch);
+    t.m0 = published.work.m_block * kBlockM;
+    t.seq = sequence_extent(p, published.work.batch);
     t.keys = key_tile_range<kBlockM, kBlockN, kMask>(p, t.seq, t.m0);
     t.keys.n_block_min = warp_uniform(t.keys.n_block_min);
     t.keys.n_block_max = warp_uniform(t.keys.n_block_max);
@@ -451,7 +485,7 @@ __device__ void sm90_fwd_kernel(const AttentionSm90FwdParams& params) {
 #pragma unroll
       for (int i = 0; i < Shape::kHeadDim / 2; ++i) o_flat[i] = 0.f;
       if (!o_via_tma) release(bar_q_empty(front.q_slot));
-      store_output(front.index, st, o_flat, q_slot_box(front.q_slot), Shape::kQPanelBytes);
+      store_output(finished_tile(front.index, front.q_slot), st, o_flat, q_slot_box(front.q_slot), Shape::kQPanelBytes);
       if (o_via_tma) release_staged_output(bar_q_empty(front.q_slot));
       more = fetch_tile(front);
       continue;
@@ -549,7 +583,7 @@ __device__ void sm90_fwd_kernel(const AttentionSm90FwdParams& params) {
         rescale_output<Warp>(o_flat, rescale);
       pack_probabilities(a, s);
       if (tile_done) {  // the previous tile's O is complete (stored once P is packed: fewer live registers)
-        store_output(back_index, st, o_flat, q_slot_box(back_slot), Shape::kQPanelBytes);
+        store_output(finished_tile(back_index, back_slot), st, o_flat, q_slot_box(back_slot), Shape::kQPanelBytes);
         if (o_via_tma) staged_slot = back_slot;
         back_index = front.index;
         back_slot = front.q_slot;
@@ -580,10 +614,11 @@ __device__ void sm90_fwd_kernel(const AttentionSm90FwdParams& params) {
     if (!stages_in_v) release(bar_v_empty(stage));
     ++kv_count;
     if (stages_in_v) {
-      store_output(back_index, st, o_flat, sV + stage * Shape::kKVTileBytes, Shape::kKVPanelBytes);
+      store_output(sm90_work_tile(params, back_index), st, o_flat, sV + stage * Shape::kKVTileBytes,
+                   Shape::kKVPanelBytes);
       release_staged_output(bar_v_empty(stage));
     } else {
-      store_output(back_index, st, o_flat, q_slot_box(back_slot), Shape::kQPanelBytes);
+      store_output(finished_tile(back_index, back_slot), st, o_flat, q_slot_box(back_slot), Shape::kQPanelBytes);
       if (o_via_tma) release_staged_output(bar_q_empty(back_slot));  // (the next tile may be waiting for this slot)
     }
     if (!fetched) more = fetch_tile(front);
