@@ -442,9 +442,11 @@ __device__ void sm90_fwd_kernel(const AttentionSm90FwdParams& params) {
   };
 
   // The work tile whose key blocks the consumers compute: it arrives with its Q tile, in Q slot
-  // `q_slot`.
+  // `q_slot`. `has_rows`: this consumer's 64 rows reach into the sequence, as in all but a last
+  // query block (block_m 192 at S = 2048 leaves the third consumer none there: 3% of the work).
   struct FrontTile {
     int index, q_slot, m0;
+    bool has_rows;
     SequenceExtent seq;
     KeyTileRange keys;
   };
@@ -461,6 +463,7 @@ __device__ void sm90_fwd_kernel(const AttentionSm90FwdParams& params) {
     t.keys = key_tile_range<kBlockM, kBlockN, kMask>(p, t.seq, t.m0);
     t.keys.n_block_min = warp_uniform(t.keys.n_block_min);
     t.keys.n_block_max = warp_uniform(t.keys.n_block_max);
+    t.has_rows = warp_uniform(t.m0 + consumer * 64 < t.seq.seqlen_q) != 0;
     return true;
   };
 
@@ -487,6 +490,25 @@ __device__ void sm90_fwd_kernel(const AttentionSm90FwdParams& params) {
       if (!o_via_tma) release(bar_q_empty(front.q_slot));
       store_output(finished_tile(front.index, front.q_slot), st, o_flat, q_slot_box(front.q_slot), Shape::kQPanelBytes);
       if (o_via_tma) release_staged_output(bar_q_empty(front.q_slot));
+      more = fetch_tile(front);
+      continue;
+    }
+    if (!front.has_rows) {
+      // No rows of this consumer's: no GEMM, no store, so the others have the tensor core to
+      // themselves. It still takes the ping-pong token once per key block, as the others do,
+      // and frees each K and V stage once loaded (waiting for the load keeps its arrivals in the
+      // stage's current phase). The drain's V-staging barrier runs only in tiles where no consumer
+      // skips.
+      release(bar_q_empty(front.q_slot));
+      for (int i = 0; i < front.keys.count(); ++i, ++kv_count) {
+        const int stage = kv_count % kStages;
+        mbarrier_wait(bar_k_full(stage), (kv_count / kStages) & 1);
+        wait_turn();
+        pass_turn();
+        release(bar_k_empty(stage));
+        mbarrier_wait(bar_v_full(stage), (kv_count / kStages) & 1);
+        release(bar_v_empty(stage));
+      }
       more = fetch_tile(front);
       continue;
     }
@@ -539,7 +561,8 @@ __device__ void sm90_fwd_kernel(const AttentionSm90FwdParams& params) {
         free_staged_slot();
         more = fetch_tile(front);
         fetched = true;
-        if (!more || front.keys.count() == 0) break;
+        // (A tile without this consumer's rows is skipped after the drain.)
+        if (!more || front.keys.count() == 0 || !front.has_rows) break;
         n_block = front.keys.n_block_max;
       }
       const int next = (kv_count + 1) % kStages, next_block = n_block - 1;
@@ -609,8 +632,12 @@ __device__ void sm90_fwd_kernel(const AttentionSm90FwdParams& params) {
     // One Q slot: the last consumer stages its O in this V tile's first 64 rows once every
     // consumer's P V has read the tile; the others free the stage and store from registers. (All
     // of them sync: with arrive-only, a consumer a tile ahead could complete the barrier alone.)
-    const bool stages_in_v = o_via_v_stage && consumer == kConsumers - 1;
-    if (o_via_v_stage) named_barrier_sync(v_tile_read, 128 * kConsumers);
+    // Only where the last consumer has rows: then every consumer has. (V staging means one Q slot,
+    // whose drain comes before the next fetch: `front` is still the finished tile.)
+    const bool v_staging =
+        o_via_v_stage && warp_uniform(front.m0 + (kConsumers - 1) * 64 < front.seq.seqlen_q) != 0;
+    const bool stages_in_v = v_staging && consumer == kConsumers - 1;
+    if (v_staging) named_barrier_sync(v_tile_read, 128 * kConsumers);
     if (!stages_in_v) release(bar_v_empty(stage));
     ++kv_count;
     if (stages_in_v) {

@@ -271,6 +271,38 @@ TEST_CASE("sm90_fwd: tile shapes, stages and consumer counts", "[forward][sm90]"
     }
 }
 
+TEST_CASE("sm90_fwd: a consumer without rows in the last query block skips it", "[forward][sm90]") {
+  if (!hopper_or_skip()) return;
+  // 300 query rows: block_m 192's last block leaves its third consumer none (rows 320..383) and
+  // block_m 128's its second; with one persistent CTA (sm_margin) it runs every transition between
+  // skipped and computed tiles. Head dim 256 is the V-stage output's path.
+  struct Tiles {
+    int d, block_m, block_n, stages;
+  };
+  uint64_t seed = 7700;
+  for (Tiles t : {Tiles{64, 192, 128, 3}, Tiles{128, 192, 80, 3}, Tiles{128, 128, 128, 2}, Tiles{256, 128, 80, 2}})
+    for (MaskKind mask : {MaskKind::none, MaskKind::causal}) {
+      AttentionShape shape = AttentionShape::make(2, 300, 590, 4, 2, t.d);
+      shape.causal = mask == MaskKind::causal;
+      KernelSpec spec = default_spec(Family::sm90_fwd, device_properties(0).arch(), DType::bf16, t.d, mask);
+      spec.block_m = t.block_m;
+      spec.block_n = t.block_n;
+      spec.num_warps = 4 * (1 + t.block_m / 64);
+      spec.num_stages = t.stages;
+      REQUIRE_FALSE(spec.validate().has_value());
+      AttentionCase c(shape, DType::bf16, seed++);
+      AttentionOptions options;
+      options.kernel = spec;
+      c.run(test_runtime(), options);
+      INFO(c.describe() << " kernel " << spec.name());
+      check_against_oracle(c, tensor_core_output_tolerance(DType::bf16), tensor_core_lse_tolerance());
+      const auto out = c.output_bits();
+      options.sm_margin = device_properties(0).sm_count - 1;
+      c.run(test_runtime(), options);
+      CHECK(c.output_bits() == out);
+    }
+}
+
 TEST_CASE("sm90_fwd: sm_margin leaves SMs free and changes nothing else", "[forward][sm90]") {
   if (!hopper_or_skip()) return;
   AttentionShape s = AttentionShape::make(2, 1500, 1500, 8, 2, 128);
