@@ -13,8 +13,10 @@
 //   Persistent: gridDim.x CTAs (the SMs, less any the caller keeps free) take work tiles (query
 //   block, head, batch) from a global counter, in sections of (batch, head) pairs whose K/V fit in
 //   L2 together, longest query blocks first within a section: a CTA that finishes early takes the
-//   next tile, which balances causal work. The producer fetches each tile and publishes it to the
-//   consumers in shared memory with the Q tile (on that Q slot's q_full); -1 ends the loop. Two Q
+//   next tile, which balances causal work. The producer fetches each tile and publishes it (index
+//   and coordinates) to the consumers in shared memory with the Q tile (on that Q slot's q_full);
+//   -1 ends the loop. A consumer with no rows in a tile (a last query block) skips its GEMMs there
+//   but keeps its turns and barrier arrivals. Two Q
 //   slots where shared memory allows, so the next tile's Q loads while this one runs. The next
 //   tile is claimed just before this one's last K and V loads (+4-5% at head dim 128, 2k; claiming
 //   it before loading any of this one's was tried: causal rows fell 3-8% against cuDNN between two
@@ -33,7 +35,9 @@
 //   Epilogue: with two Q slots, a finished tile's O goes by stmatrix into that tile's Q slot (Q's
 //   layout) and out by TMA stores while the next tile runs; the slot returns to the producer a step
 //   later, once TMA has read it (measured +3.5% at head dim 128, 2k and 8k, over 4-byte stores from
-//   the registers). With one Q slot, or varlen, O goes out from the registers.
+//   the registers). With one Q slot and no ping-pong (head dims 192 and 256), the last consumer
+//   stages its O in the V tile all consumers' last P V has read (+3% at 2k) and the others store
+//   from the registers; varlen always stores from the registers.
 //   Varlen: the maps cover the packed rows as one batch entry; rows past a sequence's end belong
 //   to the next sequence, so its edge tiles are always masked and its rows past the end never
 //   written.
@@ -335,7 +339,7 @@ __device__ void sm90_fwd_kernel(const AttentionSm90FwdParams& params) {
   auto release = [&](unsigned empty_barrier) {
     if (lane == 0) mbarrier_arrive(empty_barrier);
   };
-  // Normalise work tile `index`'s O and store it with its LSE. Through TMA (`box` nonzero: the
+  // Normalise the O of work tile `work` and store it with its LSE. Through TMA (`box` nonzero: the
   // consumer's 64-row box in a Q slot or a V tile, panels `panel_bytes` apart): stmatrix writes the
   // rows in the 128-byte-swizzled panel layout TMA reads, and the consumer's first thread sends them
   // with one TMA store per panel; the space is freed once TMA has read it (release_staged_output).
