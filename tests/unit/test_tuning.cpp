@@ -53,6 +53,21 @@ detail::ForwardProblem causal_problem(int batch, int seqlen, int heads, int head
   return detail::make_forward_problem(q, q, q, q, nullptr, nullptr, options);
 }
 
+// A tuned entry for a causal head-dim-128 problem on `device`: sm90_fwd's default spec with
+// `block_n` replaced, recorded under `stamp`.
+TunedEntry causal_d128_entry(const DeviceProperties& device, const ProblemKey& key, int block_n,
+                             const DeviceStamp& stamp) {
+  TunedEntry e;
+  e.device = stamp;
+  e.problem = key;
+  e.spec = default_spec(Family::sm90_fwd, device.arch(), DType::bf16, 128, MaskKind::causal);
+  e.spec.block_n = block_n;
+  REQUIRE_FALSE(e.spec.validate().has_value());
+  e.median_ms = 1;
+  e.tuned_at = "2026-11-30T00:00:00Z";
+  return e;
+}
+
 struct Tool {
   int status;
   std::string output;
@@ -249,17 +264,7 @@ TEST_CASE("dispatch order: forced, in-memory, user, bundled, heuristic; other de
   const detail::ForwardProblem problem = causal_problem(2, 4096, 16, 128);
   // On an H200 the forward's family is sm90_fwd, whose default block_n at head dim 128 is 128.
   const ProblemKey key = detail::problem_key(problem, Family::sm90_fwd);
-  auto entry_with = [&](int block_n, const DeviceStamp& stamp) {
-    TunedEntry e;
-    e.device = stamp;
-    e.problem = key;
-    e.spec = default_spec(Family::sm90_fwd, device.arch(), DType::bf16, 128, MaskKind::causal);
-    e.spec.block_n = block_n;
-    REQUIRE_FALSE(e.spec.validate().has_value());
-    e.median_ms = 1;
-    e.tuned_at = "2026-11-30T00:00:00Z";
-    return e;
-  };
+  auto entry_with = [&](int block_n, const DeviceStamp& stamp) { return causal_d128_entry(device, key, block_n, stamp); };
   std::vector<std::string> warnings;
   TuningSources sources([&](const std::string& w) { warnings.push_back(w); });
   const KernelSpec heuristic = detail::select_forward_kernel(problem, device, &sources);
@@ -303,15 +308,7 @@ TEST_CASE("dispatch: an entry of the call's own layout first, else the other lay
   const detail::ForwardProblem bshd = causal_problem(2, 4096, 16, 128);
   const detail::ForwardProblem bhsd = causal_problem(2, 4096, 16, 128, true);
   auto entry_with = [&](int block_n, const detail::ForwardProblem& problem) {
-    TunedEntry e;
-    e.device = DeviceStamp::of(device);
-    e.problem = detail::problem_key(problem, Family::sm90_fwd);
-    e.spec = default_spec(Family::sm90_fwd, device.arch(), DType::bf16, 128, MaskKind::causal);
-    e.spec.block_n = block_n;
-    REQUIRE_FALSE(e.spec.validate().has_value());
-    e.median_ms = 1;
-    e.tuned_at = "2026-11-30T00:00:00Z";
-    return e;
+    return causal_d128_entry(device, detail::problem_key(problem, Family::sm90_fwd), block_n, DeviceStamp::of(device));
   };
   TuningSources sources;
   TuningDb bundled;
