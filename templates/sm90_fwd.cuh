@@ -38,6 +38,11 @@
 //   the registers). With one Q slot and no ping-pong (head dims 192 and 256), the last consumer
 //   stages its O in the V tile all consumers' last P V has read (+3% at 2k) and the others store
 //   from the registers; varlen always stores from the registers.
+//   Tail splits: where the work tiles do not fill whole rounds of the CTAs, the last round's tiles
+//   can run as split items over contiguous shares of their key blocks (split-KV for the schedule's
+//   tail; the host decides, see choose_tail_split). An item ends with the drain, writes its
+//   unnormalised O and row statistics to global memory and counts itself in per warp; the warp that
+//   completes its rows' count merges all the items in item order and stores O and the LSE.
 //   Varlen: the maps cover the packed rows as one batch entry; rows past a sequence's end belong
 //   to the next sequence, so its edge tiles are always masked and its rows past the end never
 //   written.
@@ -68,9 +73,9 @@ struct Sm90FwdShape {
   static constexpr int kQStages = Config::kQStages;
   // q_full and q_empty per Q slot, then k_full, v_full, k_empty and v_empty per stage.
   static constexpr int kBarrierBytes = 8 * (2 * kQStages + 4 * kStages);
-  // After the barriers: the work tile the producer published with each Q slot (16 bytes each).
+  // After the barriers: the work item the producer published with each Q slot (32 bytes each).
   static constexpr int kSmemBytes =
-      1024 + kQStages * kQBytes + 2 * kStages * kKVTileBytes + kBarrierBytes + 16 * kQStages;
+      1024 + kQStages * kQBytes + 2 * kStages * kKVTileBytes + kBarrierBytes + 32 * kQStages;
   // setmaxnreg split of the 64K registers (FlashAttention-3's): the producer keeps a few.
   static constexpr int kProducerRegisters = kConsumers == 2 ? 24 : 32;
   static constexpr int kConsumerRegisters = kConsumers == 2 ? 240 : 160;
@@ -103,12 +108,12 @@ struct Sm90FwdShape {
   static constexpr bool kStagesOutputInVStage = kQStages == 1 && !kPingPong && kBlockN >= 64;
 };
 
-// Work tile `index` of the persistent schedule: sections of `section_pairs` (batch, head) pairs,
-// query blocks from the last (longest when causal) to the first, pairs fastest within a block.
+// A work item of the persistent schedule: a work tile (query block, head, batch), or with `split`
+// >= 0 split item `split` (tile split / splits, key share split % splits) of the tail splits.
 struct Sm90WorkTile {
-  int m_block, head, batch;
+  int m_block, head, batch, split;
 };
-// The work tile the producer publishes with a Q slot (16 bytes of shared memory): its index (-1:
+// The work item the producer publishes with a Q slot (32 bytes of shared memory): its index (-1:
 // the end) and its coordinates, so that the consumers need not decode the index again (a decode is
 // five integer divisions, some 100 instructions on the consumers' busy issue slots).
 struct PublishedTile {
@@ -116,18 +121,24 @@ struct PublishedTile {
   Sm90WorkTile work;
 };
 __device__ __forceinline__ void publish_tile(unsigned address, int index, const Sm90WorkTile& work) {
-  asm volatile("st.volatile.shared.v4.s32 [%0], {%1, %2, %3, %4};\n" ::"r"(address), "r"(index), "r"(work.m_block),
-               "r"(work.head), "r"(work.batch)
-               : "memory");
+  asm volatile(
+      "st.volatile.shared.v4.s32 [%0], {%1, %2, %3, %4};\n"
+      "st.volatile.shared.s32 [%0 + 16], %5;\n" ::"r"(address),
+      "r"(index), "r"(work.m_block), "r"(work.head), "r"(work.batch), "r"(work.split)
+      : "memory");
 }
 __device__ __forceinline__ PublishedTile read_published_tile(unsigned address) {
   PublishedTile t;
-  asm volatile("ld.volatile.shared.v4.s32 {%0, %1, %2, %3}, [%4];\n"
-               : "=r"(t.index), "=r"(t.work.m_block), "=r"(t.work.head), "=r"(t.work.batch)
-               : "r"(address)
-               : "memory");
+  asm volatile(
+      "ld.volatile.shared.v4.s32 {%0, %1, %2, %3}, [%5];\n"
+      "ld.volatile.shared.s32 %4, [%5 + 16];\n"
+      : "=r"(t.index), "=r"(t.work.m_block), "=r"(t.work.head), "=r"(t.work.batch), "=r"(t.work.split)
+      : "r"(address)
+      : "memory");
   return t;
 }
+// Work tile `index`: sections of `section_pairs` (batch, head) pairs, query blocks from the last
+// (longest when causal) to the first, pairs fastest within a block.
 __device__ __forceinline__ Sm90WorkTile sm90_work_tile(const AttentionSm90FwdParams& params, int index) {
   const int pairs = params.fwd.num_heads_q * params.fwd.batch;
   const int section_tiles = params.section_pairs * params.num_m_blocks;
@@ -136,7 +147,20 @@ __device__ __forceinline__ Sm90WorkTile sm90_work_tile(const AttentionSm90FwdPar
   const int pairs_here = min(params.section_pairs, pairs - section_begin);
   const int pair = section_begin + within % pairs_here;
   return {params.num_m_blocks - 1 - within / pairs_here, pair % params.fwd.num_heads_q,
-          pair / params.fwd.num_heads_q};
+          pair / params.fwd.num_heads_q, -1};
+}
+// Work item `index`: the tiles in order, the last num_split_tiles of them replaced by `splits` items
+// each (a tile's items one after another).
+__device__ __forceinline__ int sm90_whole_tiles(const AttentionSm90FwdParams& params) {
+  return params.num_m_blocks * params.fwd.num_heads_q * params.fwd.batch - params.num_split_tiles;
+}
+__device__ __forceinline__ Sm90WorkTile sm90_work_item(const AttentionSm90FwdParams& params, int index) {
+  const int whole_tiles = sm90_whole_tiles(params);
+  if (index < whole_tiles) return sm90_work_tile(params, index);
+  const int split = index - whole_tiles;
+  Sm90WorkTile work = sm90_work_tile(params, whole_tiles + split / params.splits);
+  work.split = split;
+  return work;
 }
 
 // Key tiles [n_block_min, n_block_max) that query block m0 must visit; walked from the last.
@@ -146,14 +170,18 @@ struct KeyTileRange {
 };
 template <int kBlockM, int kBlockN, MaskKind kMask>
 __device__ __forceinline__ KeyTileRange key_tile_range(const AttentionFwdParams& p, const SequenceExtent& seq,
-                                                       int m0) {
+                                                       int m0, int split, int splits) {
   const int diagonal = seq.seqlen_k - seq.seqlen_q;
   int n_end = seq.seqlen_k;
   if (kMask != MaskKind::kNone && p.window_right >= 0)
     n_end = min(n_end, m0 + kBlockM - 1 + diagonal + p.window_right + 1);
   const int n_begin = kMask == MaskKind::kWindow && p.window_left >= 0 ? max(0, m0 + diagonal - p.window_left) : 0;
   const int n_block_min = n_begin / kBlockN;
-  return {n_block_min, n_end > n_begin ? (n_end + kBlockN - 1) / kBlockN : n_block_min};
+  const KeyTileRange tile{n_block_min, n_end > n_begin ? (n_end + kBlockN - 1) / kBlockN : n_block_min};
+  if (split < 0) return tile;
+  // A split item's share: the (split % splits)-th of `splits` contiguous runs of the tile's blocks.
+  const int share = split % splits, count = tile.count();
+  return {tile.n_block_min + count * share / splits, tile.n_block_min + count * (share + 1) / splits};
 }
 
 template <class Config>
@@ -181,13 +209,13 @@ __device__ void sm90_fwd_kernel(const AttentionSm90FwdParams& params) {
   auto bar_k_empty = [&](int stage) { return barriers + 8 * (2 * kQStages + 2 * kStages + stage); };
   auto bar_v_empty = [&](int stage) { return barriers + 8 * (2 * kQStages + 3 * kStages + stage); };
   // The work tile each Q slot holds (PublishedTile), published by the producer with the Q tile.
-  auto published_tile = [&](int slot) { return barriers + Shape::kBarrierBytes + 16 * slot; };
+  auto published_tile = [&](int slot) { return barriers + Shape::kBarrierBytes + 32 * slot; };
 
   // Warp-uniform values go through a shuffle so that ptxas can see they are uniform: a wgmma on a
   // path it must treat as divergent is serialized (C7520), and the overlap is lost.
   const int tid = threadIdx.x, lane = tid % 32;
   const int warp = warp_uniform(tid / 32), group = warp / 4;
-  const int num_work_tiles = params.num_m_blocks * p.num_heads_q * p.batch;
+  const int num_work_items = sm90_whole_tiles(params) + params.num_split_tiles * params.splits;
   const bool varlen = p.cu_seqlens_q != nullptr;
   const bool o_via_tma = Shape::kStagesOutputInQSlot && params.o_via_tma != 0;
   const bool o_via_v_stage = Shape::kStagesOutputInVStage && params.o_via_tma != 0;
@@ -214,8 +242,8 @@ __device__ void sm90_fwd_kernel(const AttentionSm90FwdParams& params) {
     for (int index = blockIdx.x, next_index = -1;; index = next_index) {
       Sm90WorkTile work{};
       SequenceExtent seq{};
-      if (index < num_work_tiles) {
-        work = sm90_work_tile(params, index);
+      if (index < num_work_items) {
+        work = sm90_work_item(params, index);
         seq = sequence_extent(p, work.batch);
         if (work.m_block * kBlockM >= seq.seqlen_q) {  // varlen: a shorter sequence
           next_index = gridDim.x + atomicAdd(params.tile_counter, 1);
@@ -226,14 +254,14 @@ __device__ void sm90_fwd_kernel(const AttentionSm90FwdParams& params) {
       const int q_slot = q_count % kQStages;
       mbarrier_wait(bar_q_empty(q_slot), ((q_count / kQStages) & 1) ^ 1);  // a fresh barrier passes parity 1
       ++q_count;
-      publish_tile(published_tile(q_slot), index < num_work_tiles ? index : -1, work);
-      if (index >= num_work_tiles) {
+      publish_tile(published_tile(q_slot), index < num_work_items ? index : -1, work);
+      if (index >= num_work_items) {
         mbarrier_arrive(bar_q_full(q_slot));
         break;
       }
       const int m0 = work.m_block * kBlockM;
       const int kv_head = work.head / (p.num_heads_q / p.num_heads_kv), tma_batch = varlen ? 0 : work.batch;
-      const KeyTileRange keys = key_tile_range<kBlockM, kBlockN, kMask>(p, seq, m0);
+      const KeyTileRange keys = key_tile_range<kBlockM, kBlockN, kMask>(p, seq, m0, work.split, params.splits);
       mbarrier_arrive_expect_tx(bar_q_full(q_slot), Shape::kQBytes);
       for (int panel = 0; panel < Shape::kPanels; ++panel)
         tma_load_4d(sQ + q_slot * Shape::kQBytes + panel * Shape::kQPanelBytes, params.q_map, bar_q_full(q_slot),
@@ -339,6 +367,73 @@ __device__ void sm90_fwd_kernel(const AttentionSm90FwdParams& params) {
   auto release = [&](unsigned empty_barrier) {
     if (lane == 0) mbarrier_arrive(empty_barrier);
   };
+  // A split item's end, warp by warp: write this warp's unnormalised O and row statistics (raw
+  // max, the thread's partial sums), then count the item in. The warp whose count completes its
+  // rows' merges every item's, in item order from global memory (its own too), so the result does
+  // not depend on which item finished last: reruns are bitwise identical. It returns true with the
+  // merged O and statistics in `o` and `st`, to store; the other warps return false.
+  auto merge_split_items = [&](const Sm90WorkTile& work, RowStatistics<Warp>& st, float (&o)[Shape::kHeadDim / 2]) {
+    const int tid = fresh_thread_index(), lane = tid % 32;
+    const int consumer = tid / 128 - 1, thread_in_group = tid % 128;
+    const int split_tile = work.split / params.splits, first_item = split_tile * params.splits;
+    // Per item and consumer: O as kHeadDim / 8 float4 columns of the 128 threads (coalesced), and one
+    // float4 of statistics per thread.
+    auto item_output = [&](int item) {
+      return reinterpret_cast<float4*>(params.split_output) +
+             (static_cast<long long>(item) * kConsumers + consumer) * (Shape::kHeadDim / 8) * 128 + thread_in_group;
+    };
+    auto item_statistics = [&](int item) {
+      return reinterpret_cast<float4*>(params.split_row_stats) + (static_cast<long long>(item) * kConsumers + consumer) * 128 +
+             thread_in_group;
+    };
+    float4* out = item_output(work.split);
+#pragma unroll
+    for (int i = 0; i < Shape::kHeadDim / 8; ++i)
+      __stcg(out + i * 128, make_float4(o[4 * i], o[4 * i + 1], o[4 * i + 2], o[4 * i + 3]));
+    __stcg(item_statistics(work.split),
+           make_float4(st.row_max[0][0], st.row_max[0][1], st.row_sum[0][0], st.row_sum[0][1]));
+    __threadfence();  // the writes above before this warp's count
+    __syncwarp();
+    int counted = 0;
+    if (lane == 0)
+      counted = atomicAdd(params.split_counters + split_tile * (kBlockM / 16) + consumer * 4 + tid / 32 % 4, 1);
+    if (warp_uniform(counted) != params.splits - 1) return false;
+    __threadfence();  // the other items' writes, made before their counts, are visible from here
+    float row_max[2] = {-positive_infinity(), -positive_infinity()};
+    for (int item = first_item; item < first_item + params.splits; ++item) {
+      const float4 stats = __ldcg(item_statistics(item));
+      row_max[0] = fmaxf(row_max[0], stats.x);
+      row_max[1] = fmaxf(row_max[1], stats.y);
+    }
+    // (A row that no item saw keeps max -inf; subtracting 0 then keeps every weight 0.)
+    float max_scaled[2];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      max_scaled[h] = row_max[h] == -positive_infinity() ? 0.f : row_max[h] * scale_log2;
+      st.row_sum[0][h] = 0.f;  // (fmaf(w, x, 0) is w x exactly: the sums start with the first item's)
+    }
+#pragma unroll
+    for (int i = 0; i < Shape::kHeadDim / 2; ++i) o[i] = 0.f;
+    for (int item = first_item; item < first_item + params.splits; ++item) {
+      const float4 stats = __ldcg(item_statistics(item));
+      const float weight[2] = {exp2_approx(stats.x * scale_log2 - max_scaled[0]),
+                               exp2_approx(stats.y * scale_log2 - max_scaled[1])};
+      st.row_sum[0][0] = fmaf(weight[0], stats.z, st.row_sum[0][0]);
+      st.row_sum[0][1] = fmaf(weight[1], stats.w, st.row_sum[0][1]);
+      const float4* in = item_output(item);
+#pragma unroll
+      for (int i = 0; i < Shape::kHeadDim / 8; ++i) {
+        const float4 x = __ldcg(in + i * 128);  // element 4 i + e is in row half e / 2
+        o[4 * i] = fmaf(weight[0], x.x, o[4 * i]);
+        o[4 * i + 1] = fmaf(weight[0], x.y, o[4 * i + 1]);
+        o[4 * i + 2] = fmaf(weight[1], x.z, o[4 * i + 2]);
+        o[4 * i + 3] = fmaf(weight[1], x.w, o[4 * i + 3]);
+      }
+    }
+    st.row_max[0][0] = row_max[0];
+    st.row_max[0][1] = row_max[1];
+    return true;
+  };
   // Normalise the O of work tile `work` and store it with its LSE. Through TMA (`box` nonzero: the
   // consumer's 64-row box in a Q slot or a V tile, panels `panel_bytes` apart): stmatrix writes the
   // rows in the 128-byte-swizzled panel layout TMA reads, and the consumer's first thread sends them
@@ -417,6 +512,14 @@ __device__ void sm90_fwd_kernel(const AttentionSm90FwdParams& params) {
       }
     }
   };
+  // The same for a work item: a split item's O is merged first (which overwrites `st` and `o`), and
+  // stored only by the warp that completes its rows, from the registers. (Only where the pipeline
+  // has drained: at the step that starts the next tile, the merge's registers would spill.)
+  auto store_item_output = [&](const Sm90WorkTile& work, RowStatistics<Warp>& st, float (&o)[Shape::kHeadDim / 2],
+                               unsigned box, unsigned panel_bytes) {
+    if (work.split < 0) store_output(work, st, o, box, panel_bytes);
+    else if (merge_split_items(work, st, o)) store_output(work, st, o, 0, 0);
+  };
   // After a staged O: once TMA has read it (the issuing thread waits), each warp frees the space
   // (its arrival on the Q slot's or V stage's empty barrier).
   auto release_staged_output = [&](unsigned empty_barrier) {
@@ -436,20 +539,20 @@ __device__ void sm90_fwd_kernel(const AttentionSm90FwdParams& params) {
   auto read_tile = [&](int q_slot) {
     PublishedTile t{};
     if (lane == 0) t = read_published_tile(published_tile(q_slot));
-    return PublishedTile{warp_uniform(t.index),
-                         {warp_uniform(t.work.m_block), warp_uniform(t.work.head), warp_uniform(t.work.batch)}};
+    return PublishedTile{warp_uniform(t.index), {warp_uniform(t.work.m_block), warp_uniform(t.work.head),
+                                                 warp_uniform(t.work.batch), warp_uniform(t.work.split)}};
   };
   // A finished tile's coordinates for its O store: from its Q slot where O is staged there (the slot
   // is still held), else decoded from the index (the producer may have reused the slot).
   auto finished_tile = [&](int index, int q_slot) {
-    return o_via_tma ? read_tile(q_slot).work : sm90_work_tile(params, index);
+    return o_via_tma ? read_tile(q_slot).work : sm90_work_item(params, index);
   };
 
   // The work tile whose key blocks the consumers compute: it arrives with its Q tile, in Q slot
   // `q_slot`. `has_rows`: this consumer's 64 rows reach into the sequence, as in all but a last
   // query block (block_m 192 at S = 2048 leaves the third consumer none there: 3% of the work).
   struct FrontTile {
-    int index, q_slot, m0;
+    int index, q_slot, m0, split;
     bool has_rows;
     SequenceExtent seq;
     KeyTileRange keys;
@@ -463,8 +566,9 @@ __device__ void sm90_fwd_kernel(const AttentionSm90FwdParams& params) {
     t.index = published.index;
     if (t.index < 0) return false;
     t.m0 = published.work.m_block * kBlockM;
+    t.split = published.work.split;
     t.seq = sequence_extent(p, published.work.batch);
-    t.keys = key_tile_range<kBlockM, kBlockN, kMask>(p, t.seq, t.m0);
+    t.keys = key_tile_range<kBlockM, kBlockN, kMask>(p, t.seq, t.m0, t.split, params.splits);
     t.keys.n_block_min = warp_uniform(t.keys.n_block_min);
     t.keys.n_block_max = warp_uniform(t.keys.n_block_max);
     t.has_rows = warp_uniform(t.m0 + consumer * 64 < t.seq.seqlen_q) != 0;
@@ -492,7 +596,8 @@ __device__ void sm90_fwd_kernel(const AttentionSm90FwdParams& params) {
 #pragma unroll
       for (int i = 0; i < Shape::kHeadDim / 2; ++i) o_flat[i] = 0.f;
       if (!o_via_tma) release(bar_q_empty(front.q_slot));
-      store_output(finished_tile(front.index, front.q_slot), st, o_flat, q_slot_box(front.q_slot), Shape::kQPanelBytes);
+      store_item_output(finished_tile(front.index, front.q_slot), st, o_flat, q_slot_box(front.q_slot),
+                        Shape::kQPanelBytes);
       if (o_via_tma) release_staged_output(bar_q_empty(front.q_slot));
       more = fetch_tile(front);
       continue;
@@ -565,8 +670,9 @@ __device__ void sm90_fwd_kernel(const AttentionSm90FwdParams& params) {
         free_staged_slot();
         more = fetch_tile(front);
         fetched = true;
-        // (A tile without this consumer's rows is skipped after the drain.)
-        if (!more || front.keys.count() == 0 || !front.has_rows) break;
+        // (A tile without this consumer's rows is skipped after the drain. A split item, whose O is
+        // merged, ends with the drain too.)
+        if (!more || front.keys.count() == 0 || !front.has_rows || back_index >= sm90_whole_tiles(params)) break;
         n_block = front.keys.n_block_max;
       }
       const int next = (kv_count + 1) % kStages, next_block = n_block - 1;
@@ -636,20 +742,21 @@ __device__ void sm90_fwd_kernel(const AttentionSm90FwdParams& params) {
     // One Q slot: the last consumer stages its O in this V tile's first 64 rows once every
     // consumer's P V has read the tile; the others free the stage and store from registers. (All
     // of them sync: with arrive-only, a consumer a tile ahead could complete the barrier alone.)
-    // Only where the last consumer has rows: then every consumer has. (V staging means one Q slot,
-    // whose drain comes before the next fetch: `front` is still the finished tile.)
-    const bool v_staging =
-        o_via_v_stage && warp_uniform(front.m0 + (kConsumers - 1) * 64 < front.seq.seqlen_q) != 0;
+    // Only where the last consumer has rows: then every consumer has; and not for a split item,
+    // whose O is merged in global memory. (V staging means one Q slot, whose drain comes before the
+    // next fetch: `front` is still the finished tile.)
+    const bool v_staging = o_via_v_stage && front.split < 0 &&
+                           warp_uniform(front.m0 + (kConsumers - 1) * 64 < front.seq.seqlen_q) != 0;
     const bool stages_in_v = v_staging && consumer == kConsumers - 1;
     if (v_staging) named_barrier_sync(v_tile_read, 128 * kConsumers);
     if (!stages_in_v) release(bar_v_empty(stage));
     ++kv_count;
     if (stages_in_v) {
-      store_output(sm90_work_tile(params, back_index), st, o_flat, sV + stage * Shape::kKVTileBytes,
-                   Shape::kKVPanelBytes);
+      store_item_output(sm90_work_item(params, back_index), st, o_flat, sV + stage * Shape::kKVTileBytes,
+                        Shape::kKVPanelBytes);
       release_staged_output(bar_v_empty(stage));
     } else {
-      store_output(finished_tile(back_index, back_slot), st, o_flat, q_slot_box(back_slot), Shape::kQPanelBytes);
+      store_item_output(finished_tile(back_index, back_slot), st, o_flat, q_slot_box(back_slot), Shape::kQPanelBytes);
       if (o_via_tma) release_staged_output(bar_q_empty(back_slot));  // (the next tile may be waiting for this slot)
     }
     if (!fetched) more = fetch_tile(front);

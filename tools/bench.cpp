@@ -42,6 +42,7 @@ struct Options {
   bool deterministic = false;
   bool json_output = false;
   int device = 0;
+  int num_splits = 0;      // the Hopper forward's tail splits (AttentionOptions::num_splits)
   double peak_tflops = 0;  // 0: the measured ceiling of a known device, else no % column
   std::string tuning_db;   // dispatch consults this database (as FLASHJIT_TUNING_DB would)
   bool versus_heuristic = false;  // also time the heuristic's spec, interleaved with dispatch's
@@ -164,6 +165,7 @@ int run(const Options& o) {
     options.causal = r.causal;
     options.backend = backend;
     options.deterministic = o.deterministic;
+    options.num_splits = o.num_splits;
     auto call_with = [&](const AttentionOptions& opts) {
       if (o.backward)
         runtime.backward(view(q), view(k), view(v), view(out), view(*dout), &lse_view, view(*dq), view(*dk),
@@ -272,7 +274,7 @@ int run(const Options& o) {
   detail::driver().cuEventDestroy(start);
   detail::driver().cuEventDestroy(stop);
   if (o.json_output) {
-    json j{{"device", device.name}, {"peak_tflops", peak}, {"mode", o.backward ? (o.deterministic ? "bwd_deterministic" : "bwd") : "fwd"}, {"dtype", o.dtype}, {"layout", o.layout}, {"tokens", o.tokens}, {"hidden", o.hidden}, {"rows", json::array()}};
+    json j{{"device", device.name}, {"peak_tflops", peak}, {"mode", o.backward ? (o.deterministic ? "bwd_deterministic" : "bwd") : "fwd"}, {"dtype", o.dtype}, {"layout", o.layout}, {"num_splits", o.num_splits}, {"tokens", o.tokens}, {"hidden", o.hidden}, {"rows", json::array()}};
     for (const Row& r : rows) {
       j["rows"].push_back({{"head_dim", r.head_dim}, {"seqlen", r.seqlen}, {"batch", r.batch}, {"heads", r.heads},
                            {"causal", r.causal}, {"median_ms", r.median_ms}, {"median_us", r.median_ms * 1e3},
@@ -317,6 +319,8 @@ int main(int argc, char** argv) {
   app.add_option("--warmup", o.warmup, "Untimed calls first");
   app.add_option("--iters", o.iters, "Timed calls (median reported)");
   app.add_option("--device", o.device, "CUDA device ordinal");
+  app.add_option("--num-splits", o.num_splits,
+                 "Hopper forward: tail splits of the last round of work tiles (0: chosen, 1: none, n: n each)");
   app.add_option("--tuning-db", o.tuning_db, "Dispatch from this tuning database (flashjit-tune) instead of FLASHJIT_TUNING_DB");
   app.add_option("--peak-tflops", o.peak_tflops, "The device's dense bf16 rate for the % of peak column (default: measured H200 764)");
   app.add_flag("--check", o.check, "Compare each row with the reference kernel");

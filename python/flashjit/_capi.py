@@ -33,6 +33,7 @@ class AttentionOptions(ctypes.Structure):
         ("stream", ctypes.c_void_p),
         ("deterministic", ctypes.c_int32),
         ("sm_margin", ctypes.c_int32),
+        ("num_splits", ctypes.c_int32),
     ]
 
 

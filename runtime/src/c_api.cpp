@@ -72,6 +72,7 @@ flashjit::AttentionOptions options_of(const flashjit_attention_options* o) {
   options.stream = o->stream;
   options.deterministic = o->deterministic != 0;
   options.sm_margin = o->sm_margin;
+  options.num_splits = o->num_splits;
   return options;
 }
 

@@ -372,6 +372,9 @@ ForwardProblem make_forward_problem(const TensorView& q, const TensorView& k, co
     throw bad(fmt::format("sm_margin must be >= 0 (SMs to leave free), got {}", options.sm_margin));
   p.backend = options.backend;
   p.sm_margin = options.sm_margin;
+  if (options.num_splits < 0)
+    throw bad(fmt::format("num_splits must be >= 0 (0: chosen, 1: no split), got {}", options.num_splits));
+  p.num_splits = options.num_splits;
   p.forced_kernel = options.kernel;
   p.stream = options.stream;
 

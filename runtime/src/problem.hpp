@@ -23,6 +23,7 @@ struct ForwardProblem {
   bool has_softcap = false;
   Backend backend = Backend::automatic;
   int sm_margin = 0;
+  int num_splits = 0;  // tail splits of the persistent forward (AttentionOptions::num_splits)
   std::optional<KernelSpec> forced_kernel;
   void* stream = nullptr;
   AttentionFwdParams params{};

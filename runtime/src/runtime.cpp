@@ -29,6 +29,14 @@ Grid forward_grid(const KernelSpec& spec, const ForwardProblem& p) {
 
 unsigned blocks(int extent, int tile) { return static_cast<unsigned>((extent + tile - 1) / tile); }
 
+// The persistent forward's CTAs: one per SM the caller leaves to it.
+int persistent_ctas(const ForwardProblem& problem, const DeviceProperties& device) {
+  if (problem.sm_margin >= device.sm_count)
+    throw Error(ErrorCode::invalid_argument, "forward",
+                fmt::format("sm_margin {} leaves none of the device's {} SMs", problem.sm_margin, device.sm_count));
+  return device.sm_count - problem.sm_margin;
+}
+
 // The Hopper forward's arguments: TMA maps and its persistent schedule.
 AttentionSm90FwdParams sm90_forward_params(const KernelSpec& spec, const ForwardProblem& problem,
                                            const DeviceProperties& device) {
@@ -56,17 +64,42 @@ AttentionSm90FwdParams sm90_forward_params(const KernelSpec& spec, const Forward
       std::max(1ll, 4ll * problem.seqlen_k * spec.head_dim / (problem.heads_q / problem.heads_kv));
   params.section_pairs = static_cast<int>(std::clamp(device.l2_bytes / 2 / kv_bytes_per_pair, 1ll,
                                                      static_cast<long long>(problem.heads_q) * problem.batch));
+  // Tail splits: automatic only without a mask, where the tiles are equal and the last round is
+  // whole tiles; causal tiles already end the schedule with the shortest. Not varlen, whose tiles
+  // past a short sequence's end are skipped.
+  const long long tiles = static_cast<long long>(params.num_m_blocks) * problem.heads_q * problem.batch;
+  const int key_blocks = static_cast<int>(blocks(problem.seqlen_k, spec.block_n));
+  TailSplit split;
+  if (!problem.is_varlen && (problem.num_splits > 1 || problem.mask == MaskKind::none))
+    split = choose_tail_split(tiles, persistent_ctas(problem, device), key_blocks, problem.num_splits);
+  params.num_split_tiles = static_cast<int>(split.tiles);
+  params.splits = split.splits;
   return params;
 }
 
-// One CTA per SM the caller leaves to it, or per work tile when there are fewer.
+// One CTA per SM the caller leaves to it, or per work item when there are fewer.
 Grid sm90_persistent_grid(const AttentionSm90FwdParams& params, const ForwardProblem& problem,
                           const DeviceProperties& device) {
-  if (problem.sm_margin >= device.sm_count)
-    throw Error(ErrorCode::invalid_argument, "forward",
-                fmt::format("sm_margin {} leaves none of the device's {} SMs", problem.sm_margin, device.sm_count));
-  const long long work_tiles = static_cast<long long>(params.num_m_blocks) * problem.heads_q * problem.batch;
-  return {static_cast<unsigned>(std::min<long long>(work_tiles, device.sm_count - problem.sm_margin)), 1, 1};
+  const int ctas = persistent_ctas(problem, device);
+  const long long items = static_cast<long long>(params.num_m_blocks) * problem.heads_q * problem.batch +
+                          static_cast<long long>(params.num_split_tiles) * (params.splits - 1);
+  return {static_cast<unsigned>(std::min<long long>(items, ctas)), 1, 1};
+}
+
+// The persistent forward's scratch memory: the tile counter and split counters (zeroed before the
+// launch), then the split items' row statistics and O (fp32, float4-aligned).
+struct Sm90FwdWorkspace {
+  size_t counters, statistics_offset, output_offset, bytes;
+};
+Sm90FwdWorkspace sm90_forward_workspace(const KernelSpec& spec, const AttentionSm90FwdParams& params) {
+  auto aligned = [](size_t bytes) { return (bytes + 255) / 256 * 256; };
+  const size_t items = static_cast<size_t>(params.num_split_tiles) * params.splits;
+  Sm90FwdWorkspace w;
+  w.counters = 1 + static_cast<size_t>(params.num_split_tiles) * (spec.block_m / 16);
+  w.statistics_offset = aligned(w.counters * sizeof(int));
+  w.output_offset = w.statistics_offset + aligned(items * spec.block_m * 8 * sizeof(float));
+  w.bytes = w.output_offset + items * spec.block_m * spec.head_dim * sizeof(float);
+  return w;
 }
 
 // Entry indices of the fa2_bwd family, in its fixed order (codegen/src/families/fa2_bwd.cpp).
@@ -142,12 +175,16 @@ struct Runtime::Impl {
     const KernelSpec spec = select_forward_kernel(problem, device, &tuning);
     const LoadedKernel& kernel = modules.get(spec, device);
     if (spec.family == Family::sm90_fwd) {
-      // The persistent schedule's tile counter: 4 stream-ordered bytes, zeroed before the launch.
+      // The persistent schedule's counters and the split items' partial outputs, stream-ordered.
       const auto stream = static_cast<CUstream>(problem.stream);
-      StreamWorkspace counter(problem.device, stream, sizeof(int));
-      FLASHJIT_CU(cuMemsetD32Async, counter.get(), 0u, 1, stream);
       AttentionSm90FwdParams params = sm90_forward_params(spec, problem, device);
-      params.tile_counter = reinterpret_cast<int*>(counter.get());
+      const Sm90FwdWorkspace layout = sm90_forward_workspace(spec, params);
+      StreamWorkspace workspace(problem.device, stream, layout.bytes);
+      FLASHJIT_CU(cuMemsetD32Async, workspace.get(), 0u, layout.counters, stream);
+      params.tile_counter = reinterpret_cast<int*>(workspace.get());
+      params.split_counters = params.tile_counter + 1;
+      params.split_row_stats = reinterpret_cast<float*>(workspace.get() + layout.statistics_offset);
+      params.split_output = reinterpret_cast<float*>(workspace.get() + layout.output_offset);
       launch(kernel, spec, 0, sm90_persistent_grid(params, problem, device), problem.stream, params);
       return;
     }

@@ -46,7 +46,8 @@ struct alignas(64) TmaDescriptor {
 // (head_dim, seqlen, heads, batch) with 64-value, 128-byte-swizzled boxes.
 // The kernel is persistent: its work tiles are (query block, head, batch), num_m_blocks of
 // kBlockM rows per sequence (the longest, when varlen), ordered in sections of `section_pairs`
-// (batch, head) pairs whose K/V share the L2. Each CTA starts with tile blockIdx.x and then takes
+// (batch, head) pairs whose K/V share the L2. Work items are the tiles, the last num_split_tiles
+// each replaced by `splits` items (below). Each CTA starts with item blockIdx.x and then takes
 // gridDim.x + atomicAdd(tile_counter, 1): the counter must be zero at launch.
 struct AttentionSm90FwdParams {
   TmaDescriptor q_map;
@@ -60,6 +61,17 @@ struct AttentionSm90FwdParams {
   // Nonzero: O may leave through shared memory and TMA stores of o_map. Not with varlen, where the
   // map clips rows only at the packed tensor's end, not at each sequence's.
   int o_via_tma;
+  // Tail splits: the schedule's last `num_split_tiles` work tiles run as `splits` work items each,
+  // item c over the c-th of `splits` contiguous shares of the tile's key blocks (so the last round
+  // of tiles does not leave most CTAs idle). An item writes its unnormalised O and row statistics
+  // to `split_output` and `split_row_stats` (fp32, float4 per thread); the warp that completes a
+  // tile's count of its rows in `split_counters` (one per 16 rows of a split tile, zero at launch)
+  // merges the items in item order and stores the output.
+  int num_split_tiles;
+  int splits;
+  float* split_output;
+  float* split_row_stats;
+  int* split_counters;
 };
 
 // Backward attention (fa2_bwd). `fwd` holds the forward's inputs and options: q, k, v, o, the

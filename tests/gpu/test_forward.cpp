@@ -293,6 +293,7 @@ TEST_CASE("sm90_fwd: a consumer without rows in the last query block skips it", 
       AttentionCase c(shape, DType::bf16, seed++);
       AttentionOptions options;
       options.kernel = spec;
+      options.num_splits = 1;  // (tail splits depend on the CTA count; the bitwise check below must not)
       c.run(test_runtime(), options);
       INFO(c.describe() << " kernel " << spec.name());
       check_against_oracle(c, tensor_core_output_tolerance(DType::bf16), tensor_core_lse_tolerance());
@@ -317,4 +318,58 @@ TEST_CASE("sm90_fwd: sm_margin leaves SMs free and changes nothing else", "[forw
   CHECK(c.output_bits() == out);
   options.sm_margin = device_properties(0).sm_count;
   CHECK_THROWS_WITH(c.run(test_runtime(), options), Catch::Contains("sm_margin"));
+}
+
+TEST_CASE("sm90_fwd: tail splits merge the key shares of the last tiles", "[forward][sm90]") {
+  if (!hopper_or_skip()) return;
+  // 16 or 24 work tiles, fewer than the CTAs: every tile is split. The merge must not depend on
+  // which item finishes last (bitwise reruns); causal tiles with too few key blocks for their
+  // shares leave items with no key, and at 400 x 130 whole tiles see none.
+  uint64_t seed = 7800;
+  struct Split {
+    int batch, seqlen_q, seqlen_k, d, splits;
+    bool causal;
+  };
+  for (Split t : {Split{2, 333, 1000, 64, 2, false}, Split{2, 333, 1000, 128, 3, false},
+                  Split{2, 333, 1000, 256, 4, false}, Split{2, 333, 1000, 128, 4, true},
+                  Split{3, 400, 130, 96, 3, true}, Split{1, 1000, 999, 192, 2, false}}) {
+    AttentionShape shape = AttentionShape::make(t.batch, t.seqlen_q, t.seqlen_k, 4, 2, t.d);
+    shape.causal = t.causal;
+    AttentionCase c(shape, DType::bf16, seed++);
+    AttentionOptions options;
+    options.backend = Backend::sm90;
+    options.num_splits = t.splits;
+    c.run(test_runtime(), options);
+    INFO(c.describe() << " num_splits " << t.splits);
+    check_against_oracle(c, tensor_core_output_tolerance(DType::bf16), tensor_core_lse_tolerance());
+    const auto out = c.output_bits();
+    const auto lse = c.lse_values();
+    for (int i = 0; i < 2; ++i) {
+      c.run(test_runtime(), options);
+      CHECK(c.output_bits() == out);
+      CHECK(std::memcmp(c.lse_values().data(), lse.data(), lse.size() * 4) == 0);
+    }
+  }
+  // The automatic choice where it splits: more tiles than CTAs (176 at block_m 192 and 4k, 44 in
+  // the last round, in thirds of 17-18 key blocks), split and not, against the GPU reference kernel.
+  AttentionShape shape = AttentionShape::make(1, 4096, 4096, 8, 2, 128);
+  AttentionCase c(shape, DType::bf16, seed++, Layout::bshd, Oracle::gpu_reference);
+  KernelSpec spec = default_spec(Family::sm90_fwd, device_properties(0).arch(), DType::bf16, 128);
+  spec.block_m = 192;
+  spec.block_n = 80;
+  spec.num_warps = 16;
+  spec.num_stages = 3;
+  for (int splits : {0, 1}) {
+    AttentionOptions options;
+    options.kernel = spec;
+    options.num_splits = splits;
+    c.run(test_runtime(), options);
+    INFO(c.describe() << " num_splits " << splits);
+    check_against_oracle(c, tensor_core_output_tolerance(DType::bf16), tensor_core_lse_tolerance());
+  }
+  {  // a negative count is refused
+    AttentionOptions options;
+    options.num_splits = -1;
+    CHECK_THROWS_WITH(c.run(test_runtime(), options), Catch::Contains("num_splits must be >= 0"));
+  }
 }

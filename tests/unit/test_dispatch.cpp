@@ -108,6 +108,41 @@ TEST_CASE("sm_margin must not be negative", "[dispatch]") {
   AttentionOptions o;
   o.sm_margin = -1;
   CHECK_THROWS_WITH(detail::make_forward_problem(q, q, q, q, nullptr, nullptr, o), Catch::Contains("sm_margin must be >= 0"));
+  o.sm_margin = 0;
+  o.num_splits = -1;
+  CHECK_THROWS_WITH(detail::make_forward_problem(q, q, q, q, nullptr, nullptr, o),
+                    Catch::Contains("num_splits must be >= 0 (0: chosen, 1: no split), got -1"));
+  o.num_splits = 3;
+  CHECK(detail::make_forward_problem(q, q, q, q, nullptr, nullptr, o).num_splits == 3);
+}
+
+TEST_CASE("tail splits spread the last round of whole tiles over the CTAs", "[dispatch]") {
+  using detail::choose_tail_split;
+  auto split = [](long long tiles, int ctas, int key_blocks, int requested = 0) {
+    const detail::TailSplit s = choose_tail_split(tiles, ctas, key_blocks, requested);
+    return std::pair<long long, int>{s.tiles, s.splits};
+  };
+  // H200, block_m 192: at head dim 128 and 8k (block_n 80: 1376 tiles, 56 in the last round), halves
+  // of 103 key blocks; at head dim 64 and 4k (block_n 128: 2816 tiles, 44 left), thirds of 32.
+  CHECK(split(1376, 132, 103) == std::pair<long long, int>{56, 2});
+  CHECK(split(2816, 132, 32) == std::pair<long long, int>{44, 3});
+  // At 2k (1408 tiles, 88 left) thirds would fill two rounds of items, but items of 9 key blocks
+  // cost too much of their own; so would any share of 12 blocks, even where 16 tiles leave most CTAs
+  // idle.
+  CHECK(split(1408, 132, 26) == std::pair<long long, int>{0, 1});
+  CHECK(split(16, 132, 12) == std::pair<long long, int>{0, 1});
+  // Whole rounds, or a last round nearly full, or too few key blocks: nothing to gain.
+  CHECK(split(1320, 132, 103) == std::pair<long long, int>{0, 1});
+  CHECK(split(1316, 132, 103) == std::pair<long long, int>{0, 1});
+  CHECK(split(1376, 132, 7) == std::pair<long long, int>{0, 1});
+  // Fewer tiles than CTAs, and long: all of them are the last round, in quarters.
+  CHECK(split(16, 132, 40) == std::pair<long long, int>{16, 4});
+  // Asked for: 1 never splits, n > 1 splits the last round n ways, at most one item per key block.
+  CHECK(split(1408, 132, 26, 1) == std::pair<long long, int>{0, 1});
+  CHECK(split(1408, 132, 26, 5) == std::pair<long long, int>{88, 5});
+  CHECK(split(16, 132, 3, 8) == std::pair<long long, int>{16, 3});
+  CHECK(split(16, 132, 1, 8) == std::pair<long long, int>{0, 1});
+  CHECK(split(1320, 132, 26, 4) == std::pair<long long, int>{0, 1});
 }
 
 TEST_CASE("options become mask kinds and kernel arguments", "[dispatch]") {

@@ -61,11 +61,11 @@ TEST_CASE("sm90_fwd's Config carries the wgmma instructions of its tile widths",
 TEST_CASE("sm90_fwd takes a second Q slot where shared memory holds it", "[render]") {
   // Shared memory: 1024 (alignment) + Q slots x block_m x 128 bytes per 64-dim panel + two rings of
   // K and V tiles + barriers (8 bytes each: q_full, q_empty per slot, four per stage) + the tile
-  // published with each slot (16 bytes).
+  // published with each slot (32 bytes).
   auto expected = [](const KernelSpec& s, int q_slots) {
     const int panels = (s.head_dim + 63) / 64;
     return 1024 + q_slots * panels * s.block_m * 128 + 2 * s.num_stages * panels * s.block_n * 128 +
-           8 * (2 * q_slots + 4 * s.num_stages) + 16 * q_slots;
+           8 * (2 * q_slots + 4 * s.num_stages) + 32 * q_slots;
   };
   const Arch sm90 = Arch::parse("sm_90a");
   const KernelSpec d128 = default_spec(Family::sm90_fwd, sm90, DType::bf16, 128);  // m128 n128: 193 KB with two

@@ -17,7 +17,7 @@ int panels(const KernelSpec& s) { return (s.head_dim + 63) / 64; }
 int smem_bytes_with(const KernelSpec& s, int q_stages) {
   const int q_bytes = panels(s) * s.block_m * 128, kv_tile_bytes = panels(s) * s.block_n * 128;
   return 1024 + q_stages * q_bytes + 2 * s.num_stages * kv_tile_bytes + 8 * (2 * q_stages + 4 * s.num_stages) +
-         16 * q_stages;
+         32 * q_stages;
 }
 // Two Q slots (the next work tile's Q loads during this one) where shared memory has room.
 int q_stages(const KernelSpec& s) { return smem_bytes_with(s, 2) <= max_smem_per_block(s.arch) ? 2 : 1; }

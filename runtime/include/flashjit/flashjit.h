@@ -56,6 +56,7 @@ typedef struct flashjit_attention_options {
   void* stream;        /* CUstream, NULL = legacy default stream */
   int32_t deterministic; /* backward: bitwise-reproducible dQ (slower) */
   int32_t sm_margin;     /* forward on sm_90: SMs the persistent kernel leaves free */
+  int32_t num_splits;    /* forward on sm_90: tail splits, 0 chosen, 1 none (AttentionOptions) */
 } flashjit_attention_options;
 
 /* Fills the defaults: no mask, no softcap, automatic backend, default scale and stream. */

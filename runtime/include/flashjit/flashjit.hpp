@@ -69,6 +69,11 @@ struct AttentionOptions {
   // forward() on sm_90 (the persistent Hopper kernel): SMs to leave free for kernels running beside
   // it, such as communication (FlashAttention-3's sm_margin). 0 to the SM count minus one.
   int sm_margin = 0;
+  // forward() on sm_90: key-range splits of the persistent schedule's last work tiles, which would
+  // otherwise leave most SMs idle for the last round (FlashAttention-3's num_splits, for the tail).
+  // 0: chosen where it shortens the run (no mask, fixed-length batches); 1: none, so results do not
+  // depend on the SM count; n > 1: the last round's tiles in n each. Fixed-length batches only.
+  int num_splits = 0;
   void* stream = nullptr;              // CUstream; nullptr = the legacy default stream
 };
 
