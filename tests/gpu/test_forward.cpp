@@ -322,9 +322,9 @@ TEST_CASE("sm90_fwd: sm_margin leaves SMs free and changes nothing else", "[forw
 
 TEST_CASE("sm90_fwd: tail splits merge the key shares of the last tiles", "[forward][sm90]") {
   if (!hopper_or_skip()) return;
-  // 16 or 24 work tiles, fewer than the CTAs: every tile is split. The merge must not depend on
-  // which item finishes last (bitwise reruns); causal tiles with too few key blocks for their
-  // shares leave items with no key, and at 400 x 130 whole tiles see none.
+  // 16 to 48 work tiles, fewer than the CTAs: every tile is split. The merge must not depend on
+  // which item finishes last (bitwise reruns). At 400 x 130 causal, the first query blocks see no
+  // key at all and the next has fewer key blocks than shares, so some of its items have none.
   uint64_t seed = 7800;
   struct Split {
     int batch, seqlen_q, seqlen_k, d, splits;
