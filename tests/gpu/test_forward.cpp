@@ -71,6 +71,17 @@ void check(const Run& r, uint64_t seed) {
   }
 }
 
+// Runs the case `reruns` more times with `options`: output and LSE must match its last run bit for bit.
+void check_bitwise_reruns(AttentionCase& c, const AttentionOptions& options, int reruns) {
+  const auto out = c.output_bits();
+  const auto lse = c.lse_values();
+  for (int i = 0; i < reruns; ++i) {
+    c.run(test_runtime(), options);
+    CHECK(c.output_bits() == out);
+    CHECK(std::memcmp(c.lse_values().data(), lse.data(), lse.size() * 4) == 0);
+  }
+}
+
 // The tile-shape tests' case: `family`'s default spec for head dim `d` and `mask` with its tile
 // fields replaced, on a shape with tails on both sides and GQA.
 std::pair<Run, KernelSpec> tile_case(Family family, int d, MaskKind mask, int block_m, int block_n, int warps,
@@ -209,13 +220,7 @@ TEST_CASE("forward: reruns are bitwise identical", "[forward]") {
     AttentionOptions options;
     options.backend = backend;
     c.run(test_runtime(), options);
-    const auto out = c.output_bits();
-    const auto lse = c.lse_values();
-    for (int i = 0; i < 3; ++i) {
-      c.run(test_runtime(), options);
-      CHECK(c.output_bits() == out);
-      CHECK(std::memcmp(c.lse_values().data(), lse.data(), lse.size() * 4) == 0);
-    }
+    check_bitwise_reruns(c, options, 3);
   }
 }
 
@@ -342,13 +347,7 @@ TEST_CASE("sm90_fwd: tail splits merge the key shares of the last tiles", "[forw
     c.run(test_runtime(), options);
     INFO(c.describe() << " num_splits " << t.splits);
     check_against_oracle(c, tensor_core_output_tolerance(DType::bf16), tensor_core_lse_tolerance());
-    const auto out = c.output_bits();
-    const auto lse = c.lse_values();
-    for (int i = 0; i < 2; ++i) {
-      c.run(test_runtime(), options);
-      CHECK(c.output_bits() == out);
-      CHECK(std::memcmp(c.lse_values().data(), lse.data(), lse.size() * 4) == 0);
-    }
+    check_bitwise_reruns(c, options, 2);
   }
   // The automatic choice where it splits: more tiles than CTAs (176 at block_m 192 and 4k, 44 in
   // the last round, in thirds of 17-18 key blocks), split and not, against the GPU reference kernel.
