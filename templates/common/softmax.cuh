@@ -11,7 +11,7 @@ namespace flashjit::kernels {
 // stays with the caller: a plain array is what mma.sync and wgmma accumulate into.
 template <class Shape>
 struct RowStatistics {
-  float row_max[Shape::kMFrags][2];  // raw score units (softcapped if softcap)
+  float row_max[Shape::kMFrags][2];  // raw score units (softcapped if softcap); lazy, see kRescaleThreshold
   float row_sum[Shape::kMFrags][2];  // this thread's columns only; quad-reduced at the end
 
   __device__ __forceinline__ void reset() {
@@ -66,8 +66,14 @@ __device__ __forceinline__ void mask_tile(float (&s)[Shape::kMFrags][Shape::kSFr
 //   softmax_scores: new running max and sums, S becomes P (fp32); returns the factors O must be
 //     scaled by, and whether any row of the warp moved its max (else they are all 1);
 //   rescale_output: applies them.
-// Once the running max has settled (most tiles after the first few), no row of the warp changes
-// and the O rescale (kOFrags * 4 multiplies per row pair) is skipped with one warp vote.
+// Lazy rescaling: a row's running max moves only when a tile's max exceeds it by more than
+// kRescaleThreshold (log2 units). Until then P = exp2(s - max) stays below 2^8 (exact in fp16 and
+// bf16, far from fp32 overflow), and O, the sum and the LSE all refer to the same stale max, so
+// the result is unchanged. A row's max then moves in its first tile and rarely after, and when no
+// row of the warp moves, the O rescale (kOFrags * 4 multiplies per row pair) is skipped with one
+// warp vote; with the exact max, rows kept finding new maxima (at 26 key tiles, 16 rows per warp:
+// most steps rescaled).
+constexpr float kRescaleThreshold = 8.f;
 template <class Shape>
 struct OutputRescale {
   float factor[Shape::kMFrags][2];
@@ -90,11 +96,15 @@ __device__ __forceinline__ OutputRescale<Shape> softmax_scores(RowStatistics<Sha
         tile_max = fmaxf(tile_max, fmaxf(s[mi][ni][2 * h], s[mi][ni][2 * h + 1]));
       tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 1));
       tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 2));
+      const bool moves = st.row_max[mi][h] == -positive_infinity()
+                             ? tile_max != -positive_infinity()
+                             : (tile_max - st.row_max[mi][h]) * scale_log2 > kRescaleThreshold;
+      const float row_max = moves ? tile_max : st.row_max[mi][h];
       // A row with no visible key so far keeps max -inf; subtracting 0 then keeps exp2 at 0.
-      const float max_scaled = tile_max == -positive_infinity() ? 0.f : tile_max * scale_log2;
-      max_moved = max_moved || tile_max != st.row_max[mi][h];
+      const float max_scaled = row_max == -positive_infinity() ? 0.f : row_max * scale_log2;
+      max_moved = max_moved || moves;
       rescale.factor[mi][h] = exp2_approx(st.row_max[mi][h] * scale_log2 - max_scaled);
-      st.row_max[mi][h] = tile_max;
+      st.row_max[mi][h] = row_max;
       float sum = 0.f;
 #pragma unroll
       for (int ni = 0; ni < Shape::kSFrags; ++ni)
