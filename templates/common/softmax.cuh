@@ -67,12 +67,11 @@ __device__ __forceinline__ void mask_tile(float (&s)[Shape::kMFrags][Shape::kSFr
 //     scaled by, and whether any row of the warp moved its max (else they are all 1);
 //   rescale_output: applies them.
 // Lazy rescaling: a row's running max moves only when a tile's max exceeds it by more than
-// kRescaleThreshold (log2 units). Until then P = exp2(s - max) stays below 2^8 (exact in fp16 and
-// bf16, far from fp32 overflow), and O, the sum and the LSE all refer to the same stale max, so
-// the result is unchanged. A row's max then moves in its first tile and rarely after, and when no
-// row of the warp moves, the O rescale (kOFrags * 4 multiplies per row pair) is skipped with one
-// warp vote; with the exact max, rows kept finding new maxima (at 26 key tiles, 16 rows per warp:
-// most steps rescaled).
+// kRescaleThreshold (log2 units), so P = exp2(s - max) may reach 2^8: fine for fp16/bf16 P and
+// fp32 sums. O, the sum and the LSE all refer to the same (stale) max, so the result is unchanged.
+// With the exact max, a warp's 16 rows kept finding new maxima and most steps rescaled O; now a
+// row's max settles in its first tile, and when no row of the warp moves, the O rescale (kOFrags *
+// 4 multiplies per row pair) is skipped with one warp vote.
 constexpr float kRescaleThreshold = 8.f;
 template <class Shape>
 struct OutputRescale {
@@ -96,6 +95,7 @@ __device__ __forceinline__ OutputRescale<Shape> softmax_scores(RowStatistics<Sha
         tile_max = fmaxf(tile_max, fmaxf(s[mi][ni][2 * h], s[mi][ni][2 * h + 1]));
       tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 1));
       tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 2));
+      // From -inf any visible key moves it (the difference would be NaN when both are -inf).
       const bool moves = st.row_max[mi][h] == -positive_infinity()
                              ? tile_max != -positive_infinity()
                              : (tile_max - st.row_max[mi][h]) * scale_log2 > kRescaleThreshold;
