@@ -351,7 +351,7 @@ __device__ void sm90_fwd_kernel(const AttentionSm90FwdParams& params) {
         (kMask != MaskKind::kNone && p.window_right >= 0 && n0 + kBlockN - 1 > m0 + diagonal + p.window_right) ||
         (kMask == MaskKind::kWindow && p.window_left >= 0 && n0 < m0 + kBlockM - 1 + diagonal - p.window_left);
     if (warp_uniform(needs_mask)) mask_tile<Warp, kMask>(s, p, m0 + warp_row0 + lane / 4, n0, lane, seq.seqlen_k, diagonal);
-    return softmax_scores<Warp>(st, s, scale_log2);
+    return softmax_scores<Warp, /*kLazyRescale=*/true>(st, s, scale_log2);
   };
   // P as wgmma A fragments: the C layout of two n8 tiles is the A layout of one k16 step.
   auto pack_probabilities = [&](unsigned (&a)[kBlockN / 16][4], const float (&s)[1][Warp::kSFrags][4]) {

@@ -11,7 +11,7 @@ namespace flashjit::kernels {
 // stays with the caller: a plain array is what mma.sync and wgmma accumulate into.
 template <class Shape>
 struct RowStatistics {
-  float row_max[Shape::kMFrags][2];  // raw score units (softcapped if softcap); lazy, see kRescaleThreshold
+  float row_max[Shape::kMFrags][2];  // raw score units (softcapped if softcap); maybe lazy, see kLazyRescale
   float row_sum[Shape::kMFrags][2];  // this thread's columns only; quad-reduced at the end
 
   __device__ __forceinline__ void reset() {
@@ -66,12 +66,13 @@ __device__ __forceinline__ void mask_tile(float (&s)[Shape::kMFrags][Shape::kSFr
 //   softmax_scores: new running max and sums, S becomes P (fp32); returns the factors O must be
 //     scaled by, and whether any row of the warp moved its max (else they are all 1);
 //   rescale_output: applies them.
-// Lazy rescaling: a row's running max moves only when a tile's max exceeds it by more than
-// kRescaleThreshold (log2 units), so P = exp2(s - max) may reach 2^8: fine for fp16/bf16 P and
-// fp32 sums. O, the sum and the LSE all refer to the same (stale) max, so the result is unchanged.
-// With the exact max, a warp's 16 rows kept finding new maxima and most steps rescaled O; now a
-// row's max settles in its first tile, and when no row of the warp moves, the O rescale (kOFrags *
-// 4 multiplies per row pair) is skipped with one warp vote.
+// Lazy rescaling (kLazyRescale, sm90_fwd): a row's running max moves only when a tile's max exceeds
+// it by more than kRescaleThreshold (log2 units), so P = exp2(s - max) may reach 2^8: fine for
+// fp16/bf16 P and fp32 sums. O, the sum and the LSE all refer to the same (stale) max, so the
+// result is unchanged. With the exact max, a warp's 16 rows kept finding new maxima and most steps
+// rescaled O; lazily, a row's max settles in its first tile. When no row of the warp moves, the O
+// rescale (kOFrags * 4 multiplies per row pair) is skipped with one warp vote. (fa2_fwd keeps the
+// exact max: at head dim 256 with softcap its 255 registers spill with the lazy test.)
 constexpr float kRescaleThreshold = 8.f;
 template <class Shape>
 struct OutputRescale {
@@ -79,7 +80,7 @@ struct OutputRescale {
   bool any_moved;
 };
 
-template <class Shape>
+template <class Shape, bool kLazyRescale = false>
 __device__ __forceinline__ OutputRescale<Shape> softmax_scores(RowStatistics<Shape>& st,
                                                                float (&s)[Shape::kMFrags][Shape::kSFrags][4],
                                                                float scale_log2) {
@@ -95,11 +96,12 @@ __device__ __forceinline__ OutputRescale<Shape> softmax_scores(RowStatistics<Sha
         tile_max = fmaxf(tile_max, fmaxf(s[mi][ni][2 * h], s[mi][ni][2 * h + 1]));
       tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 1));
       tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 2));
-      // From -inf any visible key moves it (the difference would be NaN when both are -inf).
-      const bool moves = st.row_max[mi][h] == -positive_infinity()
+      // Lazily, from -inf any visible key moves it (the difference would be NaN when both are -inf).
+      const bool moves = !kLazyRescale ? tile_max != st.row_max[mi][h]
+                         : st.row_max[mi][h] == -positive_infinity()
                              ? tile_max != -positive_infinity()
                              : (tile_max - st.row_max[mi][h]) * scale_log2 > kRescaleThreshold;
-      const float row_max = moves ? tile_max : st.row_max[mi][h];
+      const float row_max = kLazyRescale && !moves ? st.row_max[mi][h] : tile_max;
       // A row with no visible key so far keeps max -inf; subtracting 0 then keeps exp2 at 0.
       const float max_scaled = row_max == -positive_infinity() ? 0.f : row_max * scale_log2;
       max_moved = max_moved || moves;

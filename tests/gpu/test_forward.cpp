@@ -162,8 +162,8 @@ TEST_CASE("forward: sliding windows and softcap", "[forward]") {
   check(r, seed++);
 }
 
-// The running max is lazy (kRescaleThreshold in softmax.cuh): it moves only when a key tile's max
-// exceeds it by more than 2^8 in exp2 terms, and P may then exceed 1. With N(0, 1) inputs and the
+// sm90_fwd's running max is lazy (kLazyRescale in softmax.cuh): it moves only when a key tile's
+// max exceeds it by more than 2^8 in exp2 terms, and P may then exceed 1. With N(0, 1) inputs and the
 // default scale it hardly moves after a row's first tile; at these scales (score std 5.7 and 23)
 // it moves in the middle of rows too.
 TEST_CASE("forward: large softmax scales move the running max mid-row", "[forward]") {
