@@ -361,7 +361,10 @@ ForwardProblem make_forward_problem(const TensorView& q, const TensorView& k, co
   if (!(options.softcap >= 0.f) || std::isinf(options.softcap))
     throw bad(fmt::format("softcap must be finite and >= 0, got {}", options.softcap));
   const float scale = options.softmax_scale.value_or(1.f / std::sqrt(static_cast<float>(head_dim)));
-  if (!std::isfinite(scale)) throw bad(fmt::format("softmax_scale must be finite, got {}", scale));
+  // (The kernels take each row's max of the raw scores as the softmax's stabiliser: with a
+  // negative scale that is the wrong end, and exp2 overflows.)
+  if (!(scale > 0.f) || !std::isfinite(scale))
+    throw bad(fmt::format("softmax_scale must be positive and finite, got {}", scale));
 
   int window_left = options.window_left, window_right = options.window_right;
   if (options.causal) window_right = 0;

@@ -2,6 +2,7 @@
 #include <catch2/catch.hpp>
 
 #include <algorithm>
+#include <limits>
 #include <tuple>
 
 #include "dispatch.hpp"
@@ -175,6 +176,10 @@ TEST_CASE("options become mask kinds and kernel arguments", "[dispatch]") {
   CHECK(p.params.q_row_stride == 128);
   CHECK(p.params.q_head_stride == 64);
   CHECK(p.params.k_batch_stride == 20 * 128);
+  for (float bad_scale : {-0.5f, 0.f, std::numeric_limits<float>::infinity()}) {
+    o.softmax_scale = bad_scale;
+    CHECK_THROWS_WITH(make(o), Catch::Contains("softmax_scale must be positive and finite"));
+  }
 }
 
 TEST_CASE("a kernel needing more shared memory than the device has is refused", "[dispatch]") {

@@ -51,7 +51,7 @@ struct TensorView {
 enum class Backend { automatic, reference, fa2, sm90 };
 
 struct AttentionOptions {
-  std::optional<float> softmax_scale;  // default 1 / sqrt(head_dim)
+  std::optional<float> softmax_scale;  // default 1 / sqrt(head_dim); positive and finite
   bool causal = false;                 // bottom-right aligned when seqlen_q != seqlen_k
   int window_left = -1;                // sliding window (FlashAttention's window_size); -1 = none
   int window_right = -1;
