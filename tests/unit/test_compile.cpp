@@ -3,13 +3,19 @@
 #include <catch2/catch.hpp>
 
 #include <algorithm>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
 #include <future>
 #include <mutex>
+#include <sstream>
 #include <thread>
 
 #include "compiler.hpp"
 #include "flashjit/error.hpp"
 #include "flashjit/kernel_cache.hpp"
+#include "support/subprocess.hpp"
+#include "support/temp_dir.hpp"
 
 using namespace flashjit;
 
@@ -30,9 +36,39 @@ std::vector<KernelSpec> sweep_specs(const Arch& arch) {
   return specs;
 }
 
+// nvdisasm from the CUDA toolkit (or PATH), or "" where this machine has none.
+std::string find_nvdisasm() {
+  std::vector<std::string> dirs;
+  if (const char* home = std::getenv("CUDA_HOME")) dirs.push_back(std::string(home) + "/bin");
+  dirs.push_back("/usr/local/cuda/bin");
+  if (const char* path = std::getenv("PATH")) {
+    std::stringstream entries(path);
+    for (std::string dir; std::getline(entries, dir, ':');)
+      if (!dir.empty()) dirs.push_back(dir);
+  }
+  for (const auto& dir : dirs)
+    if (std::filesystem::exists(dir + "/nvdisasm")) return dir + "/nvdisasm";
+  return "";
+}
+
+// Whether the cubin's SASS has a wgmma (HGMMA) instruction.
+bool sass_has_hgmma(const std::string& nvdisasm, const std::string& cubin, const test::TempDir& dir) {
+  const std::string file = dir / "kernel.cubin";
+  std::ofstream(file, std::ios::binary) << cubin;
+  test::Subprocess disassembler({nvdisasm, file});
+  const int rc = disassembler.wait();
+  INFO("nvdisasm exit status " << rc);
+  REQUIRE(rc == 0);
+  return disassembler.output().find("HGMMA") != std::string::npos;
+}
+
 }  // namespace
 
 TEST_CASE("compile sweep: every family and arch compiles without spills", "[compile]") {
+  // The Hopper families must compile to wgmma: their SASS is checked where nvdisasm is installed.
+  const std::string nvdisasm = find_nvdisasm();
+  const test::TempDir disassembly_dir;
+  int hgmma_checked = 0;
   for (const char* arch_name : {"sm_80", "sm_90a"}) {
     const Arch arch = Arch::parse(arch_name);
     const auto specs = sweep_specs(arch);
@@ -58,11 +94,17 @@ TEST_CASE("compile sweep: every family and arch compiles without spills", "[comp
         const int budget = std::min(255, 65536 / threads_per_block(specs[i]));
         CHECK(e.registers <= budget);
       }
+      if (!nvdisasm.empty() && (specs[i].family == Family::sm90_fwd || specs[i].family == Family::sm90_bwd)) {
+        CHECK(sass_has_hgmma(nvdisasm, kernel->cubin, disassembly_dir));
+        ++hgmma_checked;
+      }
       slowest_ms = std::max(slowest_ms, kernel->compile_ms);
     }
     WARN(arch_name << ": " << specs.size() << " specs compiled, slowest " << slowest_ms
                    << " ms (all at once on " << std::thread::hardware_concurrency() << " cores)");
   }
+  if (nvdisasm.empty()) WARN("no nvdisasm (CUDA_HOME/bin, /usr/local/cuda/bin, PATH): the HGMMA check was skipped");
+  else WARN(hgmma_checked << " sm90 kernels' SASS has HGMMA (" << nvdisasm << ")");
 }
 
 TEST_CASE("ptxas reports are parsed per entry", "[compile]") {
