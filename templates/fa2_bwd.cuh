@@ -86,10 +86,12 @@ struct Fa2BwdShape {
   static constexpr int kDqChunkFrags = chunk_frags(DqGrid::kColFrags);
   static constexpr int kDqChunks = DqGrid::kColFrags / kDqChunkFrags;
 
-  // The deterministic dq kernel: one m16 tile per warp, kDqBlockN keys per step (smaller for the
-  // big head dims so Q, dO, K and V fit the 163 KB of sm_80).
-  static constexpr int kDqBlockM = 16 * kWarps;
-  static constexpr int kDqBlockN = kHeadDim > 192 ? 16 : kHeadDim > 128 ? 32 : 64;
+  // The deterministic dq kernel: one m16 tile per warp, kDqBlockN keys per step (codegen picks them
+  // smaller for the big head dims so Q, dO, K and V fit the 163 KB of sm_80; the host sizes the
+  // dq grid by kDqBlockM).
+  static constexpr int kDqBlockM = Config::kDqBlockM;
+  static constexpr int kDqBlockN = Config::kDqBlockN;
+  static constexpr int kDqSmemBytes = 2 * (kDqBlockM + kDqBlockN) * kRowStride * 2;
 
   // Preprocess / convert: rows per CTA.
   static constexpr int kRowsPerCta = kBwdRowPassRows;
@@ -108,6 +110,9 @@ struct Fa2BwdShape {
   static constexpr int kDkdvSmemBytes = kDeltaOffset + kStages * kBlockM * 4;
 
   static_assert(DqGrid::kColFrags % kDqChunkFrags == 0, "dQ dims split into equal chunks");
+  static_assert(kDqBlockM == 16 * kWarps && kDqBlockN % 16 == 0, "dq: one m16 tile per warp, k16 steps of keys");
+  static_assert(kDkdvSmemBytes == Config::kDkdvSmemBytes && kDqSmemBytes == Config::kDqSmemBytes,
+                "the shared-memory layouts are the sizes codegen launches them with");
   static_assert(kHeadDim % 16 == 0, "k16 steps over the head dim");
 };
 
@@ -152,13 +157,10 @@ __device__ void fa2_bwd_dkdv(const AttentionBwdParams& p) {
   const int group = f.num_heads_q / f.num_heads_kv;
 
   // Query steps that can see this key tile.
-  const int diagonal = seq.seqlen_k - seq.seqlen_q;
-  const bool has_right = kMask != MaskKind::kNone && f.window_right >= 0;
-  const bool has_left = kMask == MaskKind::kWindow && f.window_left >= 0;
-  const int m_begin = has_right ? max(0, n0 - diagonal - f.window_right) : 0;
-  const int m_end = has_left ? min(seq.seqlen_q, n0 + kBlockN - 1 - diagonal + f.window_left + 1) : seq.seqlen_q;
-  const int m_block_min = m_begin / kBlockM;
-  const int m_block_max = m_end > m_begin ? (m_end + kBlockM - 1) / kBlockM : m_block_min;
+  const AttentionMask<kMask> mask(f, seq.seqlen_q, seq.seqlen_k);
+  const KeyRange queries = mask.queries_of(n0, kBlockN);
+  const int m_block_min = queries.begin / kBlockM;
+  const int m_block_max = queries.end > queries.begin ? (queries.end + kBlockM - 1) / kBlockM : m_block_min;
   const int steps_per_head = m_block_max - m_block_min;
   const int num_steps = steps_per_head * group;
 
@@ -242,9 +244,7 @@ __device__ void fa2_bwd_dkdv(const AttentionBwdParams& p) {
       warp_gemm_ss<Element, kKeyFrags, kQueryFrags, Shape::kHeadDim / 16, false, false>(
           dp, sV + score_key0 * Shape::kRowStride * 2, Shape::kRowStride, sDo + score_query0 * Shape::kRowStride * 2,
           Shape::kRowStride, lane);
-      const bool needs_mask = n0 + kBlockN > seq.seqlen_k ||
-                              (has_right && n0 + kBlockN - 1 > m0 + diagonal + f.window_right) ||
-                              (has_left && n0 < m0 + kBlockM - 1 + diagonal - f.window_left);
+      const bool needs_mask = mask.cuts(m0, kBlockM, n0, kBlockN);
 #pragma unroll
       for (int ni = 0; ni < kQueryFrags; ++ni) {
         const int query = score_query0 + ni * 8 + (lane % 4) * 2;  // tile-relative, and query + 1
@@ -260,7 +260,7 @@ __device__ void fa2_bwd_dkdv(const AttentionBwdParams& p) {
             float prob[2], ds[2];
 #pragma unroll
             for (int c = 0; c < 2; ++c) {
-              const bool visible = !needs_mask || key_visible<kMask>(f, m0 + query + c, n0 + key, seq.seqlen_k, diagonal);
+              const bool visible = !needs_mask || AttentionMask<kMask>::visible(f, m0 + query + c, n0 + key, seq.seqlen_k, mask.diagonal);
               prob[c] = probability_and_ds<Config>(s[mi][ni][2 * h + c], lse_log2[c], dp[mi][ni][2 * h + c],
                                                    deltas[c], visible, scale_log2, softcap_scale, f, ds[c]);
             }
@@ -376,7 +376,7 @@ __device__ void fa2_bwd_dq_kernel(const AttentionBwdParams& p) {
   const AttentionFwdParams& f = p.fwd;
 
   extern __shared__ __align__(16) unsigned char smem[];
-  require_dynamic_smem(2 * (kBlockM + kBlockN) * Shape::kRowStride * 2);
+  require_dynamic_smem(Shape::kDqSmemBytes);
   const unsigned sQ = shared_address(smem);
   const unsigned sDo = sQ + kBlockM * Shape::kRowStride * 2;
   const unsigned sK = sDo + kBlockM * Shape::kRowStride * 2;
@@ -400,14 +400,10 @@ __device__ void fa2_bwd_dq_kernel(const AttentionBwdParams& p) {
   const Element* gV = static_cast<const Element*>(f.v) + seq.v_batch_offset + seq.k_start * f.v_row_stride +
                       kv_head * f.v_head_stride;
 
-  const int diagonal = seq.seqlen_k - seq.seqlen_q;
-  const bool has_right = kMask != MaskKind::kNone && f.window_right >= 0;
-  const bool has_left = kMask == MaskKind::kWindow && f.window_left >= 0;
-  int n_end = seq.seqlen_k;
-  if (has_right) n_end = min(n_end, m0 + kBlockM - 1 + diagonal + f.window_right + 1);
-  const int n_begin = has_left ? max(0, m0 + diagonal - f.window_left) : 0;
-  const int n_block_min = n_begin / kBlockN;
-  const int n_block_max = n_end > n_begin ? (n_end + kBlockN - 1) / kBlockN : n_block_min;
+  const AttentionMask<kMask> mask(f, seq.seqlen_q, seq.seqlen_k);
+  const KeyRange keys = mask.keys_of(m0, kBlockM);
+  const int n_block_min = keys.begin / kBlockN;
+  const int n_block_max = keys.end > keys.begin ? (keys.end + kBlockN - 1) / kBlockN : n_block_min;
 
   // This thread's two rows: LSE (base 2) and delta, read once.
   const int warp_row0 = warp * 16;
@@ -446,15 +442,13 @@ __device__ void fa2_bwd_dq_kernel(const AttentionBwdParams& p) {
         s, sQ + warp_row0 * Shape::kRowStride * 2, Shape::kRowStride, sK, Shape::kRowStride, lane);
     warp_gemm_ss<Element, 1, kSFrags, Shape::kHeadDim / 16, false, false>(
         dp, sDo + warp_row0 * Shape::kRowStride * 2, Shape::kRowStride, sV, Shape::kRowStride, lane);
-    const bool needs_mask = n0 + kBlockN > seq.seqlen_k ||
-                            (has_right && n0 + kBlockN - 1 > m0 + diagonal + f.window_right) ||
-                            (has_left && n0 < m0 + kBlockM - 1 + diagonal - f.window_left);
+    const bool needs_mask = mask.cuts(m0, kBlockM, n0, kBlockN);
 #pragma unroll
     for (int ni = 0; ni < kSFrags; ++ni)
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const int row = m0 + warp_row0 + lane / 4 + (e / 2) * 8, key = n0 + ni * 8 + (lane % 4) * 2 + e % 2;
-        const bool visible = !needs_mask || key_visible<kMask>(f, row, key, seq.seqlen_k, diagonal);
+        const bool visible = !needs_mask || AttentionMask<kMask>::visible(f, row, key, seq.seqlen_k, mask.diagonal);
         float ds;
         probability_and_ds<Config>(s[0][ni][e], lse_log2[e / 2], dp[0][ni][e], delta[e / 2], visible, scale_log2,
                                    softcap_scale, f, ds);

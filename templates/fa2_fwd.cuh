@@ -119,7 +119,9 @@ __device__ void fa2_fwd_kernel(const AttentionFwdParams& p) {
   constexpr float kLog2e = 1.4426950408889634f;
 
   extern __shared__ __align__(16) unsigned char smem[];
-  require_dynamic_smem((kBlockM + 2 * Shape::kKVBuffers * kBlockN) * Shape::kRowStride * 2);
+  static_assert((kBlockM + 2 * Shape::kKVBuffers * kBlockN) * Shape::kRowStride * 2 == Config::kSmemBytes,
+                "the shared-memory layout is the size codegen launches it with");
+  require_dynamic_smem(Config::kSmemBytes);
   const unsigned sQ = shared_address(smem);                                   // (kBlockM, kRowStride)
   const unsigned sK = sQ + kBlockM * Shape::kRowStride * 2;                   // (buffers, kBlockN, kRowStride)
   const unsigned sV = sK + Shape::kKVBuffers * Shape::kTileElements * 2;      // (buffers, kBlockN, kRowStride)
@@ -140,21 +142,12 @@ __device__ void fa2_fwd_kernel(const AttentionFwdParams& p) {
                       seq.k_start * p.v_row_stride + kv_head * p.v_head_stride;    // (seqlen_k, d)
 
   // Key tiles this query tile can see.
-  const int diagonal = seq.seqlen_k - seq.seqlen_q;
-  const bool has_right = kMask != MaskKind::kNone && p.window_right >= 0;
-  const bool has_left = kMask == MaskKind::kWindow && p.window_left >= 0;
-  int n_end = seq.seqlen_k;
-  if (has_right) n_end = min(n_end, m0 + kBlockM - 1 + diagonal + p.window_right + 1);
-  const int n_begin = has_left ? max(0, m0 + diagonal - p.window_left) : 0;
-  const int n_block_min = n_begin / kBlockN;
-  const int n_block_max = n_end > n_begin ? (n_end + kBlockN - 1) / kBlockN : n_block_min;
+  const AttentionMask<kMask> mask(p, seq.seqlen_q, seq.seqlen_k);
+  const KeyRange keys = mask.keys_of(m0, kBlockM);
+  const int n_block_min = keys.begin / kBlockN;
+  const int n_block_max = keys.end > keys.begin ? (keys.end + kBlockN - 1) / kBlockN : n_block_min;
   const int num_tiles = n_block_max - n_block_min;
 
-  auto tile_needs_mask = [&](int n0) {
-    return n0 + kBlockN > seq.seqlen_k ||
-           (has_right && n0 + kBlockN - 1 > m0 + diagonal + p.window_right) ||
-           (has_left && n0 < m0 + kBlockM - 1 + diagonal - p.window_left);
-  };
   auto load_k = [&](int n_block, int buffer) {
     const int n0 = n_block * kBlockN;
     load_tile_async<Shape, kBlockN>(sK + buffer * Shape::kTileElements * 2, gK + n0 * p.k_row_stride,
@@ -192,7 +185,7 @@ __device__ void fa2_fwd_kernel(const AttentionFwdParams& p) {
           for (int e = 0; e < 4; ++e) s[mi][ni][e] = p.softcap * tanh_accurate(s[mi][ni][e] * softcap_scale);
     }
     const int n0 = n_block * kBlockN;
-    if (tile_needs_mask(n0)) mask_tile<Shape, kMask>(s, p, thread_row0, n0, lane, seq.seqlen_k, diagonal);
+    if (mask.cuts(m0, kBlockM, n0, kBlockN)) mask_tile<Shape, kMask>(s, p, thread_row0, n0, lane, seq.seqlen_k, mask.diagonal);
     online_softmax<Shape>(st, o, s, scale_log2);
   };
 

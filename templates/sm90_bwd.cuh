@@ -36,6 +36,7 @@
 #pragma once
 
 #include "common/bwd.cuh"
+#include "common/pipeline.cuh"
 #include "common/sm90.cuh"
 #include "common/tile_sm80.cuh"  // require_dynamic_smem
 
@@ -78,7 +79,7 @@ struct Sm90BwdShape {
   // memory and the producer group's three spare warps add it to the accumulator with 16-byte
   // atomics, off the consumers' path. Rows are padded by 32 bytes: a quad's 32-byte store then
   // shares its banks with one other row of the warp's eight, the minimum for 256 bytes.
-  static constexpr bool kDqWriters = Config::kDqWriters;
+  static constexpr bool kDqWriters = Config::kDqWriters != 0;
   static constexpr int kDqRowBytes = kHeadDim * 4 + 32;
   static constexpr int kDqOffset = kDeltaOffset + kStages * kBlockM * 4;
   static constexpr int kBarrierOffset = kDqOffset + (kDqWriters ? kBlockM * kDqRowBytes : 0);
@@ -86,9 +87,12 @@ struct Sm90BwdShape {
   static constexpr int kDqConsumerThreads = kDqAlternates ? 128 : 128 * kConsumers;  // a step's dQ
   // kv_full, then full and empty per stage, then the dQ buffer's full and free.
   static constexpr int kSmemBytes = 1024 + kBarrierOffset + 8 * (1 + 2 * kStages) + (kDqWriters ? 16 : 0);
+  static_assert(kSmemBytes == Config::kSmemBytes, "the shared-memory layout is the size codegen launches it with");
 
-  static constexpr int kProducerRegisters = 24;
-  static constexpr int kConsumerRegisters = 240;
+  // setmaxnreg split (codegen's): the producer group keeps a few.
+  static constexpr int kProducerRegisters = Config::kProducerRegisters;
+  static constexpr int kConsumerRegisters = Config::kConsumerRegisters;
+  static_assert(128 * kProducerRegisters + 128 * kConsumers * kConsumerRegisters <= 65536, "the register file");
 
   static_assert(kConsumers == 2, "a producer warpgroup and two consumers");
   static_assert(kBlockM == 64, "dS^T rows are one 128-byte swizzle row of queries");
@@ -164,8 +168,10 @@ __device__ void sm90_bwd_dkdv_atomic_dq_kernel(const AttentionSm90BwdParams& par
   float* const sLse = reinterpret_cast<float*>(aligned + Shape::kLseOffset);      // (kStages, kBlockM), base 2
   float* const sDelta = reinterpret_cast<float*>(aligned + Shape::kDeltaOffset);  // (kStages, kBlockM)
   const unsigned bar_kv_full = base + Shape::kBarrierOffset;
-  auto bar_full = [&](int stage) { return bar_kv_full + 8 + 8 * stage; };
-  auto bar_empty = [&](int stage) { return bar_kv_full + 8 + 8 * (kStages + stage); };
+  // The ring of query steps (Q, dO, LSE, delta).
+  const PipelineRing<kStages> ring{bar_kv_full + 8, bar_kv_full + 8 + 8 * kStages};
+  auto bar_full = [&](int stage) { return ring.full_barrier(stage); };
+  auto bar_empty = [&](int stage) { return ring.empty_barrier(stage); };
   // The dQ buffer: written (every consumer thread of the step arrives), free again (every writer).
   const unsigned bar_dq_full = bar_kv_full + 8 + 16 * kStages, bar_dq_free = bar_dq_full + 8;
 
@@ -181,13 +187,10 @@ __device__ void sm90_bwd_dkdv_atomic_dq_kernel(const AttentionSm90BwdParams& par
   const int tma_batch = varlen ? 0 : batch;
 
   // Query steps that can see this key tile (the same walk as fa2_bwd's).
-  const int diagonal = seq.seqlen_k - seq.seqlen_q;
-  const bool has_right = kMask != MaskKind::kNone && f.window_right >= 0;
-  const bool has_left = kMask == MaskKind::kWindow && f.window_left >= 0;
-  const int m_begin = has_right ? max(0, n0 - diagonal - f.window_right) : 0;
-  const int m_end = has_left ? min(seq.seqlen_q, n0 + kBlockN - 1 - diagonal + f.window_left + 1) : seq.seqlen_q;
-  const int m_block_min = m_begin / kBlockM;
-  const int m_block_max = m_end > m_begin ? (m_end + kBlockM - 1) / kBlockM : m_block_min;
+  const AttentionMask<kMask> mask(f, seq.seqlen_q, seq.seqlen_k);
+  const KeyRange queries = mask.queries_of(n0, kBlockN);
+  const int m_block_min = queries.begin / kBlockM;
+  const int m_block_max = queries.end > queries.begin ? (queries.end + kBlockM - 1) / kBlockM : m_block_min;
   const int steps_per_head = m_block_max - m_block_min;
   const int num_steps = steps_per_head * heads_per_kv;
   auto step_head = [&](int step) { return kv_head * heads_per_kv + step / steps_per_head; };
@@ -195,12 +198,9 @@ __device__ void sm90_bwd_dkdv_atomic_dq_kernel(const AttentionSm90BwdParams& par
 
   if (tid == 0) {
     mbarrier_init(bar_kv_full, 1);
-    for (int s = 0; s < kStages; ++s) {
-      // Every thread that writes or reads LSE and delta arrives itself: the producer warp's lanes on
-      // full (lane 0 with the TMA bytes), every consumer thread on empty.
-      mbarrier_init(bar_full(s), 32);
-      mbarrier_init(bar_empty(s), 128 * Shape::kConsumers);
-    }
+    // Every thread that writes or reads LSE and delta arrives itself: the producer warp's lanes on
+    // full (lane 0 with the TMA bytes), every consumer thread on empty.
+    ring.init(32, 128 * Shape::kConsumers);
     if constexpr (Shape::kDqWriters) {
       mbarrier_init(bar_dq_full, Shape::kDqConsumerThreads);
       mbarrier_init(bar_dq_free, Shape::kDqWriterThreads);
@@ -250,7 +250,7 @@ __device__ void sm90_bwd_dkdv_atomic_dq_kernel(const AttentionSm90BwdParams& par
     }
     for (int step = 0; step < num_steps; ++step) {
       const int stage = step % kStages, head = step_head(step), m0 = step_m0(step);
-      mbarrier_wait(bar_empty(stage), ((step / kStages) & 1) ^ 1);  // a fresh barrier passes parity 1
+      ring.wait_empty(step);
       // LSE (in base 2) and delta; queries past the sequence get 0 (the consumers mask them).
       const float* gLse = f.lse + batch * f.lse_batch_stride + head * f.lse_head_stride + (varlen ? seq.q_start : 0) + m0;
       const float* gDelta = p.delta + static_cast<long long>(head) * p.workspace_rows + workspace_row(f, seq, batch, m0);
@@ -325,7 +325,7 @@ __device__ void sm90_bwd_dkdv_atomic_dq_kernel(const AttentionSm90BwdParams& par
   for (int step = 0; step < num_steps; ++step) {
     const int stage = step % kStages, head = step_head(step), m0 = step_m0(step);
     const unsigned ds_tile = sDs(step % 2), p_tile = sP(step % 2);
-    mbarrier_wait(bar_full(stage), (step / kStages) & 1);
+    ring.wait_full(step);
     float s[kScoreQueries / 2], dp[kScoreQueries / 2];
     fence_operands(s);
     fence_operands(dp);
@@ -341,9 +341,8 @@ __device__ void sm90_bwd_dkdv_atomic_dq_kernel(const AttentionSm90BwdParams& par
     // tiles is the A layout of one k16 step: pair (j, h) is a[j / 2][2 (j % 2) + h]); dS^T also to
     // shared memory for the dQ GEMM, and P^T too where the consumers exchange them.
     unsigned a_p[kBlockM / 16][4], a_ds[kBlockM / 16][4];
-    const bool needs_mask = warp_uniform(n0 + kBlockN > seq.seqlen_k || m0 + kBlockM > seq.seqlen_q ||
-                                         (has_right && n0 + kBlockN - 1 > m0 + diagonal + f.window_right) ||
-                                         (has_left && n0 < m0 + kBlockM - 1 + diagonal - f.window_left));
+    // (Query rows past the sequence: TMA read zeros there, which must not count.)
+    const bool needs_mask = warp_uniform(m0 + kBlockM > seq.seqlen_q || mask.cuts(m0, kBlockM, n0, kBlockN));
     // 32-bit shared addresses: generic pointers would hold two registers each through the loop.
     const unsigned lse = base + Shape::kLseOffset + stage * kBlockM * 4;
     const unsigned delta = base + Shape::kDeltaOffset + stage * kBlockM * 4;
@@ -359,7 +358,7 @@ __device__ void sm90_bwd_dkdv_atomic_dq_kernel(const AttentionSm90BwdParams& par
         for (int c = 0; c < 2; ++c) {
           const int i = 4 * j + 2 * h + c, q = m0 + query + c;
           const bool visible =
-              !needs_mask || (q < seq.seqlen_q && key_visible<kMask>(f, q, n0 + key, seq.seqlen_k, diagonal));
+              !needs_mask || (q < seq.seqlen_q && AttentionMask<kMask>::visible(f, q, n0 + key, seq.seqlen_k, mask.diagonal));
           // Computed for every element, then selected: a branch around the exponential would keep
           // both paths' values alive across it (the causal variant spilled).
           float ds;

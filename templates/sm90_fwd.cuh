@@ -48,7 +48,9 @@
 //   written.
 #pragma once
 
+#include "common/pipeline.cuh"
 #include "common/sm90.cuh"
+#include "common/tile_scheduler.cuh"
 #include "common/softmax.cuh"
 #include "common/tile_sm80.cuh"
 
@@ -76,9 +78,11 @@ struct Sm90FwdShape {
   // After the barriers: the work item the producer published with each Q slot (32 bytes each).
   static constexpr int kSmemBytes =
       1024 + kQStages * kQBytes + 2 * kStages * kKVTileBytes + kBarrierBytes + 32 * kQStages;
-  // setmaxnreg split of the 64K registers (FlashAttention-3's): the producer keeps a few.
-  static constexpr int kProducerRegisters = kConsumers == 2 ? 24 : 32;
-  static constexpr int kConsumerRegisters = kConsumers == 2 ? 240 : 160;
+  static_assert(kSmemBytes == Config::kSmemBytes, "the shared-memory layout is the size codegen launches it with");
+  // setmaxnreg split of the 64K registers (codegen's, FlashAttention-3's): the producer keeps a few.
+  static constexpr int kProducerRegisters = Config::kProducerRegisters;
+  static constexpr int kConsumerRegisters = Config::kConsumerRegisters;
+  static_assert(128 * kProducerRegisters + 128 * kConsumers * kConsumerRegisters <= 65536, "the register file");
   // Ping-pong pays where the softmax is a large share of a step (FlashAttention-3 uses it up to
   // head dim 128); above that the GEMMs dominate and the token only adds waits.
   static constexpr bool kPingPong = kHeadDim <= 128;
@@ -94,6 +98,12 @@ struct Sm90FwdShape {
   static_assert(kBlockM % 64 == 0 && kThreads == 128 * (1 + kConsumers), "one producer and kConsumers warpgroups");
   static_assert(kHeadDim % 32 == 0 && kBlockN % 16 == 0 && kStages >= 2, "whole k16 steps, two stages to overlap");
   static_assert(kQStages == 1 || kQStages == 2, "one or two Q slots");
+  // The tail splits' workspace as the host sizes it: per split item, a float4 of row statistics and
+  // kHeadDim / 4 float4s of O per consumer thread; a counter per warp (16 rows) of a split tile.
+  static_assert(Config::kSplitStatsFloatsPerItem == kConsumers * 128 * 4 &&
+                    Config::kSplitOutputFloatsPerItem == kConsumers * (kHeadDim / 8) * 128 * 4 &&
+                    Config::kSplitCountersPerTile == 4 * kConsumers,
+                "the split items' workspace is laid out as the host sizes it");
 
   // With two Q slots a finished tile's O is staged in its own Q slot (Q's panel layout, each consumer
   // in the 64 rows only its QK^T read) and leaves by TMA stores, while the next tile runs in the other
@@ -108,61 +118,6 @@ struct Sm90FwdShape {
   static constexpr bool kStagesOutputInVStage = kQStages == 1 && !kPingPong && kBlockN >= 64;
 };
 
-// A work item of the persistent schedule: a work tile (query block, head, batch), or with `split`
-// >= 0 split item `split` (tile split / splits, key share split % splits) of the tail splits.
-struct Sm90WorkTile {
-  int m_block, head, batch, split;
-};
-// The work item the producer publishes with a Q slot (32 bytes of shared memory): its index (-1:
-// the end) and its coordinates, so that the consumers need not decode the index again (a decode is
-// five integer divisions, some 100 instructions on the consumers' busy issue slots).
-struct PublishedTile {
-  int index;
-  Sm90WorkTile work;
-};
-__device__ __forceinline__ void publish_tile(unsigned address, int index, const Sm90WorkTile& work) {
-  asm volatile(
-      "st.volatile.shared.v4.s32 [%0], {%1, %2, %3, %4};\n"
-      "st.volatile.shared.s32 [%0 + 16], %5;\n" ::"r"(address),
-      "r"(index), "r"(work.m_block), "r"(work.head), "r"(work.batch), "r"(work.split)
-      : "memory");
-}
-__device__ __forceinline__ PublishedTile read_published_tile(unsigned address) {
-  PublishedTile t;
-  asm volatile(
-      "ld.volatile.shared.v4.s32 {%0, %1, %2, %3}, [%5];\n"
-      "ld.volatile.shared.s32 %4, [%5 + 16];\n"
-      : "=r"(t.index), "=r"(t.work.m_block), "=r"(t.work.head), "=r"(t.work.batch), "=r"(t.work.split)
-      : "r"(address)
-      : "memory");
-  return t;
-}
-// Work tile `index`: sections of `section_pairs` (batch, head) pairs, query blocks from the last
-// (longest when causal) to the first, pairs fastest within a block.
-__device__ __forceinline__ Sm90WorkTile sm90_work_tile(const AttentionSm90FwdParams& params, int index) {
-  const int pairs = params.fwd.num_heads_q * params.fwd.batch;
-  const int section_tiles = params.section_pairs * params.num_m_blocks;
-  const int section = index / section_tiles, within = index - section * section_tiles;
-  const int section_begin = section * params.section_pairs;
-  const int pairs_here = min(params.section_pairs, pairs - section_begin);
-  const int pair = section_begin + within % pairs_here;
-  return {params.num_m_blocks - 1 - within / pairs_here, pair % params.fwd.num_heads_q,
-          pair / params.fwd.num_heads_q, -1};
-}
-// Work item `index`: the tiles in order, the last num_split_tiles of them replaced by `splits` items
-// each (a tile's items one after another).
-__device__ __forceinline__ int sm90_whole_tiles(const AttentionSm90FwdParams& params) {
-  return params.num_m_blocks * params.fwd.num_heads_q * params.fwd.batch - params.num_split_tiles;
-}
-__device__ __forceinline__ Sm90WorkTile sm90_work_item(const AttentionSm90FwdParams& params, int index) {
-  const int whole_tiles = sm90_whole_tiles(params);
-  if (index < whole_tiles) return sm90_work_tile(params, index);
-  const int split = index - whole_tiles;
-  Sm90WorkTile work = sm90_work_tile(params, whole_tiles + split / params.splits);
-  work.split = split;
-  return work;
-}
-
 // Key tiles [n_block_min, n_block_max) that query block m0 must visit; walked from the last.
 struct KeyTileRange {
   int n_block_min, n_block_max;
@@ -171,13 +126,9 @@ struct KeyTileRange {
 template <int kBlockM, int kBlockN, MaskKind kMask>
 __device__ __forceinline__ KeyTileRange key_tile_range(const AttentionFwdParams& p, const SequenceExtent& seq,
                                                        int m0, int split, int splits) {
-  const int diagonal = seq.seqlen_k - seq.seqlen_q;
-  int n_end = seq.seqlen_k;
-  if (kMask != MaskKind::kNone && p.window_right >= 0)
-    n_end = min(n_end, m0 + kBlockM - 1 + diagonal + p.window_right + 1);
-  const int n_begin = kMask == MaskKind::kWindow && p.window_left >= 0 ? max(0, m0 + diagonal - p.window_left) : 0;
-  const int n_block_min = n_begin / kBlockN;
-  const KeyTileRange tile{n_block_min, n_end > n_begin ? (n_end + kBlockN - 1) / kBlockN : n_block_min};
+  const KeyRange keys = AttentionMask<kMask>(p, seq.seqlen_q, seq.seqlen_k).keys_of(m0, kBlockM);
+  const int n_block_min = keys.begin / kBlockN;
+  const KeyTileRange tile{n_block_min, keys.end > keys.begin ? (keys.end + kBlockN - 1) / kBlockN : n_block_min};
   if (split < 0) return tile;
   // A split item's share: the (split % splits)-th of `splits` contiguous runs of the tile's blocks.
   const int share = split % splits, count = tile.count();
@@ -202,12 +153,14 @@ __device__ void sm90_fwd_kernel(const AttentionSm90FwdParams& params) {
   const unsigned sK = sQ + kQStages * Shape::kQBytes;       // kStages tiles
   const unsigned sV = sK + kStages * Shape::kKVTileBytes;  // kStages tiles
   const unsigned barriers = sV + kStages * Shape::kKVTileBytes;
-  auto bar_q_full = [&](int slot) { return barriers + 8 * slot; };
-  auto bar_q_empty = [&](int slot) { return barriers + 8 * (kQStages + slot); };
-  auto bar_k_full = [&](int stage) { return barriers + 8 * (2 * kQStages + stage); };
-  auto bar_v_full = [&](int stage) { return barriers + 8 * (2 * kQStages + kStages + stage); };
-  auto bar_k_empty = [&](int stage) { return barriers + 8 * (2 * kQStages + 2 * kStages + stage); };
-  auto bar_v_empty = [&](int stage) { return barriers + 8 * (2 * kQStages + 3 * kStages + stage); };
+  // Three rings: the Q slots (one load per work tile) and the K and V stages (one per key block).
+  const PipelineRing<kQStages> q_ring{barriers, barriers + 8 * kQStages};
+  const PipelineRing<kStages> k_ring{barriers + 8 * 2 * kQStages, barriers + 8 * (2 * kQStages + 2 * kStages)};
+  const PipelineRing<kStages> v_ring{barriers + 8 * (2 * kQStages + kStages), barriers + 8 * (2 * kQStages + 3 * kStages)};
+  auto bar_q_full = [&](int slot) { return q_ring.full_barrier(slot); };
+  auto bar_q_empty = [&](int slot) { return q_ring.empty_barrier(slot); };
+  auto bar_k_empty = [&](int stage) { return k_ring.empty_barrier(stage); };
+  auto bar_v_empty = [&](int stage) { return v_ring.empty_barrier(stage); };
   // The work tile each Q slot holds (PublishedTile), published by the producer with the Q tile.
   auto published_tile = [&](int slot) { return barriers + Shape::kBarrierBytes + 32 * slot; };
 
@@ -221,16 +174,10 @@ __device__ void sm90_fwd_kernel(const AttentionSm90FwdParams& params) {
   const bool o_via_v_stage = Shape::kStagesOutputInVStage && params.o_via_tma != 0;
 
   if (tid == 0) {
-    for (int slot = 0; slot < kQStages; ++slot) {
-      mbarrier_init(bar_q_full(slot), 1);
-      mbarrier_init(bar_q_empty(slot), 4 * kConsumers);  // lane 0 of each consumer warp
-    }
-    for (int s = 0; s < kStages; ++s) {
-      mbarrier_init(bar_k_full(s), 1);
-      mbarrier_init(bar_v_full(s), 1);
-      mbarrier_init(bar_k_empty(s), 4 * kConsumers);
-      mbarrier_init(bar_v_empty(s), 4 * kConsumers);
-    }
+    // The producer thread fills a stage; lane 0 of each consumer warp frees it.
+    q_ring.init(1, 4 * kConsumers);
+    k_ring.init(1, 4 * kConsumers);
+    v_ring.init(1, 4 * kConsumers);
     fence_barrier_init();
   }
   __syncthreads();
@@ -252,7 +199,7 @@ __device__ void sm90_fwd_kernel(const AttentionSm90FwdParams& params) {
       }
       // A Q slot is free: publish the tile (or the end) with it, on that slot's q_full.
       const int q_slot = q_count % kQStages;
-      mbarrier_wait(bar_q_empty(q_slot), ((q_count / kQStages) & 1) ^ 1);  // a fresh barrier passes parity 1
+      q_ring.wait_empty(q_count);
       ++q_count;
       publish_tile(published_tile(q_slot), index < num_work_items ? index : -1, work);
       if (index >= num_work_items) {
@@ -269,13 +216,13 @@ __device__ void sm90_fwd_kernel(const AttentionSm90FwdParams& params) {
       // Tile i of this work tile is key block n_block_max - 1 - i, in ring slot kv_count + i. K runs
       // one tile ahead of V: the consumers free a K slot as soon as its QK^T is done but a V slot
       // only after the next tile's softmax, so the next K never queues behind a V slot in use.
-      auto load = [&](unsigned smem_ring, const TmaDescriptor& map, unsigned full, unsigned empty, int i) {
-        const int slot = kv_count + i, stage = slot % kStages, n0 = (keys.n_block_max - 1 - i) * kBlockN;
-        mbarrier_wait(empty + 8 * stage, ((slot / kStages) & 1) ^ 1);
-        mbarrier_arrive_expect_tx(full + 8 * stage, Shape::kKVTileBytes);
+      auto load = [&](unsigned smem_ring, const TmaDescriptor& map, const PipelineRing<kStages>& ring, int i) {
+        const int slot = kv_count + i, stage = ring.stage(slot), n0 = (keys.n_block_max - 1 - i) * kBlockN;
+        ring.wait_empty(slot);
+        mbarrier_arrive_expect_tx(ring.full_barrier(stage), Shape::kKVTileBytes);
         for (int panel = 0; panel < Shape::kPanels; ++panel)
-          tma_load_4d(smem_ring + stage * Shape::kKVTileBytes + panel * Shape::kKVPanelBytes, map, full + 8 * stage,
-                      panel * 64, seq.k_start + n0, kv_head, tma_batch);
+          tma_load_4d(smem_ring + stage * Shape::kKVTileBytes + panel * Shape::kKVPanelBytes, map,
+                      ring.full_barrier(stage), panel * 64, seq.k_start + n0, kv_head, tma_batch);
       };
       // The next tile is claimed before this one's last K and V loads, which wait for free slots: the
       // atomic's round trip overlaps those waits instead of delaying the next tile's Q and first K.
@@ -285,8 +232,8 @@ __device__ void sm90_fwd_kernel(const AttentionSm90FwdParams& params) {
       int claimed = 0;
       for (int i = 0; i <= keys.count() && keys.count() > 0; ++i) {
         if (i == claim_at) claimed = atomicAdd(params.tile_counter, 1);
-        if (i < keys.count()) load(sK, params.k_map, bar_k_full(0), bar_k_empty(0), i);
-        if (i > 0) load(sV, params.v_map, bar_v_full(0), bar_v_empty(0), i - 1);
+        if (i < keys.count()) load(sK, params.k_map, k_ring, i);
+        if (i > 0) load(sV, params.v_map, v_ring, i - 1);
       }
       if (keys.count() == 0) claimed = atomicAdd(params.tile_counter, 1);
       next_index = gridDim.x + claimed;
@@ -345,12 +292,9 @@ __device__ void sm90_fwd_kernel(const AttentionSm90FwdParams& params) {
         for (int e = 0; e < 4; ++e) s[0][ni][e] = p.softcap * tanh_accurate(s[0][ni][e] * softcap_scale);
     }
     // Varlen: rows past this sequence hold the next one's keys, not zeros; masking removes them.
-    const int diagonal = seq.seqlen_k - seq.seqlen_q;
-    const bool needs_mask =
-        n0 + kBlockN > seq.seqlen_k ||
-        (kMask != MaskKind::kNone && p.window_right >= 0 && n0 + kBlockN - 1 > m0 + diagonal + p.window_right) ||
-        (kMask == MaskKind::kWindow && p.window_left >= 0 && n0 < m0 + kBlockM - 1 + diagonal - p.window_left);
-    if (warp_uniform(needs_mask)) mask_tile<Warp, kMask>(s, p, m0 + warp_row0 + lane / 4, n0, lane, seq.seqlen_k, diagonal);
+    const AttentionMask<kMask> mask(p, seq.seqlen_q, seq.seqlen_k);
+    if (warp_uniform(mask.cuts(m0, kBlockM, n0, kBlockN)))
+      mask_tile<Warp, kMask>(s, p, m0 + warp_row0 + lane / 4, n0, lane, seq.seqlen_k, mask.diagonal);
     return softmax_scores<Warp, /*kLazyRescale=*/true>(st, s, scale_log2);
   };
   // P as wgmma A fragments: the C layout of two n8 tiles is the A layout of one k16 step.
@@ -560,7 +504,7 @@ __device__ void sm90_fwd_kernel(const AttentionSm90FwdParams& params) {
   int kv_count = 0, q_count = 0;
   auto fetch_tile = [&](FrontTile& t) {
     t.q_slot = q_count % kQStages;
-    mbarrier_wait(bar_q_full(t.q_slot), (q_count / kQStages) & 1);
+    q_ring.wait_full(q_count);
     ++q_count;
     const PublishedTile published = read_tile(t.q_slot);
     t.index = published.index;
@@ -611,11 +555,11 @@ __device__ void sm90_fwd_kernel(const AttentionSm90FwdParams& params) {
       release(bar_q_empty(front.q_slot));
       for (int i = 0; i < front.keys.count(); ++i, ++kv_count) {
         const int stage = kv_count % kStages;
-        mbarrier_wait(bar_k_full(stage), (kv_count / kStages) & 1);
+        k_ring.wait_full(kv_count);
         wait_turn();
         pass_turn();
         release(bar_k_empty(stage));
-        mbarrier_wait(bar_v_full(stage), (kv_count / kStages) & 1);
+        v_ring.wait_full(kv_count);
         release(bar_v_empty(stage));
       }
       more = fetch_tile(front);
@@ -636,7 +580,7 @@ __device__ void sm90_fwd_kernel(const AttentionSm90FwdParams& params) {
     {
       float s[1][Warp::kSFrags][4];
       float(&s_flat)[kBlockN / 2] = reinterpret_cast<float(&)[kBlockN / 2]>(s);
-      mbarrier_wait(bar_k_full(stage), (kv_count / kStages) & 1);
+      k_ring.wait_full(kv_count);
       wait_turn();
       fence_operands(s_flat);
       wgmma_fence();
@@ -678,8 +622,8 @@ __device__ void sm90_fwd_kernel(const AttentionSm90FwdParams& params) {
       const int next = (kv_count + 1) % kStages, next_block = n_block - 1;
       float s[1][Warp::kSFrags][4];
       float(&s_flat)[kBlockN / 2] = reinterpret_cast<float(&)[kBlockN / 2]>(s);
-      mbarrier_wait(bar_k_full(next), ((kv_count + 1) / kStages) & 1);
-      mbarrier_wait(bar_v_full(stage), (kv_count / kStages) & 1);
+      k_ring.wait_full(kv_count + 1);
+      v_ring.wait_full(kv_count);
       wait_turn();
       fence_operands(s_flat);
       fence_operands(o_flat);
@@ -729,7 +673,7 @@ __device__ void sm90_fwd_kernel(const AttentionSm90FwdParams& params) {
     }
     // P V of the tile's last block alone (the next tile has no key block, there is none, or it
     // waits for the one Q slot), then its output and the next tile.
-    mbarrier_wait(bar_v_full(stage), (kv_count / kStages) & 1);
+    v_ring.wait_full(kv_count);
     if constexpr (kRescaleUnderQk) rescale_output<Warp>(o_flat, pending);
     fence_operands(o_flat);
     fence_operands(a);

@@ -11,12 +11,9 @@
 #include <nlohmann/json.hpp>
 
 #include "cli_common.hpp"
-#include "driver.hpp"
-#include "dispatch.hpp"
 #include "flashjit/flashjit.hpp"
 #include "flashjit/tuning.hpp"
-#include "host_tensors.hpp"
-#include "module_cache.hpp"
+#include "tool_support.hpp"
 
 using namespace flashjit;
 using nlohmann::json;
@@ -180,15 +177,10 @@ int run(const Options& o) {
     }
     if (o.sweep) {
       // Every legal candidate that compiles without spills, timed; the fastest is kept in options.
-      const Family family =
-          o.backward ? Family::fa2_bwd
-                     : detail::forward_family(detail::make_forward_problem(view(q), view(k), view(v), view(out),
-                                                                           &lse_view, nullptr, options),
-                                              device.arch());
-      const int head_dim = detail::kernel_head_dim(family, r.head_dim);
-      const MaskKind mask = r.causal ? MaskKind::causal : MaskKind::none;
-      const auto candidates = o.backward ? backward_candidate_specs(device.arch(), dtype, head_dim, mask, false)
-                                         : candidate_specs(family, device.arch(), dtype, head_dim, mask, false);
+      const detail::ForwardProblem forward =
+          detail::make_forward_problem(view(q), view(k), view(v), view(out), &lse_view, nullptr, options);
+      const detail::PassProblem planned{o.backward ? detail::Pass::backward : detail::Pass::forward, forward};
+      const auto candidates = detail::tuning_plan(planned, device.arch()).candidates;
       std::vector<std::thread> compilers;
       std::atomic<size_t> next{0};
       for (unsigned t = 0; t < std::max(2u, std::thread::hardware_concurrency()); ++t)

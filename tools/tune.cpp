@@ -7,12 +7,10 @@
 #include <nlohmann/json.hpp>
 
 #include "cli_common.hpp"
-#include "dispatch.hpp"
 #include "flashjit/flashjit.hpp"
 #include "flashjit/kernel_cache.hpp"
 #include "flashjit/tuning.hpp"
-#include "json_text.hpp"
-#include "problem.hpp"
+#include "tool_support.hpp"
 
 using namespace flashjit;
 using nlohmann::json;
@@ -150,7 +148,7 @@ detail::ForwardProblem problem_of(const TuneShape& s) {
   options.causal = s.causal;
   try {
     detail::ForwardProblem p = detail::make_forward_problem(q, k, k, q, nullptr, nullptr, options);
-    detail::kernel_head_dim(Family::fa2_fwd, p.head_dim);
+    detail::tuning_plan(detail::PassProblem{detail::Pass::forward, p}, Arch::parse("sm_80"));  // a head dim over 256
     return p;
   } catch (const Error& e) {
     throw usage("shape", fmt::format("{}: {}", s.describe(), e.message()));
@@ -181,11 +179,10 @@ int dry_run(const Options& o, const std::vector<TuneShape>& shapes) {
   json report = json::array();
   for (const auto& s : shapes) {
     const detail::ForwardProblem p = problem_of(s);
-    const Family family = s.backward ? Family::fa2_bwd : detail::forward_family(p, arch);
-    const int head_dim = detail::kernel_head_dim(family, s.head_dim);
-    const auto candidates = s.backward ? backward_candidate_specs(arch, s.dtype, head_dim, p.mask, false)
-                                       : candidate_specs(family, arch, s.dtype, head_dim, p.mask, false);
-    const ProblemKey key = detail::problem_key(p, family);
+    const detail::TuningPlan plan =
+        detail::tuning_plan(detail::PassProblem{s.backward ? detail::Pass::backward : detail::Pass::forward, p}, arch);
+    const ProblemKey& key = plan.key;
+    const std::vector<KernelSpec>& candidates = plan.candidates;
     if (o.json_output) {
       json names = json::array();
       for (const auto& c : candidates) names.push_back(c.name());

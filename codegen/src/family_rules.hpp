@@ -1,5 +1,5 @@
-// Per-family rules behind KernelSpec::validate(), default_spec(), render() and the resource
-// formulas. One rules object per family, defined in src/families/<family>.cpp.
+// Per-family rules behind KernelSpec::validate(), default_spec(), render() and kernel_layout(). One
+// rules object per family, defined in src/families/<family>.cpp and listed in render.cpp's table.
 #pragma once
 
 #include <optional>
@@ -8,20 +8,24 @@
 #include <vector>
 
 #include "flashjit/codegen/kernel_spec.hpp"
+#include "flashjit/codegen/render.hpp"
 
 namespace flashjit::codegen_detail {
 
 struct EntryPoint {
-  std::string_view name;             // extern "C" symbol, fixed per family
+  std::string_view name;             // the runtime launches it by this name; symbol flashjit_<family>_<name>
   std::string_view params_type;      // C++ type of its single by-value parameter
   std::string_view device_function;  // template function in the family header, over Config
   bool grid_constant = false;        // parameter declared __grid_constant__ (holds TMA maps)
+  // The Config constant (one of the rules' constants) holding its dynamic shared memory; "": none.
+  std::string_view smem_constant = {};
 };
 
 struct FamilyRules {
   Family family;
   std::string_view name;
   std::string_view template_include;  // path inside templates/
+  bool computes_gradients = false;    // a backward family (dQ, dK, dV); else a forward one (O, LSE)
   std::vector<EntryPoint> entries;
   int min_sm = 80;
   bool needs_arch_specific = false;   // sm_90a-only instructions
@@ -33,13 +37,17 @@ struct FamilyRules {
   // Fills the tile fields of a spec whose family, arch, dtype, head_dim and mask are set.
   void (*set_default_tiles)(KernelSpec&);
   int (*threads)(const KernelSpec&);
-  int (*dynamic_smem_bytes)(const KernelSpec&);  // the most any entry needs (the smem attribute)
-  // What entry `index` is launched with; null: every entry uses dynamic_smem_bytes.
-  int (*entry_smem_bytes)(const KernelSpec&, int index) = nullptr;
-  // Extra members of the rendered Config (e.g. the wgmma wrappers of the spec's shapes); null: none.
+  // The facts the host computes for a spec (shared-memory bytes, register split, tile shapes of
+  // secondary entries, workspace strides), rendered into Config, where the template checks its own
+  // layout against them with static_assert, and read by the runtime to launch the spec.
+  std::vector<KernelConstant> (*constants)(const KernelSpec&);
+  // Extra members of the rendered Config that are not integers (the wgmma wrappers of the spec's
+  // shapes); null: none.
   std::string (*config_members)(const KernelSpec&) = nullptr;
 };
 
+// The family table, in the order of the Family enum (src/render.cpp).
+const std::vector<const FamilyRules*>& all_family_rules();
 const FamilyRules& family_rules(Family family);
 
 }  // namespace flashjit::codegen_detail

@@ -18,7 +18,6 @@ using nlohmann::json;
 
 namespace {
 
-constexpr std::string_view kFamilyNames[] = {"reference_fwd", "fa2_fwd", "fa2_bwd", "sm90_fwd", "sm90_bwd"};
 constexpr std::string_view kDTypeNames[] = {"fp16", "bf16"};
 constexpr std::string_view kMaskNames[] = {"none", "causal", "window"};
 
@@ -33,20 +32,31 @@ Enum parse_enum(std::string_view text, const std::string_view (&names)[N], const
 
 }  // namespace
 
-std::string_view to_string(Family f) { return kFamilyNames[static_cast<int>(f)]; }
+std::string_view to_string(Family f) { return family_rules(f).name; }
 std::string_view to_string(DType d) { return kDTypeNames[static_cast<int>(d)]; }
 std::string_view to_string(MaskKind m) { return kMaskNames[static_cast<int>(m)]; }
-Family parse_family(std::string_view t) { return parse_enum<Family>(t, kFamilyNames, "family"); }
+Family parse_family(std::string_view t) {
+  std::vector<std::string_view> names;
+  for (const auto* rules : codegen_detail::all_family_rules()) {
+    if (rules->name == t) return rules->family;
+    names.push_back(rules->name);
+  }
+  throw Error(ErrorCode::invalid_argument, "spec",
+              fmt::format("unknown family '{}' (expected one of: {})", t, fmt::join(names, ", ")));
+}
 DType parse_dtype(std::string_view t) { return parse_enum<DType>(t, kDTypeNames, "dtype"); }
 MaskKind parse_mask(std::string_view t) { return parse_enum<MaskKind>(t, kMaskNames, "mask"); }
 
 const std::vector<Family>& all_families() {
-  static const std::vector<Family> families{Family::reference_fwd, Family::fa2_fwd, Family::fa2_bwd, Family::sm90_fwd,
-                                            Family::sm90_bwd};
+  static const std::vector<Family> families = [] {
+    std::vector<Family> all;
+    for (const auto* rules : codegen_detail::all_family_rules()) all.push_back(rules->family);
+    return all;
+  }();
   return families;
 }
 
-bool is_forward_family(Family family) { return family != Family::fa2_bwd && family != Family::sm90_bwd; }
+bool is_forward_family(Family family) { return !family_rules(family).computes_gradients; }
 
 bool family_covers(Family family, const Arch& arch, int head_dim) {
   const auto& rules = family_rules(family);

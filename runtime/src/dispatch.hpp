@@ -1,7 +1,16 @@
-// runtime/dispatch: ForwardProblem + device -> KernelSpec. Never times anything; a heuristic
-// answer always exists for a supported problem.
+// runtime/dispatch: a problem + device -> KernelSpec, over the family table (family.hpp). Never
+// times anything; a heuristic answer always exists for a supported problem.
+//
+// For a pass, the families the backend allows (the automatic backend: those that take part in it,
+// in the table's order of preference; a named backend: its families) are tried in order; the first
+// that can run the problem here is chosen. A tuning entry keyed by its tuning-key family applies
+// when its spec belongs to one of the allowed families that can run the problem; else the chosen
+// family's default spec runs. A forced spec (options.kernel) must fit the problem.
 #pragma once
 
+#include <vector>
+
+#include "family.hpp"
 #include "flashjit/device.hpp"
 #include "flashjit/tuning.hpp"
 #include "problem.hpp"
@@ -11,39 +20,26 @@ namespace flashjit::detail {
 // The smallest kernel head dim of `family` that holds `head_dim`.
 int kernel_head_dim(Family family, int head_dim);
 
-// The forward family for a problem on `arch`: the backend's, or for the automatic backend sm90_fwd
-// on sm_90 devices when TMA can read the tensors and fa2_fwd otherwise. Throws when a forced
-// backend cannot run the problem here.
-Family forward_family(const ForwardProblem& problem, const Arch& arch);
-
-// The tuning key of a problem for `family` (fa2_fwd or fa2_bwd).
-ProblemKey problem_key(const ForwardProblem& problem, Family family);
+// The tuning key of a problem for `key_family` (a family's tuning_key).
+ProblemKey problem_key(const ForwardProblem& problem, Family key_family);
 
 // Forced spec, else the tuned one (when `tuning` has an entry for this device and problem), else
-// the heuristic's.
+// the heuristic's. Throws Error naming why when no family of the backend can run the problem.
+KernelSpec select_kernel(const PassProblem& problem, const DeviceProperties& device,
+                         const TuningSources* tuning = nullptr);
 KernelSpec select_forward_kernel(const ForwardProblem& problem, const DeviceProperties& device,
                                  const TuningSources* tuning = nullptr);
-
-// The fa2_bwd spec for a backward problem (`problem` is the backward's forward part).
-KernelSpec select_backward_kernel(const ForwardProblem& problem, const DeviceProperties& device,
-                                  const TuningSources* tuning = nullptr);
-
-// What the runtime's backward runs: a forced spec (an sm90_bwd one only where sm90_bwd can run the
-// problem); else a tuned one (likewise); else, on sm_90 devices in the atomic-dQ mode, sm90_bwd
-// where it has a kernel of the problem's fa2_bwd head dim (64, 128 or 256) and TMA can read q, k, v
-// and dout; else the fa2_bwd spec above.
 KernelSpec select_backward_kernel(const BackwardProblem& problem, const DeviceProperties& device,
                                   const TuningSources* tuning = nullptr);
 
-// The persistent Hopper forward's tail splits: its last `tiles` work tiles each run as `splits`
-// items over a share of their key blocks, so the last round of whole tiles, which would leave the
-// CTAs without one idle for a tile's time, is spread over all of them. `requested_splits`: 0
-// chooses (none where the tiles fill whole rounds or splitting does not shorten the last one), 1
-// never splits, n > 1 splits the remainder into n (at most one item per key block).
-struct TailSplit {
-  long long tiles = 0;
-  int splits = 1;
+// What the tuner times for a problem on `arch` (the automatic backend's choice): the candidates of
+// every family that can run it and shares the chosen family's tuning key, and the key their winner
+// is recorded under.
+struct TuningPlan {
+  Family family;  // the family dispatch would choose
+  ProblemKey key;
+  std::vector<KernelSpec> candidates;
 };
-TailSplit choose_tail_split(long long tiles, int ctas, int key_blocks, int requested_splits);
+TuningPlan tuning_plan(const PassProblem& problem, const Arch& arch);
 
 }  // namespace flashjit::detail

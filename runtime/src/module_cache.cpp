@@ -37,7 +37,7 @@ const LoadedKernel& ModuleCache::get(const KernelSpec& spec, const DevicePropert
     auto compiled = kernels_.get(spec);
     auto fresh = std::make_shared<LoadedKernel>();
     fresh->compiled = compiled;
-    fresh->dynamic_smem_bytes = dynamic_smem_bytes(spec);
+    fresh->layout = kernel_layout(spec);
     FLASHJIT_CU(cuLibraryLoadData, &fresh->library, compiled->cubin.data(), nullptr, nullptr, 0,
                 nullptr, nullptr, 0);
     for (const auto& name : compiled->entry_names) {
@@ -51,12 +51,13 @@ const LoadedKernel& ModuleCache::get(const KernelSpec& spec, const DevicePropert
   }
   const uint64_t bit = uint64_t{1} << (device.ordinal & 63);
   if ((kernel->configured_devices.load(std::memory_order_acquire) & bit) == 0) {
-    check_shared_memory(*kernel->compiled, kernel->dynamic_smem_bytes, device);
+    const int dynamic_smem = kernel->layout.max_dynamic_smem_bytes();
+    check_shared_memory(*kernel->compiled, dynamic_smem, device);
     CUdevice cu_device;
     FLASHJIT_CU(cuDeviceGet, &cu_device, device.ordinal);
     for (CUkernel entry : kernel->entries)
       FLASHJIT_CU(cuKernelSetAttribute, CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                  kernel->dynamic_smem_bytes, entry, cu_device);
+                  dynamic_smem, entry, cu_device);
     kernel->configured_devices.fetch_or(bit, std::memory_order_release);
   }
   return *kernel;

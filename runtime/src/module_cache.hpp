@@ -11,6 +11,7 @@
 
 #include "driver.hpp"
 #include "flashjit/device.hpp"
+#include "flashjit/codegen/render.hpp"
 #include "flashjit/kernel_cache.hpp"
 
 namespace flashjit::detail {
@@ -18,8 +19,8 @@ namespace flashjit::detail {
 struct LoadedKernel {
   std::shared_ptr<const CompiledKernel> compiled;
   CUlibrary library = nullptr;
-  std::vector<CUkernel> entries;       // in the family's entry order
-  int dynamic_smem_bytes = 0;          // what the main entry is launched with
+  KernelLayout layout;                 // threads, entries' shared memory, the rendered constants
+  std::vector<CUkernel> entries;       // in layout.entries' order
   std::atomic<uint64_t> configured_devices{0};  // bit d: attributes set for device d
 
   ~LoadedKernel();

@@ -41,6 +41,12 @@ struct BackwardProblem {
   bool deterministic = false;
   AttentionBwdParams params{};  // workspaces (delta, dq_accum) left null for the launcher
 
+  // No queries still means dK = dV = 0 to write, and no keys dQ = 0: empty only with neither.
+  bool is_empty() const {
+    const bool has_queries = forward.batch > 0 && forward.seqlen_q > 0 && forward.heads_q > 0;
+    const bool has_keys = forward.batch > 0 && forward.seqlen_k > 0 && forward.heads_kv > 0;
+    return !has_queries && !has_keys;
+  }
   size_t delta_bytes() const { return size_t(forward.heads_q) * params.workspace_rows * sizeof(float); }
   size_t dq_accum_bytes() const { return delta_bytes() * forward.head_dim; }
   // Where the dQ accumulator starts in the workspace: after delta, aligned for its float4 accesses.

@@ -14,6 +14,7 @@
 #include <fmt/format.h>
 
 #include "dispatch.hpp"
+#include "family.hpp"
 #include "driver.hpp"
 #include "flashjit/codegen/render.hpp"
 #include "flashjit/flashjit.hpp"
@@ -122,10 +123,18 @@ TuneResult tune(Runtime& runtime, const TuneShape& shape, const TuneOptions& o) 
   };
   AttentionOptions base;
   base.causal = shape.causal;
-  const ForwardProblem problem = make_forward_problem(q_view(buffers[0]->q), kv_view(buffers[0]->k),
-                                                      kv_view(buffers[0]->v), q_view(buffers[0]->out), nullptr,
-                                                      nullptr, base);
-  const Family family = shape.backward ? Family::fa2_bwd : forward_family(problem, device.arch());
+  const ProblemBuffers& first = *buffers[0];
+  const TensorView first_lse = lse_view(first.lse);
+  const ForwardProblem forward = make_forward_problem(q_view(first.q), kv_view(first.k), kv_view(first.v),
+                                                      q_view(first.out), nullptr, nullptr, base);
+  std::optional<BackwardProblem> backward;
+  if (shape.backward)
+    backward = make_backward_problem(q_view(first.q), kv_view(first.k), kv_view(first.v), q_view(first.out),
+                                     q_view(first.dout), &first_lse, q_view(first.dq), kv_view(first.dk),
+                                     kv_view(first.dv), nullptr, base);
+  const PassProblem problem = backward ? PassProblem{Pass::backward, backward->forward, &*backward}
+                                       : PassProblem{Pass::forward, forward};
+  const TuningPlan plan = tuning_plan(problem, device.arch());
 
   // One call of the pass being tuned, on buffer set `set`.
   auto run = [&](const AttentionOptions& options, size_t set) {
@@ -170,8 +179,7 @@ TuneResult tune(Runtime& runtime, const TuneShape& shape, const TuneOptions& o) 
     return v[v.size() / 2];
   };
   // What dispatch runs with no tuning entry.
-  const KernelSpec heuristic =
-      shape.backward ? select_backward_kernel(problem, device) : select_forward_kernel(problem, device);
+  const KernelSpec heuristic = select_kernel(problem, device);
   auto with_kernel = [&](const KernelSpec& spec) {
     AttentionOptions options = base;
     options.kernel = spec;
@@ -179,10 +187,7 @@ TuneResult tune(Runtime& runtime, const TuneShape& shape, const TuneOptions& o) 
   };
 
   // Candidates, compiled on a pool; the GPU times each as soon as it is ready.
-  const int candidate_head_dim = kernel_head_dim(family, shape.head_dim);
-  std::vector<KernelSpec> candidates =
-      shape.backward ? backward_candidate_specs(device.arch(), dtype, candidate_head_dim, problem.mask, false)
-                     : candidate_specs(family, device.arch(), dtype, candidate_head_dim, problem.mask, false);
+  std::vector<KernelSpec> candidates = plan.candidates;
   candidates.erase(std::remove_if(candidates.begin(), candidates.end(),
                                   [&](const KernelSpec& s) { return dynamic_smem_bytes(s) > device.max_smem_per_block_optin; }),
                    candidates.end());
@@ -326,7 +331,7 @@ TuneResult tune(Runtime& runtime, const TuneShape& shape, const TuneOptions& o) 
 
   TunedEntry& e = result.entry;
   e.device = DeviceStamp::of(device);
-  e.problem = problem_key(problem, family);
+  e.problem = plan.key;
   e.spec = candidates[ranked[0].second];
   e.median_ms = ranked[0].first;
   for (size_t i = 1; i < ranked.size(); ++i) e.runner_ups.emplace_back(candidates[ranked[i].second], ranked[i].first);

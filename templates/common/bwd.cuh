@@ -3,6 +3,7 @@
 // kernel (delta = rowsum(dO * O) with the dQ accumulator zeroed; dQ converted to the output dtype).
 #pragma once
 
+#include "common/mask.cuh"
 #include "common/mma_sm80.cuh"
 
 namespace flashjit::kernels {
@@ -45,18 +46,6 @@ __device__ __forceinline__ float4 load_shared_quad(unsigned address) {
 }
 __device__ __forceinline__ void store_shared_pair(unsigned address, float a, float b) {
   asm volatile("st.shared.v2.f32 [%0], {%1, %2};\n" ::"r"(address), "f"(a), "f"(b) : "memory");
-}
-
-// Whether key `key` is visible to query `query` (both sequence-relative), bottom-right aligned.
-template <MaskKind kMask>
-__device__ __forceinline__ bool key_visible(const AttentionFwdParams& p, int query, int key, int seqlen_k,
-                                            int diagonal) {
-  bool visible = key < seqlen_k;
-  if constexpr (kMask != MaskKind::kNone) {
-    if (p.window_right >= 0) visible = visible && key <= query + diagonal + p.window_right;
-    if (kMask == MaskKind::kWindow && p.window_left >= 0) visible = visible && key >= query + diagonal - p.window_left;
-  }
-  return visible;
 }
 
 // Scores -> (P, dS * d score / d raw dot), element by element. `dot` is the raw q.k, `lse_log2` the

@@ -3,6 +3,7 @@
 // kMFrags (m16 tiles of rows per warp), kSFrags (n8 tiles of keys) and kOFrags (n8 tiles of O).
 #pragma once
 
+#include "common/mask.cuh"
 #include "common/mma_sm80.cuh"
 
 namespace flashjit::kernels {
@@ -41,8 +42,8 @@ __device__ __forceinline__ float row_logsumexp(const AttentionFwdParams& p, floa
 // The masks of one key tile, element by element. Only called on tiles that straddle an edge.
 template <class Shape, MaskKind kMask>
 __device__ __forceinline__ void mask_tile(float (&s)[Shape::kMFrags][Shape::kSFrags][4],
-                                          const AttentionFwdParams& p, int thread_row0, int n0,
-                                          int lane, int seqlen_k, int diagonal) {
+                                          const AttentionFwdParams& p, int thread_row0, int n0, int lane,
+                                          int seqlen_k, int diagonal) {
 #pragma unroll
   for (int mi = 0; mi < Shape::kMFrags; ++mi)
 #pragma unroll
@@ -51,13 +52,7 @@ __device__ __forceinline__ void mask_tile(float (&s)[Shape::kMFrags][Shape::kSFr
       for (int e = 0; e < 4; ++e) {
         const int row = thread_row0 + mi * 16 + (e / 2) * 8;
         const int col = n0 + ni * 8 + (lane % 4) * 2 + e % 2;
-        bool visible = col < seqlen_k;
-        if constexpr (kMask != MaskKind::kNone) {
-          if (p.window_right >= 0) visible = visible && col <= row + diagonal + p.window_right;
-          if (kMask == MaskKind::kWindow && p.window_left >= 0)
-            visible = visible && col >= row + diagonal - p.window_left;
-        }
-        if (!visible) s[mi][ni][e] = -positive_infinity();
+        if (!AttentionMask<kMask>::visible(p, row, col, seqlen_k, diagonal)) s[mi][ni][e] = -positive_infinity();
       }
 }
 

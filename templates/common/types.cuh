@@ -89,20 +89,4 @@ __device__ __forceinline__ SequenceExtent sequence_extent(const AttentionFwdPara
   return e;
 }
 
-// Half-open range of keys query row `row` may attend to, bottom-right aligned.
-struct KeyRange {
-  int begin, end;
-};
-template <MaskKind kMask>
-__device__ __forceinline__ KeyRange visible_keys(const AttentionFwdParams& p, int row, int seqlen_q,
-                                                 int seqlen_k) {
-  KeyRange r{0, seqlen_k};
-  if constexpr (kMask != MaskKind::kNone) {
-    const int diagonal = row + seqlen_k - seqlen_q;
-    if (p.window_right >= 0) r.end = min(seqlen_k, diagonal + p.window_right + 1);
-    if (kMask == MaskKind::kWindow && p.window_left >= 0) r.begin = max(0, diagonal - p.window_left);
-  }
-  return r;
-}
-
 }  // namespace flashjit::kernels

@@ -6,6 +6,7 @@
 #include <tuple>
 
 #include "dispatch.hpp"
+#include "families/sm90_fwd.hpp"
 #include "flashjit/dispatch.hpp"
 #include "flashjit/codegen/render.hpp"
 #include "flashjit/error.hpp"
@@ -25,6 +26,12 @@ DeviceProperties device(const char* name, int major, int minor, int sms, int sme
   d.sm_count = sms;
   d.max_smem_per_block_optin = smem_optin;
   return d;
+}
+
+// A backward known by its forward part, on the fa2_bwd path (backend fa2 unless another is set).
+KernelSpec fa2_backward(detail::ForwardProblem p, const DeviceProperties& d, const TuningSources* tuning = nullptr) {
+  if (p.backend == Backend::automatic) p.backend = Backend::fa2;
+  return detail::select_kernel(detail::PassProblem{detail::Pass::backward, p}, d, tuning);
 }
 
 const DeviceProperties kA100 = device("NVIDIA A100-SXM4-80GB", 8, 0, 108, 166912);
@@ -206,7 +213,7 @@ TEST_CASE("backward dispatch: fa2_bwd defaults fit every arch, forced specs are 
     for (int head_dim : {32, 64, 96, 128, 160, 192, 224, 256})
       for (bool causal : {false, true}) {
         INFO(d->name << " head_dim " << head_dim << (causal ? " causal" : ""));
-        const KernelSpec spec = detail::select_backward_kernel(problem(head_dim, causal), *d);
+        const KernelSpec spec = fa2_backward(problem(head_dim, causal), *d);
         CHECK(spec.family == Family::fa2_bwd);
         CHECK(spec.arch == d->arch());
         CHECK(spec.head_dim == head_dim);
@@ -217,17 +224,17 @@ TEST_CASE("backward dispatch: fa2_bwd defaults fit every arch, forced specs are 
   // A forward spec forced on the backward (and the reverse) is refused by name.
   detail::ForwardProblem p = problem(128);
   p.forced_kernel = default_spec(Family::fa2_fwd, kH200.arch(), DType::bf16, 128);
-  CHECK_THROWS_WITH(detail::select_backward_kernel(p, kH200),
+  CHECK_THROWS_WITH(fa2_backward(p, kH200),
                     Catch::Contains("backward") && Catch::Contains("family fa2_fwd is not a backward family"));
   p.forced_kernel = default_spec(Family::fa2_bwd, kH200.arch(), DType::bf16, 128);
   CHECK_THROWS_WITH(detail::select_forward_kernel(p, kH200),
                     Catch::Contains("family fa2_bwd is not a forward family"));
-  CHECK(detail::select_backward_kernel(p, kH200) == *p.forced_kernel);
+  CHECK(fa2_backward(p, kH200) == *p.forced_kernel);
   p.forced_kernel = default_spec(Family::fa2_bwd, kH200.arch(), DType::bf16, 128, MaskKind::causal);
-  CHECK_THROWS_WITH(detail::select_backward_kernel(p, kH200), Catch::Contains("mask causal but the options ask for none"));
+  CHECK_THROWS_WITH(fa2_backward(p, kH200), Catch::Contains("mask causal but the options ask for none"));
   p.forced_kernel.reset();
   p.backend = Backend::reference;
-  CHECK_THROWS_WITH(detail::select_backward_kernel(p, kH200), Catch::Contains("no reference backward kernel"));
+  CHECK_THROWS_WITH(fa2_backward(p, kH200), Catch::Contains("no reference backward kernel"));
 }
 
 TEST_CASE("backward workspace: the dQ accumulator starts aligned after the row statistics", "[dispatch]") {
@@ -327,7 +334,7 @@ TEST_CASE("backward dispatch: a tuned sm90_bwd entry applies only where sm90_bwd
   detail::BackwardProblem odd_dout = backward(false);
   odd_dout.params.do_row_stride = 12;
   CHECK(detail::select_backward_kernel(odd_dout, h200, &sources).family == Family::fa2_bwd);
-  CHECK(detail::select_backward_kernel(atomic.forward, h200, &sources).family == Family::fa2_bwd);
+  CHECK(fa2_backward(atomic.forward, h200, &sources).family == Family::fa2_bwd);
   // Forced, it is an error there, naming why.
   detail::BackwardProblem forced = backward(true);
   forced.forward.forced_kernel = entry.spec;

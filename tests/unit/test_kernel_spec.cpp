@@ -1,5 +1,7 @@
 // KernelSpec: accept/reject tables, names, JSON round trip, hashing.
 #include <catch2/catch.hpp>
+
+#include <fmt/format.h>
 #include <nlohmann/json.hpp>
 
 #include <unordered_set>
@@ -173,30 +175,42 @@ TEST_CASE("fa2_bwd: tile rules, per-entry shared memory (and sm90_bwd's), names"
     REQUIRE(c.reason.has_value());
     CHECK_THAT(*c.reason, Catch::Contains(c.expected));
   }
-  // Entries: preprocess and convert use no dynamic shared memory; the attribute covers the largest.
+  // Entries, by name: preprocess and convert use no dynamic shared memory; the attribute covers the
+  // largest; what each is launched with is the constant rendered into Config.
   for (const Arch& arch : {ampere, hopper})
     for (int d : {32, 64, 96, 128, 160, 192, 224, 256}) {
       const KernelSpec s = default_spec(Family::fa2_bwd, arch, DType::fp16, d);
       INFO(s.name());
+      const KernelLayout layout = kernel_layout(s);
       REQUIRE(render(s).entry_names.size() == 5);
-      CHECK(entry_dynamic_smem_bytes(s, 0) == 0);
-      CHECK(entry_dynamic_smem_bytes(s, 4) == 0);
-      CHECK(entry_dynamic_smem_bytes(s, 1) == entry_dynamic_smem_bytes(s, 2));
-      int largest = 0;
-      for (int e = 0; e < 5; ++e) largest = std::max(largest, entry_dynamic_smem_bytes(s, e));
-      CHECK(largest == dynamic_smem_bytes(s));
+      REQUIRE(layout.entries.size() == 5);
+      CHECK(layout.entry("preprocess").dynamic_smem_bytes == 0);
+      CHECK(layout.entry("convert_dq").dynamic_smem_bytes == 0);
+      CHECK(layout.entry("dkdv_atomic_dq").dynamic_smem_bytes == layout.entry("dkdv").dynamic_smem_bytes);
+      CHECK(layout.entry("dkdv").dynamic_smem_bytes == layout.constant("kDkdvSmemBytes"));
+      CHECK(layout.entry("dq").dynamic_smem_bytes == layout.constant("kDqSmemBytes"));
+      CHECK(layout.constant("kDqBlockM") == 16 * s.num_warps);
+      CHECK(layout.max_dynamic_smem_bytes() == dynamic_smem_bytes(s));
       CHECK(dynamic_smem_bytes(s) <= max_smem_per_block(arch));
+      CHECK(render(s).text.find(fmt::format("static constexpr int kDqSmemBytes = {};", layout.constant("kDqSmemBytes"))) !=
+            std::string::npos);
+      for (size_t e = 0; e < layout.entries.size(); ++e) CHECK(layout.entries[e].symbol == render(s).entry_names[e]);
     }
   // sm90_bwd likewise: only its main entry (dkdv_atomic_dq) takes the shared memory; launched with
   // it, the row passes ran one CTA per SM.
   for (int d : {64, 128, 256}) {
     const KernelSpec s = default_spec(Family::sm90_bwd, hopper, DType::bf16, d);
     INFO(s.name());
+    const KernelLayout layout = kernel_layout(s);
     REQUIRE(render(s).entry_names.size() == 3);
-    CHECK(entry_dynamic_smem_bytes(s, 0) == 0);
-    CHECK(entry_dynamic_smem_bytes(s, 1) == dynamic_smem_bytes(s));
-    CHECK(entry_dynamic_smem_bytes(s, 2) == 0);
+    CHECK(layout.entry("preprocess").dynamic_smem_bytes == 0);
+    CHECK(layout.entry("dkdv_atomic_dq").dynamic_smem_bytes == dynamic_smem_bytes(s));
+    CHECK(layout.entry("convert_dq").dynamic_smem_bytes == 0);
   }
+  // Asking a family for an entry or a fact it does not have is a bug, said as such.
+  const KernelLayout forward = kernel_layout(default_spec(Family::fa2_fwd, hopper, DType::bf16, 128));
+  CHECK_THROWS_WITH(forward.entry("dq"), Catch::Contains("family fa2_fwd has no entry 'dq'"));
+  CHECK_THROWS_WITH(forward.constant("kDqBlockM"), Catch::Contains("family fa2_fwd renders no constant kDqBlockM"));
   CHECK_FALSE(is_forward_family(Family::fa2_bwd));
   CHECK(is_forward_family(Family::fa2_fwd));
 }

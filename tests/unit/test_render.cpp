@@ -37,7 +37,7 @@ TEST_CASE("render output matches the golden", "[render]") {
   const Source source = render(s);
   CHECK(source.spec_name == s.name());
   CHECK(source.file_name == s.name() + ".cu");
-  REQUIRE(source.entry_names == std::vector<std::string>{"flashjit_reference_fwd"});
+  REQUIRE(source.entry_names == std::vector<std::string>{"flashjit_reference_fwd_forward"});
   check_golden("reference_fwd_bf16_d128_causal_sm80.cu", source.text);
 }
 

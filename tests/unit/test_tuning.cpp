@@ -114,10 +114,17 @@ TEST_CASE("candidates: legal, pruned to the arch's shared memory, default includ
 }
 
 TEST_CASE("backward candidates: fa2_bwd tiles, and sm90_bwd's stage counts where it has the head dim", "[tuning]") {
+  // What the tuner times for a backward problem: every family sharing the dispatched one's key.
+  auto backward_candidates = [](const Arch& arch, int head_dim) {
+    const detail::ForwardProblem problem = causal_problem(2, 256, 4, head_dim);
+    const detail::TuningPlan plan = detail::tuning_plan(detail::PassProblem{detail::Pass::backward, problem}, arch);
+    CHECK(plan.key.family == Family::fa2_bwd);
+    return plan.candidates;
+  };
   const Arch hopper = Arch::parse("sm_90a");
   for (int head_dim : {64, 96, 128, 256}) {
     INFO("d" << head_dim);
-    const auto candidates = backward_candidate_specs(hopper, DType::bf16, head_dim, MaskKind::causal, false);
+    const auto candidates = backward_candidates(hopper, head_dim);
     const auto fa2 = candidate_specs(Family::fa2_bwd, hopper, DType::bf16, head_dim, MaskKind::causal, false);
     const auto sm90 = std::count_if(candidates.begin(), candidates.end(), [](const KernelSpec& c) { return c.family == Family::sm90_bwd; });
     CHECK(candidates.size() == fa2.size() + sm90);
@@ -130,7 +137,7 @@ TEST_CASE("backward candidates: fa2_bwd tiles, and sm90_bwd's stage counts where
       CHECK(dynamic_smem_bytes(c) <= max_smem_per_block(hopper));
     }
   }
-  const auto ampere = backward_candidate_specs(Arch::parse("sm_80"), DType::bf16, 128, MaskKind::none, false);
+  const auto ampere = backward_candidates(Arch::parse("sm_80"), 128);
   CHECK(std::none_of(ampere.begin(), ampere.end(), [](const KernelSpec& c) { return c.family == Family::sm90_bwd; }));
 }
 
@@ -283,7 +290,8 @@ TEST_CASE("dispatch order: forced, in-memory, user, bundled, heuristic; other de
   detail::ForwardProblem forced = problem;
   forced.forced_kernel = heuristic;
   CHECK(detail::select_forward_kernel(forced, device, &sources) == heuristic);
-  CHECK(detail::select_backward_kernel(problem, device, &sources).family == Family::fa2_bwd);
+  const KernelSpec backward = detail::select_kernel(detail::PassProblem{detail::Pass::backward, problem}, device, &sources);
+  CHECK(backward == heuristic_backward_spec(device.arch(), DType::bf16, 128, MaskKind::causal));
   // A problem in another bucket falls through to the heuristic.
   CHECK(detail::select_forward_kernel(causal_problem(2, 8192, 16, 128), device, &sources) ==
         heuristic_forward_spec(device.arch(), DType::bf16, 128, MaskKind::causal));

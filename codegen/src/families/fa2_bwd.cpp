@@ -59,16 +59,6 @@ int dq_smem_bytes(const KernelSpec& s) {
   return 2 * (l.dq_block_m + l.dq_block_n) * (s.head_dim + 8) * 2;
 }
 
-enum Entry { kPreprocess, kDkdvAtomicDq, kDkdv, kDq, kConvertDq };
-
-int entry_smem_bytes(const KernelSpec& s, int entry) {
-  switch (entry) {
-    case kDkdvAtomicDq: case kDkdv: return dkdv_smem_bytes(s);
-    case kDq: return dq_smem_bytes(s);
-    default: return 0;
-  }
-}
-
 int smem_bytes(const KernelSpec& s) { return std::max(dkdv_smem_bytes(s), dq_smem_bytes(s)); }
 
 // Peak fp32 accumulators per thread: dK and dV live through the loop; S^T and dP^T, or the dQ
@@ -136,6 +126,16 @@ void set_default_tiles(KernelSpec& s) {
 
 int threads(const KernelSpec& s) { return 32 * s.num_warps; }
 
+// The row passes (preprocess, convert_dq) use no shared memory; the deterministic dq entry runs
+// its own tile (kDqBlockM x kDqBlockN), which the runtime sizes its grid by.
+std::vector<KernelConstant> constants(const KernelSpec& s) {
+  const BwdLayout l = layout(s);
+  return {{"kDkdvSmemBytes", dkdv_smem_bytes(s)},
+          {"kDqSmemBytes", dq_smem_bytes(s)},
+          {"kDqBlockM", l.dq_block_m},
+          {"kDqBlockN", l.dq_block_n}};
+}
+
 }  // namespace
 
 extern const FamilyRules kFa2BwdRules;
@@ -143,11 +143,13 @@ const FamilyRules kFa2BwdRules{
     Family::fa2_bwd,
     "fa2_bwd",
     "fa2_bwd.cuh",
-    {{"flashjit_fa2_bwd_preprocess", "flashjit::AttentionBwdParams", "flashjit::kernels::fa2_bwd_preprocess_kernel", false},
-     {"flashjit_fa2_bwd_dkdv_atomic_dq", "flashjit::AttentionBwdParams", "flashjit::kernels::fa2_bwd_dkdv_atomic_dq_kernel", false},
-     {"flashjit_fa2_bwd_dkdv", "flashjit::AttentionBwdParams", "flashjit::kernels::fa2_bwd_dkdv_kernel", false},
-     {"flashjit_fa2_bwd_dq", "flashjit::AttentionBwdParams", "flashjit::kernels::fa2_bwd_dq_kernel", false},
-     {"flashjit_fa2_bwd_convert_dq", "flashjit::AttentionBwdParams", "flashjit::kernels::fa2_bwd_convert_dq_kernel", false}},
+    /*computes_gradients=*/true,
+    {{"preprocess", "flashjit::AttentionBwdParams", "flashjit::kernels::fa2_bwd_preprocess_kernel"},
+     {"dkdv_atomic_dq", "flashjit::AttentionBwdParams", "flashjit::kernels::fa2_bwd_dkdv_atomic_dq_kernel", false,
+      "kDkdvSmemBytes"},
+     {"dkdv", "flashjit::AttentionBwdParams", "flashjit::kernels::fa2_bwd_dkdv_kernel", false, "kDkdvSmemBytes"},
+     {"dq", "flashjit::AttentionBwdParams", "flashjit::kernels::fa2_bwd_dq_kernel", false, "kDqSmemBytes"},
+     {"convert_dq", "flashjit::AttentionBwdParams", "flashjit::kernels::fa2_bwd_convert_dq_kernel"}},
     /*min_sm=*/80,
     /*needs_arch_specific=*/false,
     /*head_dims=*/{32, 64, 96, 128, 160, 192, 224, 256},
@@ -155,8 +157,7 @@ const FamilyRules kFa2BwdRules{
     validate_tiles,
     set_default_tiles,
     threads,
-    smem_bytes,
-    entry_smem_bytes,
+    constants,
 };
 
 }  // namespace flashjit::codegen_detail

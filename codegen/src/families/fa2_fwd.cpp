@@ -69,6 +69,8 @@ void set_default_tiles(KernelSpec& s) {
 
 int threads(const KernelSpec& s) { return 32 * s.num_warps; }
 
+std::vector<KernelConstant> constants(const KernelSpec& s) { return {{"kSmemBytes", smem_bytes(s)}}; }
+
 }  // namespace
 
 extern const FamilyRules kFa2FwdRules;
@@ -76,7 +78,8 @@ const FamilyRules kFa2FwdRules{
     Family::fa2_fwd,
     "fa2_fwd",
     "fa2_fwd.cuh",
-    {{"flashjit_fa2_fwd", "flashjit::AttentionFwdParams", "flashjit::kernels::fa2_fwd_kernel", false}},
+    /*computes_gradients=*/false,
+    {{"forward", "flashjit::AttentionFwdParams", "flashjit::kernels::fa2_fwd_kernel", false, "kSmemBytes"}},
     /*min_sm=*/80,
     /*needs_arch_specific=*/false,
     /*head_dims=*/{32, 64, 96, 128, 160, 192, 224, 256},
@@ -84,7 +87,7 @@ const FamilyRules kFa2FwdRules{
     validate_tiles,
     set_default_tiles,
     threads,
-    smem_bytes,
+    constants,
 };
 
 }  // namespace flashjit::codegen_detail

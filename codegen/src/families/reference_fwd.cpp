@@ -32,7 +32,7 @@ void set_default_tiles(KernelSpec& s) {
 int threads(const KernelSpec& s) { return 32 * s.num_warps; }
 
 // The query rows live in static shared memory (fp32, one row per warp): no dynamic smem.
-int dynamic_smem_bytes(const KernelSpec&) { return 0; }
+std::vector<KernelConstant> constants(const KernelSpec&) { return {}; }
 
 }  // namespace
 
@@ -41,8 +41,8 @@ const FamilyRules kReferenceFwdRules{
     Family::reference_fwd,
     "reference_fwd",
     "reference_fwd.cuh",
-    {{"flashjit_reference_fwd", "flashjit::AttentionFwdParams", "flashjit::kernels::reference_fwd_kernel",
-      false}},
+    /*computes_gradients=*/false,
+    {{"forward", "flashjit::AttentionFwdParams", "flashjit::kernels::reference_fwd_kernel"}},
     /*min_sm=*/80,
     /*needs_arch_specific=*/false,
     /*head_dims=*/{32, 64, 96, 128, 160, 192, 224, 256},
@@ -50,7 +50,7 @@ const FamilyRules kReferenceFwdRules{
     validate_tiles,
     set_default_tiles,
     threads,
-    dynamic_smem_bytes,
+    constants,
 };
 
 }  // namespace flashjit::codegen_detail

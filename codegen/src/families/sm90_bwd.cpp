@@ -60,12 +60,6 @@ std::optional<std::string> validate_tiles(const KernelSpec& s) {
   return std::nullopt;
 }
 
-// The entries, in the order of the rules' list. The row passes use no shared memory: launched with
-// the main kernel's (up to 224 KB) they ran one CTA per SM, at half the memory bandwidth.
-enum Entry { kPreprocess, kDkdvAtomicDq, kConvertDq };
-
-int entry_smem_bytes(const KernelSpec& s, int entry) { return entry == kDkdvAtomicDq ? smem_bytes(s) : 0; }
-
 void set_default_tiles(KernelSpec& s) {
   s.block_m = 64;
   s.block_n = keys_per_cta(s);
@@ -74,6 +68,16 @@ void set_default_tiles(KernelSpec& s) {
 }
 
 int threads(const KernelSpec& s) { return 32 * s.num_warps; }
+
+// The dkdv entry's shared memory and setmaxnreg split (FlashAttention-3's for two consumer
+// warpgroups). The row passes use none: launched with the main kernel's (up to 224 KB) they ran
+// one CTA per SM, at half the memory bandwidth.
+std::vector<KernelConstant> constants(const KernelSpec& s) {
+  return {{"kDqWriters", dq_writers(s) ? 1 : 0},
+          {"kSmemBytes", smem_bytes(s)},
+          {"kProducerRegisters", 24},
+          {"kConsumerRegisters", 240}};
+}
 
 // Per consumer: S^T and dP^T (64 keys x the consumer's queries, both operands K-major in shared
 // memory); dK and dV (64 keys x the consumer's columns, P^T and dS^T from registers, or at head dim
@@ -84,8 +88,7 @@ std::string config_members(const KernelSpec& s) {
   const int score_queries = split ? s.block_m / kConsumers : s.block_m;
   const int grad_cols = split ? s.head_dim / kConsumers : s.head_dim;
   const int dq_cols = panels(s) < kConsumers ? s.head_dim : s.head_dim / kConsumers;
-  return fmt::format("  static constexpr bool kDqWriters = {};\n", dq_writers(s) ? "true" : "false") +
-         wgmma_member_function("wgmma_scores", score_queries, s.dtype, WgmmaOperands::ss_k_major) +
+  return wgmma_member_function("wgmma_scores", score_queries, s.dtype, WgmmaOperands::ss_k_major) +
          wgmma_member_function("wgmma_key_gradient", grad_cols, s.dtype,
                                split ? WgmmaOperands::ss_b_mn_major : WgmmaOperands::rs_b_mn_major) +
          wgmma_member_function("wgmma_dq", dq_cols, s.dtype, WgmmaOperands::ss_mn_major);
@@ -98,11 +101,11 @@ const FamilyRules kSm90BwdRules{
     Family::sm90_bwd,
     "sm90_bwd",
     "sm90_bwd.cuh",
-    {{"flashjit_sm90_bwd_preprocess", "flashjit::AttentionSm90BwdParams", "flashjit::kernels::sm90_bwd_preprocess_kernel", true},
-     {"flashjit_sm90_bwd_dkdv_atomic_dq", "flashjit::AttentionSm90BwdParams",
-      "flashjit::kernels::sm90_bwd_dkdv_atomic_dq_kernel", true},
-     {"flashjit_sm90_bwd_convert_dq", "flashjit::AttentionSm90BwdParams", "flashjit::kernels::sm90_bwd_convert_dq_kernel",
-      true}},
+    /*computes_gradients=*/true,
+    {{"preprocess", "flashjit::AttentionSm90BwdParams", "flashjit::kernels::sm90_bwd_preprocess_kernel", true},
+     {"dkdv_atomic_dq", "flashjit::AttentionSm90BwdParams", "flashjit::kernels::sm90_bwd_dkdv_atomic_dq_kernel", true,
+      "kSmemBytes"},
+     {"convert_dq", "flashjit::AttentionSm90BwdParams", "flashjit::kernels::sm90_bwd_convert_dq_kernel", true}},
     /*min_sm=*/90,
     /*needs_arch_specific=*/true,
     /*head_dims=*/{64, 128, 256},
@@ -110,8 +113,7 @@ const FamilyRules kSm90BwdRules{
     validate_tiles,
     set_default_tiles,
     threads,
-    smem_bytes,
-    entry_smem_bytes,
+    constants,
     config_members,
 };
 

@@ -30,7 +30,9 @@ int smem_bytes(const KernelSpec& s) { return smem_bytes_with(s, q_stages(s)); }
 // one (spill-free up to d64 m192 n128, d64 m128 n224, d96 n192, d128 n192, d256 n80); with a
 // softcap or a window the scores need about 1/16 register more per key and 56 on top (d128 n160,
 // d192 n112, d64 m128 n192 and d64 m192 n112 spill there).
+// setmaxnreg split of the 64K registers (FlashAttention-3's): the producer warpgroup keeps a few.
 int consumer_register_budget(const KernelSpec& s) { return consumers(s) == 2 ? 240 : 160; }
+int producer_registers(const KernelSpec& s) { return consumers(s) == 2 ? 24 : 32; }
 int consumer_registers_needed(const KernelSpec& s) {
   const bool heavy_scores = s.has_softcap || s.mask == MaskKind::window;
   return s.head_dim / 2 + (heavy_scores ? 13 * s.block_n / 16 + 56 : 3 * s.block_n / 4 + 32);
@@ -77,11 +79,22 @@ void set_default_tiles(KernelSpec& s) {
 
 int threads(const KernelSpec& s) { return 32 * s.num_warps; }
 
+// The tail splits' workspace (AttentionSm90FwdParams): a counter per 16 rows of a split tile, and
+// per split item a float4 of row statistics and head_dim / 4 float4s of O per consumer thread.
+std::vector<KernelConstant> constants(const KernelSpec& s) {
+  return {{"kQStages", q_stages(s)},
+          {"kSmemBytes", smem_bytes(s)},
+          {"kProducerRegisters", producer_registers(s)},
+          {"kConsumerRegisters", consumer_register_budget(s)},
+          {"kSplitCountersPerTile", s.block_m / 16},
+          {"kSplitStatsFloatsPerItem", s.block_m * 8},
+          {"kSplitOutputFloatsPerItem", s.block_m * s.head_dim}};
+}
+
 // S = Q K^T over block_n keys (both operands in shared memory) and O += P V over head_dim columns
 // (P from registers).
 std::string config_members(const KernelSpec& s) {
-  return fmt::format("  static constexpr int kQStages = {};\n", q_stages(s)) +
-         wgmma_member_function("wgmma_qk", s.block_n, s.dtype, WgmmaOperands::ss_k_major) +
+  return wgmma_member_function("wgmma_qk", s.block_n, s.dtype, WgmmaOperands::ss_k_major) +
          wgmma_member_function("wgmma_pv", s.head_dim, s.dtype, WgmmaOperands::rs_b_mn_major);
 }
 
@@ -92,7 +105,8 @@ const FamilyRules kSm90FwdRules{
     Family::sm90_fwd,
     "sm90_fwd",
     "sm90_fwd.cuh",
-    {{"flashjit_sm90_fwd", "flashjit::AttentionSm90FwdParams", "flashjit::kernels::sm90_fwd_kernel", true}},
+    /*computes_gradients=*/false,
+    {{"forward", "flashjit::AttentionSm90FwdParams", "flashjit::kernels::sm90_fwd_kernel", true, "kSmemBytes"}},
     /*min_sm=*/90,
     /*needs_arch_specific=*/true,
     /*head_dims=*/{64, 96, 128, 192, 256},
@@ -100,8 +114,7 @@ const FamilyRules kSm90FwdRules{
     validate_tiles,
     set_default_tiles,
     threads,
-    smem_bytes,
-    /*entry_smem_bytes=*/nullptr,
+    constants,
     config_members,
 };
 

@@ -22,18 +22,12 @@
 namespace flashjit {
 
 // Legal specs of a family (validate() passes) for this arch, dtype, kernel head dim, mask and
-// softcap, over the tile grid block_m 32..256, block_n 32..128, 4 or 8 warps, 1 to 3 stages. Specs
-// whose compiled kernel spills are still listed: the caller compiles and drops them (only ptxas
-// knows).
+// softcap: the family's own tile grid (its runtime module's tuning candidates). Specs whose
+// compiled kernel spills are still listed: the caller compiles and drops them (only ptxas knows).
+// What the tuner times for a problem is the candidates of every family that shares the
+// dispatched family's tuning key (runtime/src/dispatch.hpp, tuning_plan).
 std::vector<KernelSpec> candidate_specs(Family family, const Arch& arch, DType dtype, int head_dim,
                                         MaskKind mask, bool has_softcap);
-
-// What the tuner times for a backward problem of fa2_bwd kernel head dim `head_dim`: fa2_bwd's
-// tiles and, where sm90_bwd has a kernel of that head dim on `arch`, its stage counts. (Tuned
-// backward entries are keyed by fa2_bwd whichever family wins; dispatch applies an sm90_bwd one
-// only where sm90_bwd can run the problem.)
-std::vector<KernelSpec> backward_candidate_specs(const Arch& arch, DType dtype, int head_dim, MaskKind mask,
-                                                 bool has_softcap);
 
 // What a tuning result is valid for: the GPU and the software that compiled and ran the kernels.
 struct DeviceStamp {
@@ -53,7 +47,7 @@ struct DeviceStamp {
 // The class of problems one tuned spec serves. Sequence lengths and batch x heads are bucketed to
 // the next power of two, so a handful of entries covers a model's shapes.
 struct ProblemKey {
-  Family family = Family::fa2_fwd;  // fa2_fwd or fa2_bwd
+  Family family = Family::fa2_fwd;  // the dispatched family's tuning key (family.hpp)
   DType dtype = DType::bf16;
   int head_dim = 128;  // the kernel head dim (problem head dims rounded up)
   MaskKind mask = MaskKind::none;

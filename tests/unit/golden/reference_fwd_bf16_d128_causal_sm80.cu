@@ -16,6 +16,6 @@ struct Config {
 }  // namespace flashjit_generated
 
 extern "C" __global__ void __launch_bounds__(128, 1)
-flashjit_reference_fwd(const flashjit::AttentionFwdParams params) {
+flashjit_reference_fwd_forward(const flashjit::AttentionFwdParams params) {
   flashjit::kernels::reference_fwd_kernel<flashjit_generated::Config>(params);
 }

@@ -13,6 +13,12 @@ struct Config {
   static constexpr bool kHasSoftcap = false;
   static constexpr int kArch = 90;
   static constexpr int kQStages = 2;
+  static constexpr int kSmemBytes = 148640;
+  static constexpr int kProducerRegisters = 24;
+  static constexpr int kConsumerRegisters = 240;
+  static constexpr int kSplitCountersPerTile = 8;
+  static constexpr int kSplitStatsFloatsPerItem = 1024;
+  static constexpr int kSplitOutputFloatsPerItem = 16384;
   static __device__ __forceinline__ void wgmma_qk(float (&d)[40], unsigned long long desc_a,
       unsigned long long desc_b, bool accumulate) {
     asm volatile(
@@ -33,6 +39,6 @@ struct Config {
 }  // namespace flashjit_generated
 
 extern "C" __global__ void __launch_bounds__(384, 1)
-flashjit_sm90_fwd(const __grid_constant__ flashjit::AttentionSm90FwdParams params) {
+flashjit_sm90_fwd_forward(const __grid_constant__ flashjit::AttentionSm90FwdParams params) {
   flashjit::kernels::sm90_fwd_kernel<flashjit_generated::Config>(params);
 }

@@ -29,16 +29,47 @@ struct Source {
   std::string spec_name;
   std::string file_name;  // "<spec name>.cu": how NVRTC names it in diagnostics
   std::string text;
-  std::vector<std::string> entry_names;  // extern "C" kernels, in the family's fixed order
+  std::vector<std::string> entry_names;  // extern "C" kernels, in the family's order
 };
 
 // Throws Error(invalid_argument) quoting validate() when the spec is illegal.
 Source render(const KernelSpec& spec);
 
-// Resource formulas: what a launch of the spec's main entry needs.
+// A fact the host computes for a spec once: rendered into the kernel's Config as
+// `static constexpr int <name>` (the template static_asserts its own layout against it) and read by
+// the runtime when it launches the spec.
+struct KernelConstant {
+  std::string_view name;  // kSmemBytes, kConsumerRegisters, ...
+  int value;
+};
+
+struct KernelEntry {
+  std::string_view name;   // what the runtime launches it by: "forward", "dkdv_atomic_dq", ...
+  std::string symbol;      // its extern "C" name: flashjit_<family>_<name>
+  int dynamic_smem_bytes;  // what it is launched with
+};
+
+// Everything the host needs to launch a spec's kernels, from the same rules that rendered them.
+struct KernelLayout {
+  int threads = 0;  // per block, every entry
+  std::vector<KernelEntry> entries;  // in Source::entry_names order
+  std::vector<KernelConstant> constants;
+
+  // Throws Error(internal) naming the spec's family when it has no such entry or constant: a
+  // runtime family asking for what its codegen rules do not render is a bug.
+  const KernelEntry& entry(std::string_view name) const;
+  size_t entry_index(std::string_view name) const;
+  int constant(std::string_view name) const;
+  int max_dynamic_smem_bytes() const;  // the most any entry uses (the smem attribute)
+  std::string_view family;
+};
+
+// Throws Error(invalid_argument) quoting validate() when the spec is illegal.
+KernelLayout kernel_layout(const KernelSpec& spec);
+
+// Shorthands: a launch's threads, and the most shared memory any entry of the spec uses.
 int threads_per_block(const KernelSpec& spec);
-int dynamic_smem_bytes(const KernelSpec& spec);  // the most any entry uses
-int entry_dynamic_smem_bytes(const KernelSpec& spec, int entry);  // entry in Source::entry_names order
+int dynamic_smem_bytes(const KernelSpec& spec);
 
 // The most shared memory one block may use on an arch (after raising its dynamic limit).
 int max_smem_per_block(const Arch& arch);

@@ -1,0 +1,59 @@
+// sm90_bwd at run time: fa2_bwd's entry sequence with atomic dQ (preprocess -> dkdv_atomic_dq ->
+// convert_dq), with TMA maps of q, k, v and dout. It shares fa2_bwd's tuning entries, so that the
+// tuner times both and one entry holds the winner; dispatch picks it only at the kernel head dims
+// fa2_bwd would use (64, 128, 256), in atomic mode, where TMA can read the four tensors.
+#include "../family.hpp"
+#include "../tma.hpp"
+
+namespace flashjit::detail {
+namespace {
+
+std::optional<std::string> unusable_reason(const PassProblem& problem, const Arch& arch) {
+  if (auto reason = hopper_arch_reason(Family::sm90_bwd, arch)) return reason;
+  if (problem.deterministic()) return std::string("deterministic mode runs fa2_bwd's fixed-order dQ");
+  return problem.backward != nullptr ? tma_unusable_reason(*problem.backward) : tma_unusable_reason(problem.forward);
+}
+
+// The tile is fixed by the head dim (see sm90_bwd.cuh); the ring's depth varies.
+std::vector<KernelSpec> tuning_candidates(const KernelSpec& base) {
+  std::vector<KernelSpec> candidates;
+  for (int stages : {2, 3}) {
+    KernelSpec s = base;
+    s.num_stages = stages;
+    if (!s.validate()) candidates.push_back(s);
+  }
+  return candidates;
+}
+
+// fa2_bwd's arguments and the TMA maps of q, k, v and dout.
+AttentionSm90BwdParams hopper_params(const KernelSpec& spec, const ForwardProblem& f, const AttentionBwdParams& bwd) {
+  const AttentionFwdParams& a = bwd.fwd;
+  const auto [rows_q, rows_k, batches] = tma_extents(f);
+  AttentionSm90BwdParams params;
+  params.bwd = bwd;
+  params.q_map = make_attention_tma_map(a.q, f.dtype, a.head_dim, rows_q, a.num_heads_q, batches, a.q_row_stride,
+                                        a.q_head_stride, a.q_batch_stride, spec.block_m);
+  params.do_map = make_attention_tma_map(bwd.d_o, f.dtype, a.head_dim, rows_q, a.num_heads_q, batches,
+                                         bwd.do_row_stride, bwd.do_head_stride, bwd.do_batch_stride, spec.block_m);
+  params.k_map = make_attention_tma_map(a.k, f.dtype, a.head_dim, rows_k, a.num_heads_kv, batches, a.k_row_stride,
+                                        a.k_head_stride, a.k_batch_stride, spec.block_n);
+  params.v_map = make_attention_tma_map(a.v, f.dtype, a.head_dim, rows_k, a.num_heads_kv, batches, a.v_row_stride,
+                                        a.v_head_stride, a.v_batch_stride, spec.block_n);
+  return params;
+}
+
+void run(const FamilyCall& call) {
+  const BackwardLaunch b(call);
+  const AttentionSm90BwdParams params = hopper_params(call.spec, call.forward(), b.params);
+  if (b.has_queries) call.launch("preprocess", b.query_rows, params);
+  if (b.has_keys) call.launch("dkdv_atomic_dq", b.key_tiles, params);
+  if (b.has_queries) call.launch("convert_dq", b.query_rows, params);
+}
+
+}  // namespace
+
+extern const RuntimeFamily kSm90BwdFamily;
+const RuntimeFamily kSm90BwdFamily{Family::sm90_bwd, Pass::backward, Backend::sm90, /*automatic=*/true, Family::fa2_bwd,
+                                   unusable_reason, tuning_candidates, run};
+
+}  // namespace flashjit::detail

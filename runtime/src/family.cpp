@@ -1,0 +1,86 @@
+#include "family.hpp"
+
+#include <fmt/format.h>
+
+namespace flashjit::detail {
+
+extern const RuntimeFamily kSm90FwdFamily;
+extern const RuntimeFamily kFa2FwdFamily;
+extern const RuntimeFamily kReferenceFwdFamily;
+extern const RuntimeFamily kSm90BwdFamily;
+extern const RuntimeFamily kFa2BwdFamily;
+
+// The family table: a new family is a line here (where its pass prefers it) and its module.
+const std::vector<const RuntimeFamily*>& runtime_families() {
+  static const std::vector<const RuntimeFamily*> table{&kSm90FwdFamily, &kFa2FwdFamily, &kReferenceFwdFamily,
+                                                       &kSm90BwdFamily, &kFa2BwdFamily};
+  return table;
+}
+
+const RuntimeFamily& runtime_family(Family family) {
+  for (const RuntimeFamily* f : runtime_families())
+    if (f->family == family) return *f;
+  throw Error(ErrorCode::internal, "runtime", fmt::format("family {} has no runtime module", to_string(family)));
+}
+
+void FamilyCall::launch_entry(std::string_view entry, Grid grid, void* params) const {
+  const size_t index = kernel.layout.entry_index(entry);
+  CUlaunchConfig config{};
+  config.gridDimX = grid.x;
+  config.gridDimY = grid.y;
+  config.gridDimZ = grid.z;
+  config.blockDimX = static_cast<unsigned>(kernel.layout.threads);
+  config.blockDimY = config.blockDimZ = 1;
+  config.sharedMemBytes = static_cast<unsigned>(kernel.layout.entries[index].dynamic_smem_bytes);
+  config.hStream = stream;
+  void* arguments[] = {params};
+  FLASHJIT_CU(cuLaunchKernelEx, &config, reinterpret_cast<CUfunction>(kernel.entries[index]), arguments, nullptr);
+}
+
+std::optional<std::string> hopper_arch_reason(Family family, const Arch& arch) {
+  if (arch.arch_specific && arch.sm == 90) return std::nullopt;
+  return fmt::format("{} needs an sm_90 device, this one is {}", to_string(family), arch.name());
+}
+
+Grid query_block_grid(const ForwardProblem& problem, int block_m) {
+  return {blocks(problem.seqlen_q, block_m), static_cast<unsigned>(problem.heads_q),
+          static_cast<unsigned>(problem.batch)};
+}
+
+std::vector<KernelSpec> mma_sync_tile_candidates(const KernelSpec& base) {
+  std::vector<KernelSpec> candidates;
+  for (int block_m : {32, 64, 128, 256})
+    for (int block_n : {32, 64, 128})
+      for (int warps : {4, 8})
+        for (int stages : {1, 2, 3}) {
+          KernelSpec s = base;
+          s.block_m = block_m;
+          s.block_n = block_n;
+          s.num_warps = warps;
+          s.num_stages = stages;
+          if (!s.validate()) candidates.push_back(s);
+        }
+  return candidates;
+}
+
+namespace {
+size_t backward_workspace_bytes(const BackwardProblem& problem) {
+  return problem.deterministic ? problem.delta_bytes() : problem.dq_accum_offset() + problem.dq_accum_bytes();
+}
+}  // namespace
+
+BackwardLaunch::BackwardLaunch(const FamilyCall& call)
+    : workspace(call.forward().device, call.stream, backward_workspace_bytes(call.backward())),
+      params(call.backward().params) {
+  const BackwardProblem& problem = call.backward();
+  const ForwardProblem& f = problem.forward;
+  params.delta = reinterpret_cast<float*>(workspace.get());
+  params.dq_accum = problem.deterministic ? nullptr : reinterpret_cast<float*>(workspace.get() + problem.dq_accum_offset());
+  const auto batch = static_cast<unsigned>(f.batch);
+  query_rows = {blocks(f.seqlen_q, kBwdRowPassRows), static_cast<unsigned>(f.heads_q), batch};
+  key_tiles = {blocks(f.seqlen_k, call.spec.block_n), static_cast<unsigned>(f.heads_kv), batch};
+  has_queries = f.batch > 0 && f.seqlen_q > 0 && f.heads_q > 0;
+  has_keys = f.batch > 0 && f.seqlen_k > 0 && f.heads_kv > 0;
+}
+
+}  // namespace flashjit::detail

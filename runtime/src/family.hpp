@@ -1,0 +1,114 @@
+// runtime/families: what each kernel family does at run time, behind one interface. A family's
+// module (runtime/src/families/<family>.cpp, beside codegen/src/families/<family>.cpp) says which
+// problems it can run, builds its kernel parameters, grids and workspace, launches its entry points
+// by name, and lists its tuning candidates. Dispatch and the runtime walk the family table
+// (family.cpp) and never name a family.
+#pragma once
+
+#include <optional>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "driver.hpp"
+#include "flashjit/device.hpp"
+#include "module_cache.hpp"
+#include "problem.hpp"
+#include "workspace.hpp"
+
+namespace flashjit::detail {
+
+enum class Pass { forward, backward };
+
+// A problem as the families see it: the forward's part in both passes, and in the backward pass the
+// backward's, where it is known (the tuner and the tools plan a backward from its forward part:
+// then atomic dQ, and dout laid out like out).
+struct PassProblem {
+  Pass pass;
+  const ForwardProblem& forward;
+  const BackwardProblem* backward = nullptr;
+
+  bool deterministic() const { return backward != nullptr && backward->deterministic; }
+  const char* operation() const { return pass == Pass::forward ? "forward" : "backward"; }
+};
+
+struct Grid {
+  unsigned x, y = 1, z = 1;
+};
+inline unsigned blocks(long long extent, int tile) { return static_cast<unsigned>((extent + tile - 1) / tile); }
+
+// One call of a family: its problem, the dispatched spec, the loaded kernel and where it runs.
+struct FamilyCall {
+  const PassProblem& problem;
+  const KernelSpec& spec;
+  const LoadedKernel& kernel;
+  const DeviceProperties& device;
+  CUstream stream;
+
+  const ForwardProblem& forward() const { return problem.forward; }
+  const BackwardProblem& backward() const { return *problem.backward; }
+  const KernelLayout& layout() const { return kernel.layout; }
+
+  // Launches entry `entry` (its codegen name) on the call's stream, with the threads and dynamic
+  // shared memory codegen computed for it.
+  template <class Params>
+  void launch(std::string_view entry, Grid grid, const Params& params) const {
+    Params copy = params;
+    launch_entry(entry, grid, &copy);
+  }
+
+ private:
+  void launch_entry(std::string_view entry, Grid grid, void* params) const;
+};
+
+struct RuntimeFamily {
+  Family family;
+  Pass pass;
+  // The AttentionOptions::backend that asks for this family by name, and whether the automatic
+  // backend considers it (the table's order is the automatic backend's preference).
+  Backend backend;
+  bool automatic;
+  // The family whose tuning entries and kernel head dims a problem is keyed by: the family itself,
+  // or one it shares them with, so that one tuning entry can hold either's spec and the tuner times
+  // both (sm90_bwd shares fa2_bwd's). A family is chosen only for problems whose kernel head dim in
+  // that family is one of its own: no compute is wasted on more padding than the key family's.
+  Family tuning_key;
+  // Why the family cannot run this problem on this arch (the arch, the memory layout, a mode it
+  // lacks), or nothing when it can.
+  std::optional<std::string> (*unusable_reason)(const PassProblem& problem, const Arch& arch);
+  // The specs the tuner times, from `base` (the default spec of the problem's dtype, kernel head
+  // dim, mask and softcap): the legal ones of the family's tile grid.
+  std::vector<KernelSpec> (*tuning_candidates)(const KernelSpec& base);
+  // Builds the parameters, grids and workspace and launches the family's entry sequence.
+  void (*run)(const FamilyCall& call);
+};
+
+// Helpers that several families share.
+
+// Why a family of sm_90a code (wgmma, setmaxnreg) cannot run on `arch`, or nothing on sm_90a.
+std::optional<std::string> hopper_arch_reason(Family family, const Arch& arch);
+
+// One CTA per block_m query rows of each (head, batch): the grid of the non-persistent forwards.
+Grid query_block_grid(const ForwardProblem& problem, int block_m);
+
+// The mma.sync families' tile grid (block_m 32-256, block_n 32-128, 4 or 8 warps, 1-3 stages),
+// what validate() accepts of it.
+std::vector<KernelSpec> mma_sync_tile_candidates(const KernelSpec& base);
+
+// What every backward family's entry sequence shares: the scratch memory (delta and, with atomic
+// dQ, the fp32 dQ accumulator after it), stream-ordered, and the grids of the row passes
+// (preprocess, convert_dq) and of the key tiles. No queries still means dK = dV = 0 to write; no
+// keys, dQ = 0: `has_queries` and `has_keys` say which entries have work.
+struct BackwardLaunch {
+  BackwardLaunch(const FamilyCall& call);
+  StreamWorkspace workspace;
+  AttentionBwdParams params;  // the problem's, with the workspace pointers set
+  Grid query_rows, key_tiles;
+  bool has_queries, has_keys;
+};
+
+// The table, in the automatic backend's order of preference within each pass.
+const std::vector<const RuntimeFamily*>& runtime_families();
+const RuntimeFamily& runtime_family(Family family);
+
+}  // namespace flashjit::detail
