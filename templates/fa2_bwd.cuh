@@ -157,8 +157,14 @@ __device__ void fa2_bwd_dkdv(const AttentionBwdParams& p) {
   const int group = f.num_heads_q / f.num_heads_kv;
 
   // Query steps that can see this key tile.
+  // The step loop's tile test from plain values computed here: through the mask object (or with
+  // these taken from it), the atomic-dQ entry spilled 24 bytes at head dim 128 causal on sm_90a,
+  // where it uses 254 registers.
+  const int diagonal = seq.seqlen_k - seq.seqlen_q;
+  const bool has_right = kMask != MaskKind::kNone && f.window_right >= 0;
+  const bool has_left = kMask == MaskKind::kWindow && f.window_left >= 0;
   const AttentionMask<kMask> mask(f, seq.seqlen_q, seq.seqlen_k);
-  const KeyRange queries = mask.queries_of(n0, kBlockN);
+  const KeyRange queries = mask.queries_of(f, n0, kBlockN);
   const int m_block_min = queries.begin / kBlockM;
   const int m_block_max = queries.end > queries.begin ? (queries.end + kBlockM - 1) / kBlockM : m_block_min;
   const int steps_per_head = m_block_max - m_block_min;
@@ -244,7 +250,9 @@ __device__ void fa2_bwd_dkdv(const AttentionBwdParams& p) {
       warp_gemm_ss<Element, kKeyFrags, kQueryFrags, Shape::kHeadDim / 16, false, false>(
           dp, sV + score_key0 * Shape::kRowStride * 2, Shape::kRowStride, sDo + score_query0 * Shape::kRowStride * 2,
           Shape::kRowStride, lane);
-      const bool needs_mask = mask.cuts(m0, kBlockM, n0, kBlockN);
+      const bool needs_mask = n0 + kBlockN > seq.seqlen_k ||
+                              (has_right && n0 + kBlockN - 1 > m0 + diagonal + f.window_right) ||
+                              (has_left && n0 < m0 + kBlockM - 1 + diagonal - f.window_left);
 #pragma unroll
       for (int ni = 0; ni < kQueryFrags; ++ni) {
         const int query = score_query0 + ni * 8 + (lane % 4) * 2;  // tile-relative, and query + 1
@@ -260,7 +268,7 @@ __device__ void fa2_bwd_dkdv(const AttentionBwdParams& p) {
             float prob[2], ds[2];
 #pragma unroll
             for (int c = 0; c < 2; ++c) {
-              const bool visible = !needs_mask || AttentionMask<kMask>::visible(f, m0 + query + c, n0 + key, seq.seqlen_k, mask.diagonal);
+              const bool visible = !needs_mask || AttentionMask<kMask>::visible(f, m0 + query + c, n0 + key, seq.seqlen_k, diagonal);
               prob[c] = probability_and_ds<Config>(s[mi][ni][2 * h + c], lse_log2[c], dp[mi][ni][2 * h + c],
                                                    deltas[c], visible, scale_log2, softcap_scale, f, ds[c]);
             }
@@ -401,7 +409,7 @@ __device__ void fa2_bwd_dq_kernel(const AttentionBwdParams& p) {
                       kv_head * f.v_head_stride;
 
   const AttentionMask<kMask> mask(f, seq.seqlen_q, seq.seqlen_k);
-  const KeyRange keys = mask.keys_of(m0, kBlockM);
+  const KeyRange keys = mask.keys_of(f, m0, kBlockM);
   const int n_block_min = keys.begin / kBlockN;
   const int n_block_max = keys.end > keys.begin ? (keys.end + kBlockN - 1) / kBlockN : n_block_min;
 
@@ -442,7 +450,7 @@ __device__ void fa2_bwd_dq_kernel(const AttentionBwdParams& p) {
         s, sQ + warp_row0 * Shape::kRowStride * 2, Shape::kRowStride, sK, Shape::kRowStride, lane);
     warp_gemm_ss<Element, 1, kSFrags, Shape::kHeadDim / 16, false, false>(
         dp, sDo + warp_row0 * Shape::kRowStride * 2, Shape::kRowStride, sV, Shape::kRowStride, lane);
-    const bool needs_mask = mask.cuts(m0, kBlockM, n0, kBlockN);
+    const bool needs_mask = mask.cuts(f, m0, kBlockM, n0, kBlockN);
 #pragma unroll
     for (int ni = 0; ni < kSFrags; ++ni)
 #pragma unroll

@@ -142,8 +142,20 @@ __device__ void fa2_fwd_kernel(const AttentionFwdParams& p) {
                       seq.k_start * p.v_row_stride + kv_head * p.v_head_stride;    // (seqlen_k, d)
 
   // Key tiles this query tile can see.
+  // The key range and the tile test from plain values computed here, as AttentionMask's keys_of()
+  // and cuts() compute them: through the object, specs at 255 registers on sm_90a spilled (head dim
+  // 256 causal 48 bytes, 256 window with softcap 52). The element mask is the object's.
   const AttentionMask<kMask> mask(p, seq.seqlen_q, seq.seqlen_k);
-  const KeyRange keys = mask.keys_of(m0, kBlockM);
+  const int diagonal = seq.seqlen_k - seq.seqlen_q;
+  const bool has_right = kMask != MaskKind::kNone && p.window_right >= 0;
+  const bool has_left = kMask == MaskKind::kWindow && p.window_left >= 0;
+  KeyRange keys{0, seq.seqlen_k};
+  if (has_right) keys.end = min(keys.end, m0 + kBlockM - 1 + diagonal + p.window_right + 1);
+  if (has_left) keys.begin = max(0, m0 + diagonal - p.window_left);
+  auto tile_cut = [&](int n0) {
+    return n0 + kBlockN > seq.seqlen_k || (has_right && n0 + kBlockN - 1 > m0 + diagonal + p.window_right) ||
+           (has_left && n0 < m0 + kBlockM - 1 + diagonal - p.window_left);
+  };
   const int n_block_min = keys.begin / kBlockN;
   const int n_block_max = keys.end > keys.begin ? (keys.end + kBlockN - 1) / kBlockN : n_block_min;
   const int num_tiles = n_block_max - n_block_min;
@@ -185,7 +197,7 @@ __device__ void fa2_fwd_kernel(const AttentionFwdParams& p) {
           for (int e = 0; e < 4; ++e) s[mi][ni][e] = p.softcap * tanh_accurate(s[mi][ni][e] * softcap_scale);
     }
     const int n0 = n_block * kBlockN;
-    if (mask.cuts(m0, kBlockM, n0, kBlockN)) mask_tile<Shape, kMask>(s, p, thread_row0, n0, lane, seq.seqlen_k, mask.diagonal);
+    if (tile_cut(n0)) mask.template mask_tile<Shape>(s, p, thread_row0, n0, lane);
     online_softmax<Shape>(st, o, s, scale_log2);
   };
 

@@ -41,7 +41,7 @@ __device__ void reference_fwd_kernel(const AttentionFwdParams& p) {
   for (int d = lane; d < kHeadDim; d += 32) sQ[warp][d] = d < p.head_dim ? to_float(gQ[d]) : 0.f;
   __syncwarp();
 
-  const KeyRange keys = AttentionMask<Config::kMask>(p, seq.seqlen_q, seq.seqlen_k).keys_of(row, 1);
+  const KeyRange keys = AttentionMask<Config::kMask>(p, seq.seqlen_q, seq.seqlen_k).keys_of(p, row, 1);
   float row_max = -positive_infinity();
   float row_sum = 0.f;
   float rO[kDimsPerLane];  // this lane's dims: lane * kDimsPerLane + i

@@ -188,7 +188,7 @@ __device__ void sm90_bwd_dkdv_atomic_dq_kernel(const AttentionSm90BwdParams& par
 
   // Query steps that can see this key tile (the same walk as fa2_bwd's).
   const AttentionMask<kMask> mask(f, seq.seqlen_q, seq.seqlen_k);
-  const KeyRange queries = mask.queries_of(n0, kBlockN);
+  const KeyRange queries = mask.queries_of(f, n0, kBlockN);
   const int m_block_min = queries.begin / kBlockM;
   const int m_block_max = queries.end > queries.begin ? (queries.end + kBlockM - 1) / kBlockM : m_block_min;
   const int steps_per_head = m_block_max - m_block_min;
@@ -342,7 +342,7 @@ __device__ void sm90_bwd_dkdv_atomic_dq_kernel(const AttentionSm90BwdParams& par
     // shared memory for the dQ GEMM, and P^T too where the consumers exchange them.
     unsigned a_p[kBlockM / 16][4], a_ds[kBlockM / 16][4];
     // (Query rows past the sequence: TMA read zeros there, which must not count.)
-    const bool needs_mask = warp_uniform(m0 + kBlockM > seq.seqlen_q || mask.cuts(m0, kBlockM, n0, kBlockN));
+    const bool needs_mask = warp_uniform(m0 + kBlockM > seq.seqlen_q || mask.cuts(f, m0, kBlockM, n0, kBlockN));
     // 32-bit shared addresses: generic pointers would hold two registers each through the loop.
     const unsigned lse = base + Shape::kLseOffset + stage * kBlockM * 4;
     const unsigned delta = base + Shape::kDeltaOffset + stage * kBlockM * 4;

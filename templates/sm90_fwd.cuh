@@ -126,7 +126,7 @@ struct KeyTileRange {
 template <int kBlockM, int kBlockN, MaskKind kMask>
 __device__ __forceinline__ KeyTileRange key_tile_range(const AttentionFwdParams& p, const SequenceExtent& seq,
                                                        int m0, int split, int splits) {
-  const KeyRange keys = AttentionMask<kMask>(p, seq.seqlen_q, seq.seqlen_k).keys_of(m0, kBlockM);
+  const KeyRange keys = AttentionMask<kMask>(p, seq.seqlen_q, seq.seqlen_k).keys_of(p, m0, kBlockM);
   const int n_block_min = keys.begin / kBlockN;
   const KeyTileRange tile{n_block_min, keys.end > keys.begin ? (keys.end + kBlockN - 1) / kBlockN : n_block_min};
   if (split < 0) return tile;
@@ -293,8 +293,8 @@ __device__ void sm90_fwd_kernel(const AttentionSm90FwdParams& params) {
     }
     // Varlen: rows past this sequence hold the next one's keys, not zeros; masking removes them.
     const AttentionMask<kMask> mask(p, seq.seqlen_q, seq.seqlen_k);
-    if (warp_uniform(mask.cuts(m0, kBlockM, n0, kBlockN)))
-      mask_tile<Warp, kMask>(s, p, m0 + warp_row0 + lane / 4, n0, lane, seq.seqlen_k, mask.diagonal);
+    if (warp_uniform(mask.cuts(p, m0, kBlockM, n0, kBlockN)))
+      mask.template mask_tile<Warp>(s, p, m0 + warp_row0 + lane / 4, n0, lane);
     return softmax_scores<Warp, /*kLazyRescale=*/true>(st, s, scale_log2);
   };
   // P as wgmma A fragments: the C layout of two n8 tiles is the A layout of one k16 step.

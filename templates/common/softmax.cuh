@@ -39,23 +39,6 @@ __device__ __forceinline__ float row_logsumexp(const AttentionFwdParams& p, floa
   return sum > 0.f ? max_natural + logf(sum) : positive_infinity();
 }
 
-// The masks of one key tile, element by element. Only called on tiles that straddle an edge.
-template <class Shape, MaskKind kMask>
-__device__ __forceinline__ void mask_tile(float (&s)[Shape::kMFrags][Shape::kSFrags][4],
-                                          const AttentionFwdParams& p, int thread_row0, int n0, int lane,
-                                          int seqlen_k, int diagonal) {
-#pragma unroll
-  for (int mi = 0; mi < Shape::kMFrags; ++mi)
-#pragma unroll
-    for (int ni = 0; ni < Shape::kSFrags; ++ni)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int row = thread_row0 + mi * 16 + (e / 2) * 8;
-        const int col = n0 + ni * 8 + (lane % 4) * 2 + e % 2;
-        if (!AttentionMask<kMask>::visible(p, row, col, seqlen_k, diagonal)) s[mi][ni][e] = -positive_infinity();
-      }
-}
-
 // Online softmax over one tile, in two halves so that a caller can run the first while an
 // asynchronous GEMM still accumulates into O (the Hopper family's intra-warpgroup overlap):
 //   softmax_scores: new running max and sums, S becomes P (fp32); returns the factors O must be
