@@ -46,6 +46,8 @@
 //   Varlen: the maps cover the packed rows as one batch entry; rows past a sequence's end belong
 //   to the next sequence, so its edge tiles are always masked and its rows past the end never
 //   written.
+//   From templates/common/: the Q, K and V rings (pipeline.cuh), the persistent schedule and its
+//   published tiles (tile_scheduler.cuh), the band (mask.cuh), the online softmax (softmax.cuh).
 #pragma once
 
 #include "common/pipeline.cuh"
