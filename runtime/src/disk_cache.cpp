@@ -69,23 +69,71 @@ void fsync_directory(const std::string& path) {
   ::close(fd);
 }
 
-std::optional<std::string> read_file(const std::string& path) {
-  int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-  if (fd < 0) return std::nullopt;
+// Why a path under the cache root may not be trusted (`st` from lstat), or "" when it may: loading
+// a cubin runs its code, so every file and directory must be this user's, writable by no one else,
+// and of the expected type (never a symlink, FIFO or device).
+std::string untrusted_reason(const struct stat& st, bool directory) {
+  if (S_ISLNK(st.st_mode)) return "it is a symbolic link";
+  if (directory ? !S_ISDIR(st.st_mode) : !S_ISREG(st.st_mode))
+    return directory ? "it is not a directory" : "it is not a regular file";
+  if (st.st_uid != ::geteuid()) return fmt::format("it is owned by uid {}, not by this user (uid {})", st.st_uid, ::geteuid());
+  if ((st.st_mode & (S_IWGRP | S_IWOTH)) != 0)
+    return fmt::format("it is writable by group or others (mode {:04o})", st.st_mode & 07777);
+  return "";
+}
+
+// A file's bytes, or the reason it cannot be used: it must be a regular file this user owns, not
+// writable by others, and at most `limit` bytes (a FIFO, /dev/zero or a huge file is refused before
+// anything is read). Symbolic links are not followed.
+struct FileRead {
+  std::optional<std::string> bytes;
+  std::string problem;  // when !bytes; "missing" when it does not exist
+};
+FileRead read_trusted_file(const std::string& path, size_t limit) {
+  const int fd = ::open(path.c_str(), O_RDONLY | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC);
+  if (fd < 0) return {std::nullopt, errno == ENOENT ? "missing" : fmt::format("cannot open it: {}", errno_text(errno))};
+  struct Closer {
+    int fd;
+    ~Closer() { ::close(fd); }
+  } closer{fd};
+  struct stat st {};
+  if (::fstat(fd, &st) != 0) return {std::nullopt, fmt::format("cannot stat it: {}", errno_text(errno))};
+  if (auto reason = untrusted_reason(st, /*directory=*/false); !reason.empty()) return {std::nullopt, reason};
+  if (static_cast<size_t>(st.st_size) > limit)
+    return {std::nullopt, fmt::format("it has {} bytes, over the {} a cache file may have", st.st_size, limit)};
   std::string bytes;
+  bytes.reserve(static_cast<size_t>(st.st_size));
   char buffer[1 << 16];
   for (;;) {
-    ssize_t n = ::read(fd, buffer, sizeof buffer);
-    if (n < 0 && errno == EINTR) continue;
-    if (n < 0) {
-      ::close(fd);
-      return std::nullopt;
-    }
+    const ssize_t n = ::read(fd, buffer, sizeof buffer);
+    if (n < 0 && (errno == EINTR || errno == EAGAIN)) continue;
+    if (n < 0) return {std::nullopt, fmt::format("cannot read it: {}", errno_text(errno))};
     if (n == 0) break;
     bytes.append(buffer, static_cast<size_t>(n));
+    if (bytes.size() > limit) return {std::nullopt, fmt::format("it grew past {} bytes while read", limit)};
   }
-  ::close(fd);
-  return bytes;
+  return {std::move(bytes), ""};
+}
+
+// Size limits per file kind: far above what flashjit writes (a cubin is about 1 MB, meta.json a few
+// KB with the ptxas log), far below what would hurt to read.
+constexpr size_t kMaxCubinBytes = 64u << 20;
+constexpr size_t kMaxMetaBytes = 4u << 20;
+
+// Throws Error(cache_error) naming the path and why, unless it is a directory this user owns that
+// no one else can write (created 0700 when missing).
+void require_private_dir(const std::string& path, const char* role) {
+  if (::mkdir(path.c_str(), 0700) != 0 && errno != EEXIST)
+    throw Error(ErrorCode::cache_error, "cache",
+                fmt::format("cannot create the cache's {} directory {}: {}", role, path, errno_text(errno)));
+  struct stat st {};
+  if (::lstat(path.c_str(), &st) != 0)
+    throw Error(ErrorCode::cache_error, "cache",
+                fmt::format("cannot use the cache's {} directory {}: {}", role, path, errno_text(errno)));
+  if (auto reason = untrusted_reason(st, /*directory=*/true); !reason.empty())
+    throw Error(ErrorCode::cache_error, "cache",
+                fmt::format("the cache's {} directory {} cannot be used: {} (remove it, or set FLASHJIT_CACHE_DIR)",
+                            role, path, reason));
 }
 
 void make_private_dir(const std::string& path) {
@@ -162,6 +210,9 @@ EntryStats entry_stats_from_json(const json& j) {
   return e;
 }
 
+// The cubin's checksum bound to its key: a cubin copied in from another entry does not verify.
+std::string cubin_checksum(const std::string& key, const std::string& cubin) { return hash_hex(key + "\n" + cubin); }
+
 uint64_t unique_suffix() {
   static std::atomic<uint64_t> counter{0};
   return counter++;
@@ -209,9 +260,12 @@ std::string DiskCache::arch_dir(const Arch& arch) {
   static std::mutex mutex;
   static std::set<std::string> prepared;
   std::lock_guard<std::mutex> lock(mutex);
-  if (prepared.insert(dir).second) {
-    make_private_dir(dir);
-    for (const char* service : {"/.staging", "/.locks", "/.quarantine"}) make_private_dir(dir + service);
+  if (prepared.count(dir) == 0) {
+    require_private_dir(dir, "arch");
+    require_private_dir(dir + "/.staging", "staging");
+    require_private_dir(dir + "/.locks", "lock");
+    require_private_dir(dir + "/.quarantine", "quarantine");
+    prepared.insert(dir);
     // Leftovers of processes killed while writing, and old quarantined entries.
     remove_older_than(dir + "/.staging", kStaleStagingAge);
     remove_older_than(dir + "/.quarantine", kQuarantineKeepAge);
@@ -225,41 +279,54 @@ std::string DiskCache::entry_path(const DiskKey& key) const {
 
 std::optional<CompiledKernel> DiskCache::load(const DiskKey& key, const KernelSpec& spec) {
   const std::string dir = entry_path(key);
-  auto meta_text = read_file(dir + "/meta.json");
-  if (!meta_text) {
-    std::error_code ec;
-    if (fs::exists(dir, ec)) quarantine(key, "meta.json is missing or unreadable");
-    return std::nullopt;
-  }
-  std::string problem;
+  struct stat st {};
+  if (::lstat(dir.c_str(), &st) != 0) return std::nullopt;  // not cached (or a racing quarantine)
+  std::string problem = untrusted_reason(st, /*directory=*/true);
   CompiledKernel kernel;
-  try {
-    const json meta = json::parse(*meta_text);
-    auto cubin = read_file(dir + "/kernel.cubin");
-    if (meta.at("format").get<int>() != kFormatVersion) {
-      problem = "it was written by another cache format";
-    } else if (meta.at("key").get<std::string>() != key.key) {
-      problem = "its key does not match its name";
-    } else if (!cubin) {
-      problem = "kernel.cubin is missing or unreadable";
-    } else if (cubin->size() != meta.at("cubin_bytes").get<size_t>()) {
-      problem = fmt::format("kernel.cubin has {} bytes, meta.json says {}", cubin->size(),
-                            meta.at("cubin_bytes").get<size_t>());
-    } else if (hash_hex(*cubin) != meta.at("cubin_hash").get<std::string>()) {
-      problem = "kernel.cubin does not match its checksum";
-    } else {
-      kernel.spec = spec;
-      kernel.cache_key = key.key;
-      kernel.cubin = std::move(*cubin);
-      for (const auto& e : meta.at("entries")) kernel.entries.push_back(entry_stats_from_json(e));
-      kernel.entry_names = meta.at("entry_names").get<std::vector<std::string>>();
-      kernel.compile_ms = meta.at("compile_ms").get<double>();
-      kernel.log = meta.at("log").get<std::string>();
-      kernel.from_disk = true;
-      kernel.disk_entry = dir;
+  if (problem.empty()) {
+    try {
+      const FileRead meta_file = read_trusted_file(dir + "/meta.json", kMaxMetaBytes);
+      const FileRead cubin_file = meta_file.bytes ? read_trusted_file(dir + "/kernel.cubin", kMaxCubinBytes) : FileRead{};
+      if (!meta_file.bytes) {
+        problem = fmt::format("meta.json: {}", meta_file.problem);
+      } else if (!cubin_file.bytes) {
+        problem = fmt::format("kernel.cubin: {}", cubin_file.problem);
+      } else {
+        const json meta = json::parse(*meta_file.bytes);
+        const std::string& cubin = *cubin_file.bytes;
+        std::vector<std::string> symbols;
+        for (const KernelEntry& e : kernel_layout(spec).entries) symbols.push_back(e.symbol);
+        if (meta.at("format").get<int>() != kFormatVersion) {
+          problem = "it was written by another cache format";
+        } else if (meta.at("key").get<std::string>() != key.key) {
+          problem = "its key does not match its name";
+        } else if (KernelSpec::from_json(meta.at("spec")) != spec) {
+          problem = fmt::format("its spec is {}, not the {} its name claims", KernelSpec::from_json(meta.at("spec")).name(),
+                                spec.name());
+        } else if (meta.at("template_hash").get<std::string>() != template_bundle().hash) {
+          problem = "it was compiled from other templates";
+        } else if (meta.at("entry_names").get<std::vector<std::string>>() != symbols) {
+          problem = fmt::format("its entries are not {}'s", spec.name());
+        } else if (cubin.size() != meta.at("cubin_bytes").get<size_t>()) {
+          problem = fmt::format("kernel.cubin has {} bytes, meta.json says {}", cubin.size(),
+                                meta.at("cubin_bytes").get<size_t>());
+        } else if (cubin_checksum(key.key, cubin) != meta.at("cubin_hash").get<std::string>()) {
+          problem = "kernel.cubin does not match its checksum";
+        } else {
+          kernel.spec = spec;
+          kernel.cache_key = key.key;
+          kernel.cubin = cubin;
+          for (const auto& e : meta.at("entries")) kernel.entries.push_back(entry_stats_from_json(e));
+          kernel.entry_names = std::move(symbols);
+          kernel.compile_ms = meta.at("compile_ms").get<double>();
+          kernel.log = meta.at("log").get<std::string>();
+          kernel.from_disk = true;
+          kernel.disk_entry = dir;
+        }
+      }
+    } catch (const std::exception& e) {  // malformed JSON, a missing field, bad_alloc
+      problem = fmt::format("meta.json is damaged ({})", e.what());
     }
-  } catch (const std::exception& e) {
-    problem = fmt::format("meta.json is damaged ({})", e.what());
   }
   if (!problem.empty()) {
     quarantine(key, problem);
@@ -281,11 +348,26 @@ void DiskCache::quarantine(const DiskKey& key, const std::string& reason) {
   // ENOENT: another process moved it first.
 }
 
-void DiskCache::publish(const DiskKey& key, const CompiledKernel& kernel,
+bool DiskCache::publish(const DiskKey& key, const CompiledKernel& kernel,
                         const std::string& source_text) {
   const std::string dir = arch_dir(key.arch);
-  const std::string staging = fmt::format("{}/.staging/{}.{}.{}", dir, key.entry_name(), ::getpid(),
-                                          unique_suffix());
+  // A fresh staging directory of this process's: the time makes a name left by a killed process
+  // of the same PID differ, and mkdir must create it (never reuse what is there).
+  std::string staging;
+  for (int attempt = 0; attempt < 4 && staging.empty(); ++attempt) {
+    const std::string name = fmt::format("{}/.staging/{}.{}.{}.{}", dir, key.entry_name(), ::getpid(),
+                                         std::chrono::steady_clock::now().time_since_epoch().count(), unique_suffix());
+    if (::mkdir(name.c_str(), 0700) == 0) staging = name;
+    else if (errno != EEXIST) {
+      warn(fmt::format("could not write cache entry for {}: cannot create {}: {}", key.spec_name, name,
+                       errno_text(errno)));
+      return false;
+    }
+  }
+  if (staging.empty()) {
+    warn(fmt::format("could not write cache entry for {}: no fresh staging directory", key.spec_name));
+    return false;
+  }
   json meta{{"format", kFormatVersion},
             {"key", key.key},
             {"spec_name", key.spec_name},
@@ -294,7 +376,7 @@ void DiskCache::publish(const DiskKey& key, const CompiledKernel& kernel,
             {"nvrtc_version", nvrtc_version()},
             {"template_hash", std::string(template_bundle().hash)},
             {"cubin_bytes", kernel.cubin.size()},
-            {"cubin_hash", hash_hex(kernel.cubin)},
+            {"cubin_hash", cubin_checksum(key.key, kernel.cubin)},
             {"compile_ms", kernel.compile_ms},
             {"entry_names", kernel.entry_names},
             {"entries", json::array()},
@@ -304,7 +386,6 @@ void DiskCache::publish(const DiskKey& key, const CompiledKernel& kernel,
                                  .count()}};
   for (const auto& e : kernel.entries) meta["entries"].push_back(entry_stats_to_json(e));
 
-  make_private_dir(staging);
   try {
     write_file_durably(staging + "/kernel.cubin", kernel.cubin);
     write_file_durably(staging + "/kernel.cu", source_text);
@@ -314,16 +395,20 @@ void DiskCache::publish(const DiskKey& key, const CompiledKernel& kernel,
     std::error_code ec;
     fs::remove_all(staging, ec);
     warn(fmt::format("could not write cache entry for {}: {}", key.spec_name, e.message()));
-    return;
+    return false;
   }
   if (::rename(staging.c_str(), entry_path(key).c_str()) != 0) {
-    // EEXIST / ENOTEMPTY: another process (one that stopped waiting for the lock) got there first;
-    // its entry holds the same bytes.
+    const int error = errno;
     std::error_code ec;
     fs::remove_all(staging, ec);
-    return;
+    // EEXIST / ENOTEMPTY: another process (one that stopped waiting for the lock) got there first;
+    // its entry holds the same bytes.
+    if (error == EEXIST || error == ENOTEMPTY) return true;
+    warn(fmt::format("could not publish cache entry {}: {}", entry_path(key), errno_text(error)));
+    return false;
   }
   fsync_directory(dir);
+  return true;
 }
 
 CompiledKernel DiskCache::load_or_compile(const DiskKey& key, const KernelSpec& spec,
@@ -334,8 +419,7 @@ CompiledKernel DiskCache::load_or_compile(const DiskKey& key, const KernelSpec& 
   KeyLock lock(dir + "/.locks/" + key.entry_name() + ".lock", lock_timeout_ms_);
   if (auto hit = load(key, spec)) return std::move(*hit);  // compiled while we waited
   CompiledKernel kernel = compile();
-  publish(key, kernel, source_text);
-  kernel.disk_entry = entry_path(key);
+  if (publish(key, kernel, source_text)) kernel.disk_entry = entry_path(key);  // else compiled, not cached
   return kernel;
 }
 

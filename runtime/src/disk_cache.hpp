@@ -27,7 +27,7 @@ struct DiskKey {
 
 class DiskCache {
  public:
-  static constexpr int kFormatVersion = 1;
+  static constexpr int kFormatVersion = 2;  // 2: the cubin checksum covers the key
 
   // Creates root (0700) if missing; throws Error(cache_error) if it is not a directory, not owned
   // by this user, writable by group or others, or not writable.
@@ -48,7 +48,8 @@ class DiskCache {
 
  private:
   std::string arch_dir(const Arch& arch);  // creates it and its service dirs on first use
-  void publish(const DiskKey& key, const CompiledKernel& kernel, const std::string& source_text);
+  // Whether the entry is on disk afterwards (written, or another process's is there); warns when not.
+  bool publish(const DiskKey& key, const CompiledKernel& kernel, const std::string& source_text);
   void quarantine(const DiskKey& key, const std::string& reason);
 
   std::string root_;

@@ -152,6 +152,29 @@ TEST_CASE("damaged entries are detected, quarantined and rebuilt", "[cache]") {
       {"missing cubin", [](const fs::path& e) { fs::remove(e / "kernel.cubin"); }},
       {"garbage meta.json", [](const fs::path& e) { std::ofstream(e / "meta.json") << "{\"format\": 1, \"ke"; }},
       {"missing meta.json", [](const fs::path& e) { fs::remove(e / "meta.json"); }},
+      {"meta.json a symlink to /dev/zero (an unbounded read)",
+       [](const fs::path& e) {
+         fs::remove(e / "meta.json");
+         fs::create_symlink("/dev/zero", e / "meta.json");
+       }},
+      {"kernel.cubin a symlink to /dev/zero",
+       [](const fs::path& e) {
+         fs::remove(e / "kernel.cubin");
+         fs::create_symlink("/dev/zero", e / "kernel.cubin");
+       }},
+      {"meta.json a FIFO (a read that would block)",
+       [](const fs::path& e) {
+         fs::remove(e / "meta.json");
+         REQUIRE(::mkfifo((e / "meta.json").c_str(), 0600) == 0);
+       }},
+      {"meta.json a directory", [](const fs::path& e) {
+         fs::remove(e / "meta.json");
+         fs::create_directory(e / "meta.json");
+       }},
+      {"kernel.cubin writable by others",
+       [](const fs::path& e) { fs::permissions(e / "kernel.cubin", fs::perms::others_write, fs::perm_options::add); }},
+      {"the entry directory writable by group",
+       [](const fs::path& e) { fs::permissions(e, fs::perms::group_write, fs::perm_options::add); }},
       {"meta.json of another key",
        [](const fs::path& e) {
          json meta = json::parse(slurp(e / "meta.json"));
@@ -181,6 +204,80 @@ TEST_CASE("damaged entries are detected, quarantined and rebuilt", "[cache]") {
     KernelCache after(on_disk(dir.path()));  // the rebuilt entry verifies
     CHECK(after.get(small_spec())->from_disk);
     CHECK(after.stats().quarantined == 0);
+  }
+}
+
+TEST_CASE("planted entries are never served: another spec's cubin, a symlinked entry", "[cache]") {
+  const KernelSpec spec = small_spec();
+  const KernelSpec other = default_spec(Family::reference_fwd, Arch::parse("sm_80"), DType::bf16, 128);
+  auto entry_of = [](const std::string& root, const KernelSpec& s) {
+    for (const auto& e : entries_of(root))
+      if (e.filename().string().rfind(s.name() + "-", 0) == 0) return e;
+    return fs::path();
+  };
+  TempDir dir;
+  std::string good_cubin;
+  {
+    KernelCache cache(on_disk(dir.path()));
+    good_cubin = cache.get(spec)->cubin;
+    cache.get(other);
+  }
+  const fs::path mine = entry_of(dir.path(), spec), theirs = entry_of(dir.path(), other);
+  REQUIRE_FALSE(mine.empty());
+  REQUIRE_FALSE(theirs.empty());
+  const std::string my_key = json::parse(slurp(mine / "meta.json"))["key"];
+
+  SECTION("another spec's cubin and meta.json, its key edited to match the name") {
+    fs::copy_file(theirs / "kernel.cubin", mine / "kernel.cubin", fs::copy_options::overwrite_existing);
+    json meta = json::parse(slurp(theirs / "meta.json"));
+    meta["key"] = my_key;
+    std::ofstream(mine / "meta.json") << meta.dump();
+  }
+  SECTION("another spec's cubin with this entry's meta.json (its checksum edited to match)") {
+    json meta = json::parse(slurp(mine / "meta.json"));
+    const json their_meta = json::parse(slurp(theirs / "meta.json"));
+    fs::copy_file(theirs / "kernel.cubin", mine / "kernel.cubin", fs::copy_options::overwrite_existing);
+    meta["cubin_hash"] = their_meta["cubin_hash"];
+    meta["cubin_bytes"] = their_meta["cubin_bytes"];
+    std::ofstream(mine / "meta.json") << meta.dump();
+  }
+  SECTION("the entry replaced by a symlink to a copy outside the cache") {
+    TempDir outside;
+    fs::copy(mine, outside.path() + "/entry", fs::copy_options::recursive);
+    fs::remove_all(mine);
+    fs::create_directory_symlink(outside.path() + "/entry", mine);
+  }
+  KernelCache reader(on_disk(dir.path()));
+  auto kernel = reader.get(spec);
+  CHECK_FALSE(kernel->from_disk);
+  CHECK(kernel->cubin == good_cubin);
+  CHECK(reader.stats().quarantined == 1);
+}
+
+TEST_CASE("the cache's arch, staging, lock and quarantine directories must be private directories", "[cache]") {
+  const std::pair<const char*, const char*> cases[] = {
+      {"sm_80", "arch directory"}, {"sm_80/.staging", "staging directory"}, {"sm_80/.locks", "lock directory"},
+      {"sm_80/.quarantine", "quarantine directory"}};
+  for (const auto& [path, named] : cases) {
+    for (const char* damage : {"a file", "writable by others", "a symlink"}) {
+      INFO(path << " as " << damage);
+      TempDir dir;
+      fs::create_directories(dir.path() + "/sm_80");
+      fs::permissions(dir.path() + "/sm_80", fs::perms::owner_all, fs::perm_options::replace);
+      const std::string target = dir.path() + "/" + path;
+      fs::remove_all(target);
+      if (std::string(damage) == "a file") {
+        std::ofstream(target) << "x";
+      } else if (std::string(damage) == "a symlink") {
+        TempDir elsewhere;
+        fs::create_directory_symlink(elsewhere.path(), target);
+      } else {
+        fs::create_directory(target);
+        fs::permissions(target, fs::perms::all, fs::perm_options::replace);
+      }
+      KernelCache cache(on_disk(dir.path()));
+      CHECK_THROWS_WITH(cache.get(small_spec()), Catch::Contains(named) && Catch::Contains(target));
+    }
   }
 }
 
