@@ -112,23 +112,34 @@ int run(const Options& o) {
   if (o.check && o.backward)
     throw Error(ErrorCode::invalid_argument, "--check",
                 "checks forward rows against the reference kernel; the backward is checked by the GPU tests");
-  const DeviceProperties& device = device_properties(o.device);
-  detail::make_context_current(o.device);
-  const double peak = o.peak_tflops > 0 ? o.peak_tflops : measured_peak_tflops(device.name);
-  Runtime& runtime = Runtime::global();
-  if (!o.tuning_db.empty()) runtime.load_tuning_db(o.tuning_db);
-
-  std::vector<Row> rows;
+  // Every argument is checked before the driver is loaded: the rows, and the tuning database.
+  std::vector<std::tuple<int, int, bool>> grid;  // (head dim, seqlen, causal)
   for (int d : o.head_dims)
     for (int s : o.seqlens)
       for (const auto& c : o.causal) {
         if (c != "on" && c != "off")
           throw Error(ErrorCode::invalid_argument, "--causal", fmt::format("'{}' is not on or off", c));
-        if (o.tokens % s != 0 || o.hidden % d != 0)
+        if (s < 1 || d < 1 || o.tokens % s != 0 || o.hidden % d != 0)
           throw Error(ErrorCode::invalid_argument, "--seqlens",
                       fmt::format("seqlen {} must divide --tokens {} and head dim {} --hidden {}", s, o.tokens, d, o.hidden));
-        rows.push_back(Row{d, s, o.tokens / s, o.hidden / d, c == "on"});
+        grid.emplace_back(d, s, c == "on");
       }
+  std::optional<TuningDb> tuning_db;
+  if (!o.tuning_db.empty()) {
+    try {
+      tuning_db = TuningDb::load(o.tuning_db);
+    } catch (const Error& e) {
+      throw Error(ErrorCode::invalid_argument, "--tuning-db", e.message());
+    }
+  }
+  const DeviceProperties& device = device_properties(o.device);
+  detail::make_context_current(o.device);
+  const double peak = o.peak_tflops > 0 ? o.peak_tflops : measured_peak_tflops(device.name);
+  Runtime& runtime = Runtime::global();
+  if (tuning_db) runtime.tuning().set_user_db(std::move(*tuning_db), o.tuning_db);
+
+  std::vector<Row> rows;
+  for (const auto& [d, s, causal] : grid) rows.push_back(Row{d, s, o.tokens / s, o.hidden / d, causal});
 
   if (!o.json_output)
     fmt::print("{} on {} (sm_{}{}, {} SMs), {} tokens x {} hidden, {}\n", kTool, device.name, device.cc_major,

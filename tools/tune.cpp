@@ -116,10 +116,26 @@ std::vector<TuneShape> read_shapes_file(const std::string& path, const Options& 
 std::vector<TuneShape> gather_shapes(const Options& o) {
   std::vector<TuneShape> shapes;
   for (const auto& text : o.shapes) {
+    // Six integers from 1 to 2^30, as a shapes file takes them (read as 64-bit: a larger value is
+    // refused, never wrapped).
     int v[6];
-    char tail;
-    if (std::sscanf(text.c_str(), "%d,%d,%d,%d,%d,%d%c", &v[0], &v[1], &v[2], &v[3], &v[4], &v[5], &tail) != 6)
-      throw usage("--shape", fmt::format("'{}' is not B,SQ,SK,HQ,HKV,D (six positive integers)", text));
+    std::stringstream fields(text);
+    std::string field;
+    int n = 0;
+    bool valid = true;
+    while (valid && std::getline(fields, field, ',')) {
+      size_t used = 0;
+      long long value = 0;
+      try {
+        value = std::stoll(field, &used);
+      } catch (const std::exception&) {
+        used = 0;
+      }
+      valid = n < 6 && used == field.size() && !field.empty() && value >= 1 && value <= (1 << 30);
+      if (valid) v[n++] = static_cast<int>(value);
+    }
+    if (!valid || n != 6 || text.empty() || text.back() == ',')
+      throw usage("--shape", fmt::format("'{}' is not B,SQ,SK,HQ,HKV,D (six integers from 1 to 2^30)", text));
     for (const auto& s : expand(v[0], v[1], v[2], v[3], v[4], v[5], o)) shapes.push_back(s);
   }
   if (!o.shapes_file.empty())
@@ -173,7 +189,7 @@ void check_output(const std::string& path) {
 }
 
 int dry_run(const Options& o, const std::vector<TuneShape>& shapes) {
-  const Arch arch = Arch::parse(o.arch.empty() ? "sm_90a" : o.arch);
+  const Arch arch = cli::parse_arch(o.arch.empty() ? "sm_90a" : o.arch);
   if (!nvrtc_supports(arch))
     throw usage("--arch", fmt::format("NVRTC {} cannot compile for {}", nvrtc_version(), arch.name()));
   json report = json::array();

@@ -83,7 +83,12 @@ std::vector<KernelSpec> gather_specs(const Options& o) {
   if (!o.tuning_db.empty()) {
     // Every winner and runner-up of the database: what dispatch may pick, and what a re-tune
     // would try first. Retargeted to --arch when given, else compiled for their recorded arch.
-    const TuningDb db = TuningDb::load(o.tuning_db);
+    TuningDb db;
+    try {
+      db = TuningDb::load(o.tuning_db);
+    } catch (const Error& e) {  // an input that cannot be used: nothing was done (exit 2)
+      throw Error(ErrorCode::invalid_argument, "--tuning-db", e.message());
+    }
     for (const TunedEntry& e : db.entries()) {
       std::vector<KernelSpec> from_entry{e.spec};
       for (const auto& [spec, ms] : e.runner_ups) from_entry.push_back(spec);
@@ -176,10 +181,17 @@ int run(const Options& o) {
             out.registers = std::max(out.registers, e.registers);
             out.spill_bytes += e.spill_store_bytes + e.spill_load_bytes;
           }
+          if (out.status == "compiled" && kernel->disk_entry.empty()) {
+            out.status = "uncached";  // compiled, but the entry could not be written (the warning says why)
+            out.message = "compiled, but not cached: the cache entry could not be written";
+          }
         }
       } catch (const Error& e) {
         out.status = "failed";
         out.message = e.message();
+      } catch (const std::exception& e) {  // out of memory, say: one spec fails, not the process
+        out.status = "failed";
+        out.message = e.what();
       }
       if (progress) {
         std::lock_guard<std::mutex> lock(print_mutex);
@@ -196,12 +208,19 @@ int run(const Options& o) {
   };
   const int jobs = o.jobs > 0 ? o.jobs : std::max(1u, std::thread::hardware_concurrency());
   std::vector<std::thread> pool;
-  for (int t = 0; t < jobs; ++t) pool.emplace_back(work);
+  for (int t = 0; t < jobs; ++t) {
+    try {
+      pool.emplace_back(work);
+    } catch (const std::system_error&) {  // the system gave no more threads: the started ones do the work
+      if (pool.empty()) throw;
+      break;
+    }
+  }
   for (auto& t : pool) t.join();
 
   std::map<std::string, int> counts;
   for (const auto& out : outcomes) ++counts[out.status];
-  const bool failed = counts["failed"] + counts["missing"] + counts["damaged"] > 0;
+  const bool failed = counts["failed"] + counts["uncached"] + counts["missing"] + counts["damaged"] > 0;
   if (o.json_output) {
     json j{{"cache_dir", config.directory}, {"counts", counts}, {"kernels", json::array()}};
     for (const auto& out : outcomes) {
@@ -225,8 +244,9 @@ int run(const Options& o) {
     fmt::print("{}: {} ok, {} missing, {} damaged in {}\n", kTool, counts["ok"], counts["missing"],
                counts["damaged"], config.directory);
   } else {
-    fmt::print("{}: {} compiled, {} already cached, {} failed in {}\n", kTool, counts["compiled"],
-               counts["cached"], counts["failed"], config.directory);
+    fmt::print("{}: {} compiled, {} already cached, {} failed in {}{}\n", kTool, counts["compiled"],
+               counts["cached"], counts["failed"], config.directory,
+               counts["uncached"] ? fmt::format(" ({} compiled but not cached)", counts["uncached"]) : "");
   }
   return failed ? cli::kExitFailed : cli::kExitOk;
 }
@@ -247,14 +267,14 @@ int main(int argc, char** argv) {
       "\nExit status: 0 all good, 1 a compile or check failed, 2 bad arguments or input.");
   app.add_option("--arch", o.archs, "Target arch, repeatable (sm_80, sm_86, sm_89, sm_90a, ...)");
   app.add_option("--preset", o.preset, "Named spec set: 'default' = dispatch's heuristic choices and the bundled tuning database's picks");
-  app.add_option("--head-dims", o.head_dims, "Head dims for the preset")->delimiter(',');
+  app.add_option("--head-dims", o.head_dims, "Head dims for the preset")->delimiter(',')->check(cli::kHeadDimCheck);
   app.add_option("--dtypes", o.dtypes, "Dtypes for the preset (bf16, fp16)")->delimiter(',');
   app.add_option("--masks", o.masks, "Mask kinds for the preset (none, causal, window)")->delimiter(',');
   app.add_option("--passes", o.passes, "Passes for the preset (fwd, bwd)")->delimiter(',');
   app.add_option("--specs", o.specs_file, "JSON file: an array of kernel specs");
   app.add_option("--tuning-db", o.tuning_db, "Tuning database (flashjit-tune): its winners and runner-ups");
   app.add_option("--cache-dir", o.cache_dir, "Cache directory (default: FLASHJIT_CACHE_DIR or ~/.cache/flashjit)");
-  app.add_option("-j,--jobs", o.jobs, "Parallel compiles (default: one per core)");
+  app.add_option("-j,--jobs", o.jobs, "Parallel compiles, 1 to 1024 (default: one per core)")->check(cli::kJobsRange);
   app.add_flag("--check", o.check, "Verify that every spec is in the cache; compile nothing");
   app.add_flag("--json", o.json_output, "Print a JSON report instead of progress lines");
   return cli::run_tool(kTool, app, argc, argv, [&] {

@@ -431,3 +431,40 @@ TEST_CASE("the tuner keeps the heuristic's spec unless a finalist beats it by th
   const Ranking ranked = detail::rank_against_heuristic({{1.000, 7}, {0.995, 3}, {0.999, 4}, {1.2, 5}}, 7, 0.01);
   CHECK(ranked == Ranking{{1.000, 7}, {0.995, 3}, {0.999, 4}, {1.2, 5}});
 }
+
+TEST_CASE("the tools check every argument before any work: exit 2, naming the flag", "[tuning]") {
+  const test::TempDir dir;
+  const std::string cache = dir / "cache";
+  struct Case {
+    std::vector<std::string> args;
+    const char* named;
+  };
+  const Case cases[] = {
+      {{FLASHJIT_TUNE_TOOL, "--shape", "99999999999,64,64,4,4,64", "--dry-run"}, "--shape"},
+      {{FLASHJIT_TUNE_TOOL, "--shape", "2,64,64,4,4,64,", "--dry-run"}, "--shape"},
+      {{FLASHJIT_TUNE_TOOL, "--shape", "2,64,64,4,4,64", "--dry-run", "--arch", "sm_75"}, "sm_80 or newer"},
+      {{FLASHJIT_TUNE_TOOL, "--shape", "2,64,64,4,4,64", "--dry-run", "--arch", "sm_80a"}, "arch-specific"},
+      {{FLASHJIT_WARM_TOOL, "--arch", "sm_80", "--cache-dir", cache, "-j", "0"}, "--jobs"},
+      {{FLASHJIT_WARM_TOOL, "--arch", "sm_80", "--cache-dir", cache, "-j", "-1"}, "--jobs"},
+      {{FLASHJIT_WARM_TOOL, "--arch", "sm_80", "--cache-dir", cache, "-j", "100000"}, "--jobs"},
+      {{FLASHJIT_WARM_TOOL, "--arch", "sm_80", "--cache-dir", cache, "--head-dims", "7"}, "head dim 7"},
+      {{FLASHJIT_WARM_TOOL, "--arch", "sm_80", "--cache-dir", cache, "--head-dims", "0"}, "head dim 0"},
+      {{FLASHJIT_WARM_TOOL, "--arch", "sm_80", "--cache-dir", cache, "--head-dims", "-64"}, "head dim -64"},
+      {{FLASHJIT_WARM_TOOL, "--arch", "sm_80", "--cache-dir", cache, "--head-dims", "1000"}, "head dim 1000"},
+      {{FLASHJIT_WARM_TOOL, "--arch", "sm_75", "--cache-dir", cache}, "sm_80 or newer"},
+      {{FLASHJIT_WARM_TOOL, "--tuning-db", dir / "missing.json", "--cache-dir", cache}, "--tuning-db"},
+      {{FLASHJIT_BENCH_TOOL, "--seqlens", "3000"}, "--seqlens"},
+      {{FLASHJIT_BENCH_TOOL, "--causal", "sometimes"}, "--causal"},
+      {{FLASHJIT_BENCH_TOOL, "--tuning-db", dir / "missing.json"}, "--tuning-db"},
+  };
+  for (const Case& c : cases) {
+    std::string command;
+    for (const auto& a : c.args) command += "'" + a + "' ";
+    INFO(command);
+    const Tool t = run_tool({"/bin/sh", "-c", command + "2>&1"});  // the message goes to stderr
+    INFO(t.output);
+    CHECK(t.status == 2);
+    CHECK_THAT(t.output, Catch::Contains(c.named));
+  }
+  CHECK_FALSE(std::filesystem::exists(cache + "/sm_80"));  // nothing was compiled
+}
