@@ -1,5 +1,12 @@
 #include "compiler.hpp"
 
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+
 #include <nvrtc.h>
 
 #include <algorithm>
@@ -75,17 +82,39 @@ class Program {
 
 int to_int(const std::string& text) { return std::stoi(text); }
 
+// One dump file, 0600, replacing what is there: an existing name is unlinked first (a symlink
+// planted there is removed, its target untouched) and the file created with O_EXCL | O_NOFOLLOW.
+void write_dump_file(const std::string& path, std::string_view text) {
+  ::unlink(path.c_str());
+  const int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0600);
+  if (fd < 0)
+    throw Error(ErrorCode::io_error, "FLASHJIT_DUMP_DIR", fmt::format("cannot create {}: {}", path, std::strerror(errno)));
+  size_t written = 0;
+  while (written < text.size()) {
+    const ssize_t n = ::write(fd, text.data() + written, text.size() - written);
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) break;
+    written += static_cast<size_t>(n);
+  }
+  ::close(fd);
+  if (written != text.size())
+    throw Error(ErrorCode::io_error, "FLASHJIT_DUMP_DIR", fmt::format("cannot write {}", path));
+}
+
 void dump(const Source& source, const Arch& arch, const std::string& log, const Program& program) {
   const auto& dir = environment().dump_dir;
   if (!dir) return;
+  struct stat st {};
+  if (::stat(dir->c_str(), &st) != 0 || !S_ISDIR(st.st_mode))
+    throw Error(ErrorCode::invalid_argument, "FLASHJIT_DUMP_DIR",
+                fmt::format("{} is not a directory (create it, or unset FLASHJIT_DUMP_DIR)", *dir));
   const std::string base = fmt::format("{}/{}", *dir, source.spec_name);
-  std::ofstream(base + ".cu") << source.text;
-  std::ofstream(base + ".log") << log;
+  write_dump_file(base + ".cu", source.text);
+  write_dump_file(base + ".log", log);
   size_t ptx_size = 0;
   if (nvrtcGetPTXSize(program.get(), &ptx_size) == NVRTC_SUCCESS && ptx_size > 1) {
     std::string ptx(ptx_size, '\0');
-    if (nvrtcGetPTX(program.get(), ptx.data()) == NVRTC_SUCCESS)
-      std::ofstream(base + "." + arch.name() + ".ptx") << ptx.c_str();
+    if (nvrtcGetPTX(program.get(), ptx.data()) == NVRTC_SUCCESS) write_dump_file(base + "." + arch.name() + ".ptx", ptx.c_str());
   }
 }
 

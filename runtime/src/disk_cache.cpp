@@ -17,6 +17,7 @@
 #include <nlohmann/json.hpp>
 
 #include "env.hpp"
+#include "files.hpp"
 #include "flashjit/codegen/render.hpp"
 #include "flashjit/error.hpp"
 #include "hashing.hpp"
@@ -82,37 +83,17 @@ std::string untrusted_reason(const struct stat& st, bool directory) {
   return "";
 }
 
-// A file's bytes, or the reason it cannot be used: it must be a regular file this user owns, not
-// writable by others, and at most `limit` bytes (a FIFO, /dev/zero or a huge file is refused before
-// anything is read). Symbolic links are not followed.
-struct FileRead {
-  std::optional<std::string> bytes;
-  std::string problem;  // when !bytes; "missing" when it does not exist
-};
+// A cache file's bytes, or the reason it cannot be used: also this user's and writable by no one
+// else (symbolic links are not followed).
 FileRead read_trusted_file(const std::string& path, size_t limit) {
-  const int fd = ::open(path.c_str(), O_RDONLY | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC);
-  if (fd < 0) return {std::nullopt, errno == ENOENT ? "missing" : fmt::format("cannot open it: {}", errno_text(errno))};
-  struct Closer {
-    int fd;
-    ~Closer() { ::close(fd); }
-  } closer{fd};
-  struct stat st {};
-  if (::fstat(fd, &st) != 0) return {std::nullopt, fmt::format("cannot stat it: {}", errno_text(errno))};
-  if (auto reason = untrusted_reason(st, /*directory=*/false); !reason.empty()) return {std::nullopt, reason};
-  if (static_cast<size_t>(st.st_size) > limit)
-    return {std::nullopt, fmt::format("it has {} bytes, over the {} a cache file may have", st.st_size, limit)};
-  std::string bytes;
-  bytes.reserve(static_cast<size_t>(st.st_size));
-  char buffer[1 << 16];
-  for (;;) {
-    const ssize_t n = ::read(fd, buffer, sizeof buffer);
-    if (n < 0 && (errno == EINTR || errno == EAGAIN)) continue;
-    if (n < 0) return {std::nullopt, fmt::format("cannot read it: {}", errno_text(errno))};
-    if (n == 0) break;
-    bytes.append(buffer, static_cast<size_t>(n));
-    if (bytes.size() > limit) return {std::nullopt, fmt::format("it grew past {} bytes while read", limit)};
+  FileRead r = read_regular_file(path, limit, /*follow_symlinks=*/false);
+  if (r.bytes) {
+    if (auto reason = untrusted_reason(r.st, /*directory=*/false); !reason.empty()) {
+      r.bytes.reset();
+      r.problem = reason;
+    }
   }
-  return {std::move(bytes), ""};
+  return r;
 }
 
 // Size limits per file kind: far above what flashjit writes (a cubin is about 1 MB, meta.json a few

@@ -2,13 +2,16 @@
 // ordered sources dispatch consults.
 #include <fcntl.h>
 #include <sys/file.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <cerrno>
 #include <cmath>
 #include <cstdio>
 #include <cstring>
+#include <filesystem>
 #include <fstream>
+#include <limits>
 #include <atomic>
 #include <mutex>
 #include <set>
@@ -21,6 +24,7 @@
 #include "flashjit/error.hpp"
 #include "flashjit/kernel_cache.hpp"
 #include "flashjit/tuning.hpp"
+#include "files.hpp"
 #include "json_text.hpp"
 
 namespace flashjit {
@@ -104,10 +108,14 @@ class Reader {
     if (!v.is_string()) throw fail(fmt::format("{} must be a string, got {}", path(key), v.dump()));
     return v.get<std::string>();
   }
-  int64_t integer(const char* key, int64_t min) const {
+  // An integer in [min, max], checked in 64 bits: a value past the field's range is refused, never
+  // truncated (head_dim 4294967360 would read as 64).
+  int64_t integer(const char* key, int64_t min, int64_t max = std::numeric_limits<int32_t>::max()) const {
     const json& v = j_.at(key);
-    if (!v.is_number_integer() || v.get<int64_t>() < min)
-      throw fail(fmt::format("{} must be an integer >= {}, got {}", path(key), min, v.dump()));
+    const bool in_range = v.is_number_integer() &&
+                          !(v.is_number_unsigned() && v.get<uint64_t>() > static_cast<uint64_t>(max)) &&
+                          v.get<int64_t>() >= min && v.get<int64_t>() <= max;
+    if (!in_range) throw fail(fmt::format("{} must be an integer from {} to {}, got {}", path(key), min, max, v.dump()));
     return v.get<int64_t>();
   }
   double number(const char* key) const {
@@ -167,7 +175,7 @@ DeviceStamp read_stamp(const Reader& r) {
       fmt::format("{}.{}", s.cc_major, s.cc_minor) != cc)
     throw r.fail(fmt::format("{} must look like \"9.0\", got \"{}\"", r.path("compute_capability"), cc));
   s.sm_count = static_cast<int>(r.integer("sm_count", 1));
-  s.memory_bytes = r.integer("memory_bytes", 0);
+  s.memory_bytes = r.integer("memory_bytes", 0, std::numeric_limits<int64_t>::max());
   s.driver_version = static_cast<int>(r.integer("driver_version", 0));
   s.nvrtc_version = r.text("nvrtc_version");
   return s;
@@ -188,13 +196,13 @@ ProblemKey read_problem(const Reader& r) {
     throw r.fail(fmt::format("{}: {} is not tuned (fa2_fwd, fa2_bwd, sm90_fwd)", r.path("family"),
                              to_string(p.family)));
   p.dtype = r.parsed("dtype", parse_dtype);
-  p.head_dim = static_cast<int>(r.integer("head_dim", 1));
+  p.head_dim = static_cast<int>(r.integer("head_dim", 1, 256));
   p.mask = r.parsed("mask", parse_mask);
   p.softcap = r.boolean("softcap");
-  p.seqlen_bucket = static_cast<int>(r.integer("seqlen_bucket", 1));
-  p.batch_heads_bucket = static_cast<int>(r.integer("batch_heads_bucket", 1));
+  p.seqlen_bucket = static_cast<int>(r.integer("seqlen_bucket", 1, 1 << 30));
+  p.batch_heads_bucket = static_cast<int>(r.integer("batch_heads_bucket", 1, 1 << 30));
   for (const char* key : {"seqlen_bucket", "batch_heads_bucket"}) {
-    const int64_t v = r.integer(key, 1);
+    const int64_t v = r.integer(key, 1, 1 << 30);
     if (ProblemKey::bucket(v) != v)
       throw r.fail(fmt::format("{} must be a power of two >= 64, got {}", r.path(key), v));
   }
@@ -262,11 +270,14 @@ TuningDb TuningDb::parse(const std::string& text, const std::string& origin) {
 }
 
 TuningDb TuningDb::load(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) throw io_error(path, "cannot read the tuning database");
-  std::stringstream text;
-  text << in.rdbuf();
-  return parse(text.str(), path);
+  // A tuning database of thousands of entries is a few MB; a FIFO or a device is refused unread.
+  constexpr size_t kMaxBytes = 64u << 20;
+  const detail::FileRead file = detail::read_regular_file(path, kMaxBytes, /*follow_symlinks=*/true);
+  if (!file.bytes)
+    throw Error(ErrorCode::io_error, "tuning db",
+                fmt::format("{}: cannot read the tuning database: {}", path,
+                            file.problem == "missing" ? "no such file" : file.problem));
+  return parse(*file.bytes, path);
 }
 
 std::string TuningDb::dump() const {
@@ -294,9 +305,22 @@ void TuningDb::merge(const TuningDb& newer) {
   for (const auto& e : newer.entries_) upsert(e);
 }
 
-void TuningDb::save_merged(const std::string& path) const {
+void TuningDb::save_merged(const std::string& requested_path) const {
+  // A symbolic link is resolved explicitly: the database it points at is merged and replaced, and
+  // the link stays (replacing the link itself would leave the target stale).
+  std::string path = requested_path;
+  {
+    std::error_code ec;
+    if (std::filesystem::is_symlink(requested_path, ec)) {
+      const auto target = std::filesystem::canonical(requested_path, ec);
+      if (ec)
+        throw Error(ErrorCode::io_error, "tuning db",
+                    fmt::format("{} is a symbolic link whose target cannot be resolved: {}", requested_path, ec.message()));
+      path = target.string();
+    }
+  }
   const std::string lock_path = path + ".lock";
-  const int lock_fd = ::open(lock_path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644);
+  const int lock_fd = ::open(lock_path.c_str(), O_RDWR | O_CREAT | O_NOFOLLOW | O_CLOEXEC, 0644);
   if (lock_fd < 0) throw io_error(lock_path, "cannot create the lock file");
   struct Unlock {
     int fd;
@@ -306,26 +330,45 @@ void TuningDb::save_merged(const std::string& path) const {
     if (errno != EINTR) throw io_error(lock_path, "cannot lock");
 
   TuningDb merged;
-  if (::access(path.c_str(), F_OK) == 0) merged = load(path);  // a damaged file is refused, not replaced
+  mode_t mode = 0644;
+  struct stat existing {};
+  if (::lstat(path.c_str(), &existing) == 0) {
+    if (!S_ISREG(existing.st_mode))
+      throw Error(ErrorCode::io_error, "tuning db",
+                  fmt::format("{} is not a regular file, so it is left alone", path));
+    merged = load(path);  // a damaged file is refused, not replaced
+    mode = existing.st_mode & 07777;  // the user's mode (600, say) is kept
+  }
   merged.merge(*this);
   const std::string text = merged.dump();
+  parse(text, path);  // what is written must load: the same rules as on load (a bucket of 0, say)
 
-  const std::string tmp = fmt::format("{}.tmp.{}", path, ::getpid());
-  const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
-  if (fd < 0) throw io_error(tmp, "cannot write");
+  // A fresh temporary file beside the target (the same file system, for the rename): O_EXCL and
+  // O_NOFOLLOW, so a planted file or symlink of that name is never written through.
+  static std::atomic<unsigned> counter{0};
+  std::string tmp;
+  int fd = -1;
+  for (int attempt = 0; attempt < 8 && fd < 0; ++attempt) {
+    tmp = fmt::format("{}.tmp.{}.{}", path, ::getpid(), counter++);
+    fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0600);
+    if (fd < 0 && errno != EEXIST) throw io_error(tmp, "cannot write");
+  }
+  if (fd < 0) throw io_error(tmp, "cannot create a fresh temporary file");
   size_t written = 0;
-  while (written < text.size()) {
+  bool ok = ::fchmod(fd, mode) == 0;
+  while (ok && written < text.size()) {
     const ssize_t n = ::write(fd, text.data() + written, text.size() - written);
     if (n < 0 && errno == EINTR) continue;
-    if (n <= 0) {
-      const Error e = io_error(tmp, "write failed");
-      ::close(fd);
-      ::unlink(tmp.c_str());
-      throw e;
-    }
-    written += static_cast<size_t>(n);
+    ok = n > 0;
+    if (ok) written += static_cast<size_t>(n);
   }
-  if (::fsync(fd) != 0 || ::close(fd) != 0) {
+  if (!ok || ::fsync(fd) != 0) {
+    const Error e = io_error(tmp, "write failed");
+    ::close(fd);
+    ::unlink(tmp.c_str());
+    throw e;
+  }
+  if (::close(fd) != 0) {
     const Error e = io_error(tmp, "cannot flush");
     ::unlink(tmp.c_str());
     throw e;

@@ -1,0 +1,24 @@
+// Reading files that flashjit did not necessarily write (cache entries, tuning databases, spec
+// files): by type and size before content, so a FIFO, a device such as /dev/zero or a huge file is
+// refused with a reason instead of blocking or exhausting memory.
+#pragma once
+
+#include <sys/stat.h>
+
+#include <cstddef>
+#include <optional>
+#include <string>
+
+namespace flashjit::detail {
+
+struct FileRead {
+  std::optional<std::string> bytes;
+  std::string problem;  // why not, when !bytes: "missing" when the path does not exist
+  struct stat st {};     // the opened file's, when it was opened
+};
+
+// The bytes of a regular file of at most `limit` bytes. With follow_symlinks false a symbolic link
+// is refused (O_NOFOLLOW). Never blocks on a FIFO (O_NONBLOCK).
+FileRead read_regular_file(const std::string& path, size_t limit, bool follow_symlinks);
+
+}  // namespace flashjit::detail
