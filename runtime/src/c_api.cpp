@@ -5,6 +5,8 @@
 #include <cmath>
 #include <string>
 
+#include <vector>
+
 #include <fmt/format.h>
 
 #include "flashjit/flashjit.hpp"
@@ -35,6 +37,16 @@ flashjit_status guarded(Body&& body) {
 
 flashjit::Error invalid(const std::string& message) {
   return flashjit::Error(flashjit::ErrorCode::invalid_argument, "C API", message);
+}
+
+flashjit::TensorView view_of(const flashjit_tensor* t, const char* name);
+
+// Several tensors' views, converted (and checked) in the order given.
+using Views = std::vector<flashjit::TensorView>;
+Views views_of(std::initializer_list<std::pair<const flashjit_tensor*, const char*>> tensors) {
+  Views views;
+  for (const auto& [tensor, name] : tensors) views.push_back(view_of(tensor, name));
+  return views;
 }
 
 flashjit::TensorView view_of(const flashjit_tensor* t, const char* name) {
@@ -94,10 +106,10 @@ flashjit_status flashjit_forward(const flashjit_tensor* q, const flashjit_tensor
                                  const flashjit_tensor* lse,
                                  const flashjit_attention_options* options) {
   return guarded([&] {
+    // In argument order, so the first bad one is named (a call's arguments are evaluated in any order).
+    const Views t = views_of({{q, "q"}, {k, "k"}, {v, "v"}, {out, "out"}});
     const flashjit::TensorView lse_view = lse ? view_of(lse, "lse") : flashjit::TensorView{};
-    flashjit::Runtime::global().forward(view_of(q, "q"), view_of(k, "k"), view_of(v, "v"),
-                                        view_of(out, "out"), lse ? &lse_view : nullptr,
-                                        options_of(options));
+    flashjit::Runtime::global().forward(t[0], t[1], t[2], t[3], lse ? &lse_view : nullptr, options_of(options));
   });
 }
 
@@ -109,15 +121,15 @@ flashjit_status flashjit_forward_varlen(const flashjit_tensor* q, const flashjit
                                         int32_t max_seqlen_k,
                                         const flashjit_attention_options* options) {
   return guarded([&] {
+    const Views t = views_of({{q, "q"}, {k, "k"}, {v, "v"}, {out, "out"}});
     const flashjit::TensorView lse_view = lse ? view_of(lse, "lse") : flashjit::TensorView{};
     flashjit::VarlenBatch batch;
     batch.cu_seqlens_q = view_of(cu_seqlens_q, "cu_seqlens_q");
     batch.cu_seqlens_k = view_of(cu_seqlens_k, "cu_seqlens_k");
     batch.max_seqlen_q = max_seqlen_q;
     batch.max_seqlen_k = max_seqlen_k;
-    flashjit::Runtime::global().forward_varlen(view_of(q, "q"), view_of(k, "k"), view_of(v, "v"),
-                                               view_of(out, "out"), lse ? &lse_view : nullptr,
-                                               batch, options_of(options));
+    flashjit::Runtime::global().forward_varlen(t[0], t[1], t[2], t[3], lse ? &lse_view : nullptr, batch,
+                                               options_of(options));
   });
 }
 
@@ -127,10 +139,11 @@ flashjit_status flashjit_backward(const flashjit_tensor* q, const flashjit_tenso
                                   const flashjit_tensor* dq, const flashjit_tensor* dk,
                                   const flashjit_tensor* dv, const flashjit_attention_options* options) {
   return guarded([&] {
+    const Views t = views_of({{q, "q"}, {k, "k"}, {v, "v"}, {out, "out"}, {dout, "dout"}});
     const flashjit::TensorView lse_view = lse ? view_of(lse, "lse") : flashjit::TensorView{};
-    flashjit::Runtime::global().backward(view_of(q, "q"), view_of(k, "k"), view_of(v, "v"), view_of(out, "out"),
-                                         view_of(dout, "dout"), lse ? &lse_view : nullptr, view_of(dq, "dq"),
-                                         view_of(dk, "dk"), view_of(dv, "dv"), options_of(options));
+    const Views g = views_of({{dq, "dq"}, {dk, "dk"}, {dv, "dv"}});
+    flashjit::Runtime::global().backward(t[0], t[1], t[2], t[3], t[4], lse ? &lse_view : nullptr, g[0], g[1], g[2],
+                                         options_of(options));
   });
 }
 
@@ -142,16 +155,16 @@ flashjit_status flashjit_backward_varlen(const flashjit_tensor* q, const flashji
                                          const flashjit_tensor* cu_seqlens_k, int32_t max_seqlen_q,
                                          int32_t max_seqlen_k, const flashjit_attention_options* options) {
   return guarded([&] {
+    const Views t = views_of({{q, "q"}, {k, "k"}, {v, "v"}, {out, "out"}, {dout, "dout"}});
     const flashjit::TensorView lse_view = lse ? view_of(lse, "lse") : flashjit::TensorView{};
+    const Views g = views_of({{dq, "dq"}, {dk, "dk"}, {dv, "dv"}});
     flashjit::VarlenBatch batch;
     batch.cu_seqlens_q = view_of(cu_seqlens_q, "cu_seqlens_q");
     batch.cu_seqlens_k = view_of(cu_seqlens_k, "cu_seqlens_k");
     batch.max_seqlen_q = max_seqlen_q;
     batch.max_seqlen_k = max_seqlen_k;
-    flashjit::Runtime::global().backward_varlen(
-        view_of(q, "q"), view_of(k, "k"), view_of(v, "v"), view_of(out, "out"), view_of(dout, "dout"),
-        lse ? &lse_view : nullptr, view_of(dq, "dq"), view_of(dk, "dk"), view_of(dv, "dv"), batch,
-        options_of(options));
+    flashjit::Runtime::global().backward_varlen(t[0], t[1], t[2], t[3], t[4], lse ? &lse_view : nullptr, g[0], g[1],
+                                                g[2], batch, options_of(options));
   });
 }
 

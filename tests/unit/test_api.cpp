@@ -72,6 +72,12 @@ TEST_CASE("bad arguments are named in the error, nothing is launched", "[api]") 
     CHECK(flashjit_forward(nullptr, &c.k, &c.v, &c.out, nullptr, &c.options) ==
           FLASHJIT_ERROR_INVALID_ARGUMENT);
     CHECK_THAT(flashjit_last_error(), Catch::Contains("q is NULL"));
+    // Several NULL: the first in argument order is named (not whichever the compiler evaluates first).
+    CHECK(flashjit_forward(nullptr, nullptr, nullptr, nullptr, nullptr, &c.options) == FLASHJIT_ERROR_INVALID_ARGUMENT);
+    CHECK_THAT(flashjit_last_error(), Catch::Contains("q is NULL"));
+    CHECK(flashjit_backward(&c.q, nullptr, &c.v, &c.out, &c.out, nullptr, nullptr, nullptr, nullptr, &c.options) ==
+          FLASHJIT_ERROR_INVALID_ARGUMENT);
+    CHECK_THAT(flashjit_last_error(), Catch::Contains("k is NULL"));
   }
   SECTION("null data") {
     c.v.data = nullptr;
