@@ -65,11 +65,9 @@ std::vector<TuneShape> expand(int batch, int sq, int sk, int hq, int hkv, int d,
 // optionally with "causal" (bool), "dtype", "pass" ("fwd"/"bwd") and "layout" ("bshd"/"bhsd")
 // overriding the command line's.
 std::vector<TuneShape> read_shapes_file(const std::string& path, const Options& o) {
-  std::ifstream in(path);
-  if (!in) throw usage("--shapes", fmt::format("cannot read {}", path));
-  std::stringstream buffer;
-  buffer << in.rdbuf();
-  const json j = detail::parse_json_text(buffer.str(), path, "--shapes");
+  const detail::FileRead file = detail::read_regular_file(path, 64u << 20, /*follow_symlinks=*/true);
+  if (!file.bytes) throw usage("--shapes", fmt::format("cannot read {}: {}", path, file.problem));
+  const json j = detail::parse_json_text(*file.bytes, path, "--shapes");
   if (!j.is_array()) throw usage("--shapes", fmt::format("{}: expected a JSON array of shapes", path));
   static const std::vector<std::string> kRequired{"batch", "seqlen_q", "seqlen_k", "heads_q", "heads_kv", "head_dim"};
   static const std::vector<std::string> kOptional{"causal", "dtype", "pass", "layout"};

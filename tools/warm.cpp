@@ -14,6 +14,7 @@
 #include "flashjit/dispatch.hpp"
 #include "flashjit/kernel_cache.hpp"
 #include "flashjit/tuning.hpp"
+#include "tool_support.hpp"
 
 using namespace flashjit;
 using nlohmann::json;
@@ -38,14 +39,9 @@ struct Options {
 };
 
 std::vector<KernelSpec> read_spec_file(const std::string& path) {
-  std::ifstream in(path);
-  if (!in) throw Error(ErrorCode::invalid_argument, "--specs", fmt::format("cannot read {}", path));
-  json j;
-  try {
-    j = json::parse(in);
-  } catch (const json::parse_error& e) {
-    throw Error(ErrorCode::invalid_argument, "--specs", fmt::format("{} is not valid JSON: {}", path, e.what()));
-  }
+  const detail::FileRead file = detail::read_regular_file(path, 64u << 20, /*follow_symlinks=*/true);
+  if (!file.bytes) throw Error(ErrorCode::invalid_argument, "--specs", fmt::format("cannot read {}: {}", path, file.problem));
+  json j = detail::parse_json_text(*file.bytes, path, "--specs");
   if (j.is_object() && j.contains("specs")) j = j.at("specs");
   if (!j.is_array())
     throw Error(ErrorCode::invalid_argument, "--specs",

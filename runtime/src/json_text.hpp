@@ -31,6 +31,8 @@ inline nlohmann::json parse_json_text(const std::string& text, const std::string
     if (auto at = reason.find("syntax error"); at != std::string::npos) reason = reason.substr(at);
     throw Error(ErrorCode::invalid_argument, where,
                 fmt::format("{}:{}:{}: malformed JSON: {}", origin, line, column, reason));
+  } catch (const nlohmann::json::exception& e) {  // a number out of range (1e309), say (found by fuzzing)
+    throw Error(ErrorCode::invalid_argument, where, fmt::format("{}: malformed JSON: {}", origin, e.what()));
   }
 }
 
