@@ -128,7 +128,7 @@ void make_private_dir(const std::string& path) {
 class KeyLock {
  public:
   KeyLock(const std::string& path, int timeout_ms) {
-    fd_ = ::open(path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0600);
+    fd_ = ::open(path.c_str(), O_RDWR | O_CREAT | O_NOFOLLOW | O_CLOEXEC, 0600);  // never a planted link
     if (fd_ < 0) {
       warn(fmt::format("cannot open lock file {} ({}); compiling without it", path, errno_text(errno)));
       return;
