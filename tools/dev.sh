@@ -3,6 +3,8 @@
 #   tools/dev.sh main    set up, build, then with a GPU run attention (checked against the
 #                        reference) and time it; with none, warm the cache for sm_90a and list it
 #   tools/dev.sh test    set up, build, run the test suite (GPU tests skip without a GPU)
+#   tools/dev.sh sanitize  the CPU tests again in an ASan + UBSan build (UBSan aborts on any
+#                        finding), in build-sanitize/
 #   tools/dev.sh deps | build
 set -euo pipefail
 
@@ -52,10 +54,22 @@ main_job() {
   fi
 }
 
+sanitize() {
+  export PATH=$PATH:/usr/local/cuda/bin
+  local dir=${FLASHJIT_SANITIZE_BUILD_DIR:-$root/build-sanitize}
+  cmake -S "$root" -B "$dir" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo \
+      -DCMAKE_CXX_FLAGS="-fsanitize=address,undefined -fno-sanitize-recover=undefined -fno-omit-frame-pointer" >/dev/null
+  cmake --build "$dir" -j "$(nproc)"
+  # Leaks are not what this build is for (NVRTC and the driver keep process-lifetime state).
+  ASAN_OPTIONS=detect_leaks=0:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
+      ctest --test-dir "$dir" --output-on-failure -j "$(nproc)"
+}
+
 case "${1:-}" in
   deps) deps ;;
   build) deps && configure_and_build ;;
   main) deps && configure_and_build && main_job ;;
   test) deps && configure_and_build && ctest --test-dir "$build" --output-on-failure -j "$(nproc)" ;;
-  *) echo "usage: tools/dev.sh main|test|deps|build" >&2; exit 2 ;;
+  sanitize) deps && sanitize ;;
+  *) echo "usage: tools/dev.sh main|test|sanitize|deps|build" >&2; exit 2 ;;
 esac

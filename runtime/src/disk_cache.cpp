@@ -85,8 +85,8 @@ std::string untrusted_reason(const struct stat& st, bool directory) {
 
 // A cache file's bytes, or the reason it cannot be used: also this user's and writable by no one
 // else (symbolic links are not followed).
-FileRead read_trusted_file(const std::string& path, size_t limit) {
-  FileRead r = read_regular_file(path, limit, /*follow_symlinks=*/false);
+FileRead read_trusted_file(int dir_fd, const std::string& name, size_t limit) {
+  FileRead r = read_regular_file_at(dir_fd, name, limit);
   if (r.bytes) {
     if (auto reason = untrusted_reason(r.st, /*directory=*/false); !reason.empty()) {
       r.bytes.reset();
@@ -260,14 +260,32 @@ std::string DiskCache::entry_path(const DiskKey& key) const {
 
 std::optional<CompiledKernel> DiskCache::load(const DiskKey& key, const KernelSpec& spec) {
   const std::string dir = entry_path(key);
+  // The entry is opened once (never through a link) and checked through that descriptor; its files
+  // are read relative to it, so what was checked is what is read.
+  const int dir_fd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
+  std::string problem;
   struct stat st {};
-  if (::lstat(dir.c_str(), &st) != 0) return std::nullopt;  // not cached (or a racing quarantine)
-  std::string problem = untrusted_reason(st, /*directory=*/true);
+  if (dir_fd < 0) {
+    if (errno == ENOENT) return std::nullopt;  // not cached (or a racing quarantine)
+    if (::lstat(dir.c_str(), &st) != 0) return std::nullopt;
+    problem = untrusted_reason(st, /*directory=*/true);
+    if (problem.empty()) problem = fmt::format("cannot open it: {}", errno_text(errno));
+  } else if (::fstat(dir_fd, &st) != 0) {
+    problem = fmt::format("cannot stat it: {}", errno_text(errno));
+  } else {
+    problem = untrusted_reason(st, /*directory=*/true);
+  }
+  struct Closer {
+    int fd;
+    ~Closer() {
+      if (fd >= 0) ::close(fd);
+    }
+  } closer{dir_fd};
   CompiledKernel kernel;
   if (problem.empty()) {
     try {
-      const FileRead meta_file = read_trusted_file(dir + "/meta.json", kMaxMetaBytes);
-      const FileRead cubin_file = meta_file.bytes ? read_trusted_file(dir + "/kernel.cubin", kMaxCubinBytes) : FileRead{};
+      const FileRead meta_file = read_trusted_file(dir_fd, "meta.json", kMaxMetaBytes);
+      const FileRead cubin_file = meta_file.bytes ? read_trusted_file(dir_fd, "kernel.cubin", kMaxCubinBytes) : FileRead{};
       if (!meta_file.bytes) {
         problem = fmt::format("meta.json: {}", meta_file.problem);
       } else if (!cubin_file.bytes) {

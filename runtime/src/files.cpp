@@ -10,9 +10,11 @@
 
 namespace flashjit::detail {
 
-FileRead read_regular_file(const std::string& path, size_t limit, bool follow_symlinks) {
+namespace {
+
+FileRead read_opened(int dir_fd, const std::string& path, size_t limit, bool follow_symlinks) {
   FileRead r;
-  const int fd = ::open(path.c_str(), O_RDONLY | O_NONBLOCK | O_CLOEXEC | (follow_symlinks ? 0 : O_NOFOLLOW));
+  const int fd = ::openat(dir_fd, path.c_str(), O_RDONLY | O_NONBLOCK | O_CLOEXEC | (follow_symlinks ? 0 : O_NOFOLLOW));
   if (fd < 0) {
     r.problem = errno == ENOENT ? "missing"
                 : errno == ELOOP ? "it is a symbolic link"
@@ -54,6 +56,16 @@ FileRead read_regular_file(const std::string& path, size_t limit, bool follow_sy
   }
   r.bytes = std::move(bytes);
   return r;
+}
+
+}  // namespace
+
+FileRead read_regular_file(const std::string& path, size_t limit, bool follow_symlinks) {
+  return read_opened(AT_FDCWD, path, limit, follow_symlinks);
+}
+
+FileRead read_regular_file_at(int dir_fd, const std::string& name, size_t limit) {
+  return read_opened(dir_fd, name, limit, /*follow_symlinks=*/false);
 }
 
 }  // namespace flashjit::detail

@@ -20,5 +20,8 @@ struct FileRead {
 // The bytes of a regular file of at most `limit` bytes. With follow_symlinks false a symbolic link
 // is refused (O_NOFOLLOW). Never blocks on a FIFO (O_NONBLOCK).
 FileRead read_regular_file(const std::string& path, size_t limit, bool follow_symlinks);
+// The same for `name` inside the directory open as `dir_fd` (openat: the directory checked once is
+// the one read from, whatever its path points at meanwhile); never follows a link.
+FileRead read_regular_file_at(int dir_fd, const std::string& name, size_t limit);
 
 }  // namespace flashjit::detail
