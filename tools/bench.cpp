@@ -196,7 +196,12 @@ int run(const Options& o) {
       std::atomic<size_t> next{0};
       for (unsigned t = 0; t < std::max(2u, std::thread::hardware_concurrency()); ++t)
         compilers.emplace_back([&] {
-          for (size_t i; (i = next++) < candidates.size();) runtime.kernel_cache().get(candidates[i]);
+          for (size_t i; (i = next++) < candidates.size();) {
+            try {
+              runtime.kernel_cache().get(candidates[i]);
+            } catch (const std::exception&) {  // timed below, where the failure is reported
+            }
+          }
         });
       for (auto& t : compilers) t.join();
       double best = 1e30;

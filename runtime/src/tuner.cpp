@@ -205,7 +205,7 @@ TuneResult tune(Runtime& runtime, const TuneShape& shape, const TuneOptions& o) 
         bool usable = false;
         try {
           usable = !runtime.kernel_cache().get(candidates[i])->has_spills();
-        } catch (const Error&) {
+        } catch (const std::exception&) {  // a failed compile (or out of memory): this candidate is dropped
         }
         std::lock_guard<std::mutex> lock(mutex);
         ready.emplace_back(i, usable);
