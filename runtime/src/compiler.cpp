@@ -1,4 +1,5 @@
 #include "compiler.hpp"
+#include "files.hpp"
 
 #include <fcntl.h>
 #include <sys/stat.h>
@@ -89,15 +90,9 @@ void write_dump_file(const std::string& path, std::string_view text) {
   const int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0600);
   if (fd < 0)
     throw Error(ErrorCode::io_error, "FLASHJIT_DUMP_DIR", fmt::format("cannot create {}: {}", path, std::strerror(errno)));
-  size_t written = 0;
-  while (written < text.size()) {
-    const ssize_t n = ::write(fd, text.data() + written, text.size() - written);
-    if (n < 0 && errno == EINTR) continue;
-    if (n <= 0) break;
-    written += static_cast<size_t>(n);
-  }
+  const bool written = write_all(fd, text);
   ::close(fd);
-  if (written != text.size())
+  if (!written)
     throw Error(ErrorCode::io_error, "FLASHJIT_DUMP_DIR", fmt::format("cannot write {}", path));
 }
 

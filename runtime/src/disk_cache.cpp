@@ -44,16 +44,10 @@ void warn(const std::string& message) { fmt::print(stderr, "flashjit: warning: {
 void write_file_durably(const std::string& path, std::string_view bytes) {
   int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0600);
   if (fd < 0) throw io_error("cannot create", path, errno);
-  size_t written = 0;
-  while (written < bytes.size()) {
-    ssize_t n = ::write(fd, bytes.data() + written, bytes.size() - written);
-    if (n < 0 && errno == EINTR) continue;
-    if (n <= 0) {
-      int error = errno;
-      ::close(fd);
-      throw io_error("cannot write", path, error);
-    }
-    written += static_cast<size_t>(n);
+  if (!write_all(fd, bytes)) {
+    const int error = errno;
+    ::close(fd);
+    throw io_error("cannot write", path, error);
   }
   if (::fsync(fd) != 0) {
     int error = errno;

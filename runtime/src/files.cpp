@@ -68,4 +68,19 @@ FileRead read_regular_file_at(int dir_fd, const std::string& name, size_t limit)
   return read_opened(dir_fd, name, limit, /*follow_symlinks=*/false);
 }
 
+bool write_all(int fd, std::string_view bytes) {
+  size_t written = 0;
+  while (written < bytes.size()) {
+    const ssize_t n = ::write(fd, bytes.data() + written, bytes.size() - written);
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0) return false;
+    if (n == 0) {
+      errno = EIO;
+      return false;
+    }
+    written += static_cast<size_t>(n);
+  }
+  return true;
+}
+
 }  // namespace flashjit::detail

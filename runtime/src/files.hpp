@@ -8,6 +8,7 @@
 #include <cstddef>
 #include <optional>
 #include <string>
+#include <string_view>
 
 namespace flashjit::detail {
 
@@ -23,5 +24,8 @@ FileRead read_regular_file(const std::string& path, size_t limit, bool follow_sy
 // The same for `name` inside the directory open as `dir_fd` (openat: the directory checked once is
 // the one read from, whatever its path points at meanwhile); never follows a link.
 FileRead read_regular_file_at(int dir_fd, const std::string& name, size_t limit);
+
+// Writes all of `bytes` to `fd` (retrying short writes and EINTR); false with errno set on failure.
+bool write_all(int fd, std::string_view bytes);
 
 }  // namespace flashjit::detail

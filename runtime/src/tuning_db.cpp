@@ -354,15 +354,7 @@ void TuningDb::save_merged(const std::string& requested_path) const {
     if (fd < 0 && errno != EEXIST) throw io_error(tmp, "cannot write");
   }
   if (fd < 0) throw io_error(tmp, "cannot create a fresh temporary file");
-  size_t written = 0;
-  bool ok = ::fchmod(fd, mode) == 0;
-  while (ok && written < text.size()) {
-    const ssize_t n = ::write(fd, text.data() + written, text.size() - written);
-    if (n < 0 && errno == EINTR) continue;
-    ok = n > 0;
-    if (ok) written += static_cast<size_t>(n);
-  }
-  if (!ok || ::fsync(fd) != 0) {
+  if (::fchmod(fd, mode) != 0 || !detail::write_all(fd, text) || ::fsync(fd) != 0) {
     const Error e = io_error(tmp, "write failed");
     ::close(fd);
     ::unlink(tmp.c_str());
