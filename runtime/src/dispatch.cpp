@@ -214,9 +214,10 @@ detail::ForwardProblem common_problem(DType dtype, int head_dim, MaskKind mask, 
 
 KernelSpec heuristic_spec_of(detail::Pass pass, const Arch& arch, DType dtype, int head_dim, MaskKind mask,
                              bool has_softcap) {
+  // The family dispatch would choose, and its default spec (no tuning candidates are built).
   const detail::ForwardProblem problem = common_problem(dtype, head_dim, mask, has_softcap);
-  const auto plan = detail::tuning_plan(detail::PassProblem{pass, problem}, arch);
-  return default_spec(plan.family, arch, dtype, detail::kernel_head_dim(plan.family, head_dim), mask, has_softcap);
+  const detail::PassProblem planned{pass, problem};
+  return detail::heuristic_spec(*detail::usable_families(planned, arch).front(), planned, arch);
 }
 
 }  // namespace
