@@ -36,7 +36,6 @@
 #pragma once
 
 #include "common/bwd.cuh"
-#include "common/pipeline.cuh"
 #include "common/sm90.cuh"
 #include "common/tile_sm80.cuh"  // require_dynamic_smem
 
@@ -168,10 +167,11 @@ __device__ void sm90_bwd_dkdv_atomic_dq_kernel(const AttentionSm90BwdParams& par
   float* const sLse = reinterpret_cast<float*>(aligned + Shape::kLseOffset);      // (kStages, kBlockM), base 2
   float* const sDelta = reinterpret_cast<float*>(aligned + Shape::kDeltaOffset);  // (kStages, kBlockM)
   const unsigned bar_kv_full = base + Shape::kBarrierOffset;
-  // The ring of query steps (Q, dO, LSE, delta).
-  const PipelineRing<kStages> ring{bar_kv_full + 8, bar_kv_full + 8 + 8 * kStages};
-  auto bar_full = [&](int stage) { return ring.full_barrier(stage); };
-  auto bar_empty = [&](int stage) { return ring.empty_barrier(stage); };
+  // The ring of query steps (Q, dO, LSE, delta), its barriers addressed here rather than through
+  // PipelineRing: with the ring object ptxas scheduled the step loop differently (SASS no longer
+  // identical to the kernel the H200 timings were taken on).
+  auto bar_full = [&](int stage) { return bar_kv_full + 8 + 8 * stage; };
+  auto bar_empty = [&](int stage) { return bar_kv_full + 8 + 8 * (kStages + stage); };
   // The dQ buffer: written (every consumer thread of the step arrives), free again (every writer).
   const unsigned bar_dq_full = bar_kv_full + 8 + 16 * kStages, bar_dq_free = bar_dq_full + 8;
 
@@ -188,6 +188,13 @@ __device__ void sm90_bwd_dkdv_atomic_dq_kernel(const AttentionSm90BwdParams& par
 
   // Query steps that can see this key tile (the same walk as fa2_bwd's).
   const AttentionMask<kMask> mask(f, seq.seqlen_q, seq.seqlen_k);
+  // The step loop's tile test reads these rather than the mask object's: through the object (its
+  // cuts(), or its flags) ptxas loaded the window bound per element instead of keeping it in a
+  // uniform register, and the d256 causal backward ran 2% slower on the H200 (2 rounds, both
+  // layouts, every seqlen). Spelled out here, the SASS is the earlier kernel's.
+  const int diagonal = mask.diagonal;
+  const bool has_right = kMask != MaskKind::kNone && f.window_right >= 0;
+  const bool has_left = kMask == MaskKind::kWindow && f.window_left >= 0;
   const KeyRange queries = mask.queries_of(f, n0, kBlockN);
   const int m_block_min = queries.begin / kBlockM;
   const int m_block_max = queries.end > queries.begin ? (queries.end + kBlockM - 1) / kBlockM : m_block_min;
@@ -200,7 +207,10 @@ __device__ void sm90_bwd_dkdv_atomic_dq_kernel(const AttentionSm90BwdParams& par
     mbarrier_init(bar_kv_full, 1);
     // Every thread that writes or reads LSE and delta arrives itself: the producer warp's lanes on
     // full (lane 0 with the TMA bytes), every consumer thread on empty.
-    ring.init(32, 128 * Shape::kConsumers);
+    for (int s = 0; s < kStages; ++s) {
+      mbarrier_init(bar_full(s), 32);
+      mbarrier_init(bar_empty(s), 128 * Shape::kConsumers);
+    }
     if constexpr (Shape::kDqWriters) {
       mbarrier_init(bar_dq_full, Shape::kDqConsumerThreads);
       mbarrier_init(bar_dq_free, Shape::kDqWriterThreads);
@@ -250,7 +260,7 @@ __device__ void sm90_bwd_dkdv_atomic_dq_kernel(const AttentionSm90BwdParams& par
     }
     for (int step = 0; step < num_steps; ++step) {
       const int stage = step % kStages, head = step_head(step), m0 = step_m0(step);
-      ring.wait_empty(step);
+      mbarrier_wait(bar_empty(stage), ((step / kStages) & 1) ^ 1);
       // LSE (in base 2) and delta; queries past the sequence get 0 (the consumers mask them).
       const float* gLse = f.lse + batch * f.lse_batch_stride + head * f.lse_head_stride + (varlen ? seq.q_start : 0) + m0;
       const float* gDelta = p.delta + static_cast<long long>(head) * p.workspace_rows + workspace_row(f, seq, batch, m0);
@@ -325,7 +335,7 @@ __device__ void sm90_bwd_dkdv_atomic_dq_kernel(const AttentionSm90BwdParams& par
   for (int step = 0; step < num_steps; ++step) {
     const int stage = step % kStages, head = step_head(step), m0 = step_m0(step);
     const unsigned ds_tile = sDs(step % 2), p_tile = sP(step % 2);
-    ring.wait_full(step);
+    mbarrier_wait(bar_full(stage), (step / kStages) & 1);
     float s[kScoreQueries / 2], dp[kScoreQueries / 2];
     fence_operands(s);
     fence_operands(dp);
@@ -342,7 +352,9 @@ __device__ void sm90_bwd_dkdv_atomic_dq_kernel(const AttentionSm90BwdParams& par
     // shared memory for the dQ GEMM, and P^T too where the consumers exchange them.
     unsigned a_p[kBlockM / 16][4], a_ds[kBlockM / 16][4];
     // (Query rows past the sequence: TMA read zeros there, which must not count.)
-    const bool needs_mask = warp_uniform(m0 + kBlockM > seq.seqlen_q || mask.cuts(f, m0, kBlockM, n0, kBlockN));
+    const bool needs_mask = warp_uniform(n0 + kBlockN > seq.seqlen_k || m0 + kBlockM > seq.seqlen_q ||
+                                         (has_right && n0 + kBlockN - 1 > m0 + diagonal + f.window_right) ||
+                                         (has_left && n0 < m0 + kBlockM - 1 + diagonal - f.window_left));
     // 32-bit shared addresses: generic pointers would hold two registers each through the loop.
     const unsigned lse = base + Shape::kLseOffset + stage * kBlockM * 4;
     const unsigned delta = base + Shape::kDeltaOffset + stage * kBlockM * 4;
@@ -358,7 +370,7 @@ __device__ void sm90_bwd_dkdv_atomic_dq_kernel(const AttentionSm90BwdParams& par
         for (int c = 0; c < 2; ++c) {
           const int i = 4 * j + 2 * h + c, q = m0 + query + c;
           const bool visible =
-              !needs_mask || (q < seq.seqlen_q && AttentionMask<kMask>::visible(f, q, n0 + key, seq.seqlen_k, mask.diagonal));
+              !needs_mask || (q < seq.seqlen_q && AttentionMask<kMask>::visible(f, q, n0 + key, seq.seqlen_k, diagonal));
           // Computed for every element, then selected: a branch around the exponential would keep
           // both paths' values alive across it (the causal variant spilled).
           float ds;
