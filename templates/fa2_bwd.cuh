@@ -408,6 +408,11 @@ __device__ void fa2_bwd_dq_kernel(const AttentionBwdParams& p) {
   const Element* gV = static_cast<const Element*>(f.v) + seq.v_batch_offset + seq.k_start * f.v_row_stride +
                       kv_head * f.v_head_stride;
 
+  // The key tiles from the mask object; the tile test below from plain values, as in the dK/dV
+  // entry (through the object, this entry's SASS was no longer the pre-object kernel's).
+  const int diagonal = seq.seqlen_k - seq.seqlen_q;
+  const bool has_right = kMask != MaskKind::kNone && f.window_right >= 0;
+  const bool has_left = kMask == MaskKind::kWindow && f.window_left >= 0;
   const AttentionMask<kMask> mask(f, seq.seqlen_q, seq.seqlen_k);
   const KeyRange keys = mask.keys_of(f, m0, kBlockM);
   const int n_block_min = keys.begin / kBlockN;
@@ -450,13 +455,15 @@ __device__ void fa2_bwd_dq_kernel(const AttentionBwdParams& p) {
         s, sQ + warp_row0 * Shape::kRowStride * 2, Shape::kRowStride, sK, Shape::kRowStride, lane);
     warp_gemm_ss<Element, 1, kSFrags, Shape::kHeadDim / 16, false, false>(
         dp, sDo + warp_row0 * Shape::kRowStride * 2, Shape::kRowStride, sV, Shape::kRowStride, lane);
-    const bool needs_mask = mask.cuts(f, m0, kBlockM, n0, kBlockN);
+    const bool needs_mask = n0 + kBlockN > seq.seqlen_k ||
+                            (has_right && n0 + kBlockN - 1 > m0 + diagonal + f.window_right) ||
+                            (has_left && n0 < m0 + kBlockM - 1 + diagonal - f.window_left);
 #pragma unroll
     for (int ni = 0; ni < kSFrags; ++ni)
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const int row = m0 + warp_row0 + lane / 4 + (e / 2) * 8, key = n0 + ni * 8 + (lane % 4) * 2 + e % 2;
-        const bool visible = !needs_mask || AttentionMask<kMask>::visible(f, row, key, seq.seqlen_k, mask.diagonal);
+        const bool visible = !needs_mask || AttentionMask<kMask>::visible(f, row, key, seq.seqlen_k, diagonal);
         float ds;
         probability_and_ds<Config>(s[0][ni][e], lse_log2[e / 2], dp[0][ni][e], delta[e / 2], visible, scale_log2,
                                    softcap_scale, f, ds);

@@ -36,6 +36,7 @@
 #pragma once
 
 #include "common/bwd.cuh"
+#include "common/pipeline.cuh"
 #include "common/sm90.cuh"
 #include "common/tile_sm80.cuh"  // require_dynamic_smem
 
@@ -167,11 +168,10 @@ __device__ void sm90_bwd_dkdv_atomic_dq_kernel(const AttentionSm90BwdParams& par
   float* const sLse = reinterpret_cast<float*>(aligned + Shape::kLseOffset);      // (kStages, kBlockM), base 2
   float* const sDelta = reinterpret_cast<float*>(aligned + Shape::kDeltaOffset);  // (kStages, kBlockM)
   const unsigned bar_kv_full = base + Shape::kBarrierOffset;
-  // The ring of query steps (Q, dO, LSE, delta), its barriers addressed here rather than through
-  // PipelineRing: with the ring object ptxas scheduled the step loop differently (SASS no longer
-  // identical to the kernel the H200 timings were taken on).
-  auto bar_full = [&](int stage) { return bar_kv_full + 8 + 8 * stage; };
-  auto bar_empty = [&](int stage) { return bar_kv_full + 8 + 8 * (kStages + stage); };
+  // The ring of query steps (Q, dO, LSE, delta).
+  const PipelineRing<kStages, 8, 8 + 8 * kStages> ring{bar_kv_full};
+  auto bar_full = [&](int stage) { return ring.full_barrier(stage); };
+  auto bar_empty = [&](int stage) { return ring.empty_barrier(stage); };
   // The dQ buffer: written (every consumer thread of the step arrives), free again (every writer).
   const unsigned bar_dq_full = bar_kv_full + 8 + 16 * kStages, bar_dq_free = bar_dq_full + 8;
 
@@ -207,10 +207,7 @@ __device__ void sm90_bwd_dkdv_atomic_dq_kernel(const AttentionSm90BwdParams& par
     mbarrier_init(bar_kv_full, 1);
     // Every thread that writes or reads LSE and delta arrives itself: the producer warp's lanes on
     // full (lane 0 with the TMA bytes), every consumer thread on empty.
-    for (int s = 0; s < kStages; ++s) {
-      mbarrier_init(bar_full(s), 32);
-      mbarrier_init(bar_empty(s), 128 * Shape::kConsumers);
-    }
+    ring.init(32, 128 * Shape::kConsumers);
     if constexpr (Shape::kDqWriters) {
       mbarrier_init(bar_dq_full, Shape::kDqConsumerThreads);
       mbarrier_init(bar_dq_free, Shape::kDqWriterThreads);
@@ -260,7 +257,7 @@ __device__ void sm90_bwd_dkdv_atomic_dq_kernel(const AttentionSm90BwdParams& par
     }
     for (int step = 0; step < num_steps; ++step) {
       const int stage = step % kStages, head = step_head(step), m0 = step_m0(step);
-      mbarrier_wait(bar_empty(stage), ((step / kStages) & 1) ^ 1);
+      ring.wait_empty(step);
       // LSE (in base 2) and delta; queries past the sequence get 0 (the consumers mask them).
       const float* gLse = f.lse + batch * f.lse_batch_stride + head * f.lse_head_stride + (varlen ? seq.q_start : 0) + m0;
       const float* gDelta = p.delta + static_cast<long long>(head) * p.workspace_rows + workspace_row(f, seq, batch, m0);
@@ -335,7 +332,7 @@ __device__ void sm90_bwd_dkdv_atomic_dq_kernel(const AttentionSm90BwdParams& par
   for (int step = 0; step < num_steps; ++step) {
     const int stage = step % kStages, head = step_head(step), m0 = step_m0(step);
     const unsigned ds_tile = sDs(step % 2), p_tile = sP(step % 2);
-    mbarrier_wait(bar_full(stage), (step / kStages) & 1);
+    ring.wait_full(step);
     float s[kScoreQueries / 2], dp[kScoreQueries / 2];
     fence_operands(s);
     fence_operands(dp);

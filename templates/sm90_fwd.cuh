@@ -156,9 +156,10 @@ __device__ void sm90_fwd_kernel(const AttentionSm90FwdParams& params) {
   const unsigned sV = sK + kStages * Shape::kKVTileBytes;  // kStages tiles
   const unsigned barriers = sV + kStages * Shape::kKVTileBytes;
   // Three rings: the Q slots (one load per work tile) and the K and V stages (one per key block).
-  const PipelineRing<kQStages> q_ring{barriers, barriers + 8 * kQStages};
-  const PipelineRing<kStages> k_ring{barriers + 8 * 2 * kQStages, barriers + 8 * (2 * kQStages + 2 * kStages)};
-  const PipelineRing<kStages> v_ring{barriers + 8 * (2 * kQStages + kStages), barriers + 8 * (2 * kQStages + 3 * kStages)};
+  // Their barriers: the Q slots' full then empty ones, then K full, V full, K empty, V empty.
+  const PipelineRing<kQStages, 0, 8 * kQStages> q_ring{barriers};
+  const PipelineRing<kStages, 8 * 2 * kQStages, 8 * (2 * kQStages + 2 * kStages)> k_ring{barriers};
+  const PipelineRing<kStages, 8 * (2 * kQStages + kStages), 8 * (2 * kQStages + 3 * kStages)> v_ring{barriers};
   auto bar_q_full = [&](int slot) { return q_ring.full_barrier(slot); };
   auto bar_q_empty = [&](int slot) { return q_ring.empty_barrier(slot); };
   auto bar_k_empty = [&](int stage) { return k_ring.empty_barrier(stage); };
@@ -178,8 +179,12 @@ __device__ void sm90_fwd_kernel(const AttentionSm90FwdParams& params) {
   if (tid == 0) {
     // The producer thread fills a stage; lane 0 of each consumer warp frees it.
     q_ring.init(1, 4 * kConsumers);
-    k_ring.init(1, 4 * kConsumers);
-    v_ring.init(1, 4 * kConsumers);
+    for (int s = 0; s < kStages; ++s) {  // K and V together, in the order of the kernel before the rings
+      mbarrier_init(k_ring.full_barrier(s), 1);
+      mbarrier_init(v_ring.full_barrier(s), 1);
+      mbarrier_init(k_ring.empty_barrier(s), 4 * kConsumers);
+      mbarrier_init(v_ring.empty_barrier(s), 4 * kConsumers);
+    }
     fence_barrier_init();
   }
   __syncthreads();
@@ -218,7 +223,7 @@ __device__ void sm90_fwd_kernel(const AttentionSm90FwdParams& params) {
       // Tile i of this work tile is key block n_block_max - 1 - i, in ring slot kv_count + i. K runs
       // one tile ahead of V: the consumers free a K slot as soon as its QK^T is done but a V slot
       // only after the next tile's softmax, so the next K never queues behind a V slot in use.
-      auto load = [&](unsigned smem_ring, const TmaDescriptor& map, const PipelineRing<kStages>& ring, int i) {
+      auto load = [&](unsigned smem_ring, const TmaDescriptor& map, const auto& ring, int i) {
         const int slot = kv_count + i, stage = ring.stage(slot), n0 = (keys.n_block_max - 1 - i) * kBlockN;
         ring.wait_empty(slot);
         mbarrier_arrive_expect_tx(ring.full_barrier(stage), Shape::kKVTileBytes);
@@ -582,7 +587,7 @@ __device__ void sm90_fwd_kernel(const AttentionSm90FwdParams& params) {
     {
       float s[1][Warp::kSFrags][4];
       float(&s_flat)[kBlockN / 2] = reinterpret_cast<float(&)[kBlockN / 2]>(s);
-      k_ring.wait_full(kv_count);
+      k_ring.wait_full(kv_count, stage);
       wait_turn();
       fence_operands(s_flat);
       wgmma_fence();
@@ -624,8 +629,8 @@ __device__ void sm90_fwd_kernel(const AttentionSm90FwdParams& params) {
       const int next = (kv_count + 1) % kStages, next_block = n_block - 1;
       float s[1][Warp::kSFrags][4];
       float(&s_flat)[kBlockN / 2] = reinterpret_cast<float(&)[kBlockN / 2]>(s);
-      k_ring.wait_full(kv_count + 1);
-      v_ring.wait_full(kv_count);
+      k_ring.wait_full(kv_count + 1, next);
+      v_ring.wait_full(kv_count, stage);
       wait_turn();
       fence_operands(s_flat);
       fence_operands(o_flat);
@@ -675,7 +680,7 @@ __device__ void sm90_fwd_kernel(const AttentionSm90FwdParams& params) {
     }
     // P V of the tile's last block alone (the next tile has no key block, there is none, or it
     // waits for the one Q slot), then its output and the next tile.
-    v_ring.wait_full(kv_count);
+    v_ring.wait_full(kv_count, stage);
     if constexpr (kRescaleUnderQk) rescale_output<Warp>(o_flat, pending);
     fence_operands(o_flat);
     fence_operands(a);
