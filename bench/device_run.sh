@@ -109,7 +109,7 @@ for r in json.load(open('$out/grid_tuned.json'))['rows']:
           2> "$out/host.log" || status=1
       head -n 40 "$out/host.log" ;;
     peers)
-      # PEERS_ARGS="--backends flashjit,flash,cudnn,flex" puts flashjit (the Python package) in the rounds.
+      # flashjit (the Python package) is in the rounds by default, on the same tensors as the peers.
       FLASHJIT_LIBRARY=$build/runtime/libflashjit.so bounded python3 bench/peers.py ${PEERS_ARGS:-} \
           > "$out/peers.json" 2> "$out/peers.log" || status=1
       tail -n 40 "$out/peers.log" ;;

@@ -5,10 +5,12 @@
 one sample each per round, with the SM clock read after each sample (NVML, where present). Prints
 one JSON document.
 
-The "flashjit" backend (the Python package, on (b, s, h, d) views of the same tensors) runs beside
-the peers in the same rounds. --layout bshd stores the tensors sequence-major (flash-attn's order)
-instead of head-major (SDPA's). --mode fwdbwd times forward + backward (autograd over
-q, k, v with a random dout).
+This is the one path for tables against peers: the "flashjit" backend (the Python package, on
+(b, s, h, d) views of the same tensors) runs beside the peers in the same rounds, so every number of
+a row comes from the same tensors in the same layout, which the output records. --layout bshd (the
+default, as flashjit-bench's) stores the tensors sequence-major (what a q/k/v projection produces,
+flash-attn's order; SDPA sees a transposed view), bhsd head-major (SDPA's own). --mode fwdbwd times
+forward + backward (autograd over q, k, v with a random dout).
 FLOPs: forward 4*B*H*S*S*D (halved when causal); forward + backward 3.5x that."""
 import argparse
 import json
@@ -104,11 +106,11 @@ def main():
     ap.add_argument("--causal", default="off,on")
     ap.add_argument("--tokens", type=int, default=16384)
     ap.add_argument("--hidden", type=int, default=2048)
-    ap.add_argument("--backends", default="flash,cudnn,flex")
+    ap.add_argument("--backends", default="flashjit,flash,cudnn,flex")
     ap.add_argument("--flex-head-dims", default="64,128,256", help="FlexAttention compiles per shape: limit it")
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--mode", choices=("fwd", "fwdbwd"), default="fwd")
-    ap.add_argument("--layout", choices=("bhsd", "bshd"), default="bhsd",
+    ap.add_argument("--layout", choices=("bhsd", "bshd"), default="bshd",
                     help="memory order of q, k, v and dout: head-major (SDPA's) or sequence-major (flash-attn's)")
     args = ap.parse_args()
     backward = args.mode == "fwdbwd"

@@ -1,10 +1,12 @@
 #!/usr/bin/env python3
-"""Merge one device call's flashjit-bench grid (--json) and peers.py output into
-bench/results/<name>.json, with each row's ratio to the peers, and print the table.
+"""Turn one peers.py run (with its "flashjit" backend: flashjit and every peer on the same tensors,
+in the same layout and process) into bench/results/<name>.json, with each row's ratio to the
+peers, and print the table. The layout is peers.py's, recorded in the file.
 
-    bench/report.py grid.json peers.json --name fa2_fwd_h200 [--sweep sweep.json] [--note "..."]
-    bench/report.py peers.json --name fa2_fwdbwd_h200     flashjit rows from peers.py's "flashjit"
-                                                         backend (peers.py --mode fwdbwd)
+    bench/report.py peers.json --name sm90_fwd_h200_bshd [--sweep sweep.json] [--note "..."]
+
+(flashjit-bench's grid is for flashjit against itself, bench/ab.sh: its rows are not merged with
+the peers', whose tensors and process differ.)
 """
 import argparse
 import datetime
@@ -15,24 +17,21 @@ import pathlib
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("sources", nargs="+", metavar="grid.json peers.json | peers.json")
+    ap.add_argument("peers", metavar="peers.json")
     ap.add_argument("--name", required=True)
     ap.add_argument("--sweep", help="flashjit-bench --sweep output of the same call, kept alongside")
     ap.add_argument("--note", default="")
     ap.add_argument("--min-seqlen", type=int, default=1024, help="rows in the summary's ratios")
     args = ap.parse_args()
 
-    if len(args.sources) > 2:
-        ap.error("give grid.json and peers.json, or peers.json alone")
-    peers = json.load(open(args.sources[-1]))
-    if len(args.sources) == 2:
-        grid = json.load(open(args.sources[0]))
-    else:  # flashjit timed by peers.py itself, through the Python package
-        own = [dict(r, spec="(dispatch default)") for r in peers["rows"] if r["backend"] == "flashjit"]
-        grid = dict(device=peers["device"], dtype="bf16", tokens=None, hidden=None, rows=own)
-        if own:
-            grid["tokens"] = own[0]["batch"] * own[0]["seqlen"]
-            grid["hidden"] = own[0]["heads"] * own[0]["head_dim"]
+    peers = json.load(open(args.peers))
+    if "layout" not in peers:
+        ap.error(f"{args.peers} records no layout: run peers.py again")
+    own = [dict(r, spec="(dispatch default)") for r in peers["rows"] if r["backend"] == "flashjit"]
+    if not own:
+        ap.error(f"{args.peers} has no flashjit rows: run peers.py with --backends flashjit,...")
+    grid = dict(device=peers["device"], dtype="bf16", rows=own,
+                tokens=own[0]["batch"] * own[0]["seqlen"], hidden=own[0]["heads"] * own[0]["head_dim"])
     mode = peers.get("mode", "fwd")
     peer = {(r["backend"], r["head_dim"], r["seqlen"], r["causal"]): r["tflops"] for r in peers["rows"]}
     peer_clock = {(r["backend"], r["head_dim"], r["seqlen"], r["causal"]): r.get("sm_clock_mhz") for r in peers["rows"]}
@@ -67,13 +66,12 @@ def main():
     result = dict(name=args.name, date=datetime.date.today().isoformat(), device=grid["device"],
                   torch=peers.get("torch"), cudnn=peers.get("cudnn"), dtype=grid["dtype"],
                   tokens=grid["tokens"], hidden=grid["hidden"],
-                  mode=mode, layout=peers.get("layout", "bhsd"), summary_min_seqlen=args.min_seqlen, flop_convention="4*B*H*S*S*D, halved when causal" + (
+                  mode=mode, layout=peers["layout"], summary_min_seqlen=args.min_seqlen, flop_convention="4*B*H*S*S*D, halved when causal" + (
                       "; forward + backward = 3.5x" if mode == "fwdbwd" else ""), method=(
                       "median of the samples, each ~10 ms of back-to-back calls between CUDA events, "
-                      "after warm-up; " + ("flashjit-bench and peers.py in one device call" if len(args.sources) == 2
-                                           else "flashjit (Python package) and the peers in one process, one "
-                                                "sample of each per round in a rotating order, the SM clock "
-                                                "read after each sample")),
+                      "after warm-up; flashjit (Python package) and the peers on the same tensors in one "
+                      "process, one sample of each per round in a rotating order, the SM clock read after "
+                      "each sample"),
                   note=args.note, summary=summary, rows=rows)
     if args.sweep:
         result["sweep"] = json.load(open(args.sweep))["rows"]

@@ -31,7 +31,7 @@ double ms_since(std::chrono::steady_clock::time_point start) {
 
 }  // namespace
 
-TEST_CASE("reference_fwd matches float64 on awkward shapes", "[reference]") {
+TEST_CASE("reference_fwd matches float64 on awkward shapes", "[reference][quick]") {
   const std::pair<int, int> seqlens[] = {{1, 1}, {113, 203}, {1023, 1024}};
   uint64_t seed = 1;
   for (auto [sq, sk] : seqlens)

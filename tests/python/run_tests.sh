@@ -1,10 +1,25 @@
 #!/usr/bin/env bash
-# CTest entry for the Python package: exit 77 (skipped) where python3 lacks pytest or torch, or
-# there is no GPU; otherwise run the tests against the library that was just built.
+# CTest entry for the Python package: exit 77 (skipped) only where torch is not installed or there
+# is no GPU. A torch that is installed but fails to import, or a missing pytest, is a failure.
 set -u
-python3 -c "import pytest, torch; assert torch.cuda.is_available()" 2>/dev/null || {
-  echo "python tests skipped: needs pytest, torch and a CUDA device"
-  exit 77
-}
+python3 - <<'PY'
+import importlib.util, sys
+if importlib.util.find_spec("torch") is None:
+    print("python tests skipped: torch is not installed")
+    sys.exit(77)
+try:
+    import torch
+except Exception as e:  # installed but broken: a failure, not a skip
+    print(f"python tests FAILED: torch is installed but does not import: {e!r}")
+    sys.exit(1)
+if not torch.cuda.is_available():
+    print("python tests skipped: torch sees no CUDA device")
+    sys.exit(77)
+if importlib.util.find_spec("pytest") is None:
+    print("python tests FAILED: torch and a GPU are here but pytest is not installed")
+    sys.exit(1)
+PY
+status=$?
+[[ $status -eq 0 ]] || exit $status
 export FLASHJIT_LIBRARY=${1:?usage: run_tests.sh path/to/libflashjit.so}
 exec python3 -m pytest -q "$(dirname "$0")"

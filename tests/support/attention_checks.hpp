@@ -11,7 +11,8 @@ namespace flashjit::test {
 inline void check_against_oracle(const AttentionCase& c, Tolerance out_tolerance, Tolerance lse_tolerance) {
   const Comparison out = c.check_output(out_tolerance);
   INFO("out: " << out.bad << " of " << out.checked << " outside tolerance; first " << out.first_bad
-               << "; max abs error " << out.max_abs);
+               << "; max abs error " << out.max_abs << "; " << out.bad_heads << " heads over "
+               << out_tolerance.head_rms << ", worst " << out.worst_head << " at " << out.worst_head_rms);
   CHECK(out.ok());
   const Comparison lse = c.check_lse(lse_tolerance);
   INFO("lse: " << lse.bad << " of " << lse.checked << " bad; first " << lse.first_bad);

@@ -54,14 +54,23 @@ struct AttentionShape {
 // length batches that is the contiguous (batch, seqlen, heads, head_dim) layout). lse is
 // (heads_q, total_q) for varlen and (batch, heads_q, seqlen_q) otherwise. Rows that see no key get
 // O = 0 and LSE = +inf.
+//
+// `magnitude` (rows, heads), where given, gets each output row's natural scale, sqrt(sum_j p_j^2
+// |v_j|^2 / head_dim): the RMS its O would have for independent values, and the scale of the
+// rounding errors of P (tolerances.hpp). Unlike the RMS of O itself it cannot be small by chance.
+// With `row_step` > 1 only every row_step-th query row of each sequence (and its last) is computed,
+// for shapes too large for the whole product; the others get NaN everywhere, magnitude included.
 inline void reference_attention(const AttentionShape& s, const std::vector<double>& q,
                                 const std::vector<double>& k, const std::vector<double>& v,
-                                std::vector<double>& out, std::vector<double>& lse) {
+                                std::vector<double>& out, std::vector<double>& lse,
+                                std::vector<double>* magnitude = nullptr, int row_step = 1) {
   const int d = s.head_dim;
   const int group = s.heads_q / s.heads_kv;
   const double scale = s.softmax_scale();
-  out.assign(size_t(s.total_q()) * s.heads_q * d, 0.0);
-  lse.assign(size_t(s.total_q()) * s.heads_q, 0.0);
+  const double skipped = row_step > 1 ? std::numeric_limits<double>::quiet_NaN() : 0.0;
+  out.assign(size_t(s.total_q()) * s.heads_q * d, skipped);
+  lse.assign(size_t(s.total_q()) * s.heads_q, skipped);
+  if (magnitude) magnitude->assign(size_t(s.total_q()) * s.heads_q, skipped);
   const int window_right = s.causal ? 0 : s.window_right;
   std::vector<double> scores;
   int q_row0 = 0, k_row0 = 0;
@@ -70,7 +79,11 @@ inline void reference_attention(const AttentionShape& s, const std::vector<doubl
     for (int h = 0; h < s.heads_q; ++h) {
       const int hk = h / group;
       for (int i = 0; i < sq; ++i) {
+        if (i % row_step != 0 && i != sq - 1) continue;
         const double* qi = &q[(size_t(q_row0 + i) * s.heads_q + h) * d];
+        double* oi = &out[(size_t(q_row0 + i) * s.heads_q + h) * d];
+        for (int c = 0; c < d; ++c) oi[c] = 0;
+        if (magnitude) (*magnitude)[size_t(q_row0 + i) * s.heads_q + h] = 0;
         scores.assign(sk, -std::numeric_limits<double>::infinity());
         double row_max = -std::numeric_limits<double>::infinity();
         for (int j = 0; j < sk; ++j) {
@@ -87,20 +100,25 @@ inline void reference_attention(const AttentionShape& s, const std::vector<doubl
         }
         const size_t lse_index = s.is_varlen() ? size_t(h) * s.total_q() + q_row0 + i
                                                : (size_t(b) * s.heads_q + h) * sq + i;
-        double* oi = &out[(size_t(q_row0 + i) * s.heads_q + h) * d];
         if (row_max == -std::numeric_limits<double>::infinity()) {
           lse[lse_index] = std::numeric_limits<double>::infinity();
           continue;
         }
-        double sum = 0;
+        double sum = 0, spread = 0;  // spread: sum_j p_j^2 |v_j|^2, unnormalised
         for (int j = 0; j < sk; ++j) {
           if (scores[j] == -std::numeric_limits<double>::infinity()) continue;
           const double p = std::exp(scores[j] - row_max);
           sum += p;
           const double* vj = &v[(size_t(k_row0 + j) * s.heads_kv + hk) * d];
-          for (int c = 0; c < d; ++c) oi[c] += p * vj[c];
+          double norm2 = 0;
+          for (int c = 0; c < d; ++c) {
+            oi[c] += p * vj[c];
+            norm2 += vj[c] * vj[c];
+          }
+          spread += p * p * norm2;
         }
         for (int c = 0; c < d; ++c) oi[c] /= sum;
+        if (magnitude) (*magnitude)[size_t(q_row0 + i) * s.heads_q + h] = std::sqrt(spread / d) / sum;
         lse[lse_index] = row_max + std::log(sum);
       }
     }

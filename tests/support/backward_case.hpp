@@ -1,6 +1,9 @@
 // One backward test case on the GPU: random inputs and dout (rounded to the dtype), the forward
-// through the public API (its out and lse feed the backward, as in training), poisoned gradients,
-// the backward, and a comparison of dq, dk, dv with the float64 reference gradients.
+// through the public API, checked against the float64 reference forward, poisoned gradients, the
+// backward, and a comparison of dq, dk, dv with the float64 reference gradients. The backward is
+// fed the reference forward's O (rounded to the dtype) and LSE, not the kernel's: its reference
+// then depends on no kernel output, so a forward that drifted cannot carry the backward's
+// reference along with it.
 #pragma once
 
 #include <memory>
@@ -14,25 +17,32 @@
 namespace flashjit::test {
 
 struct GradientComparison {
-  Comparison dq, dk, dv;
-  bool ok() const { return dq.ok() && dk.ok() && dv.ok(); }
+  Comparison forward_out, dq, dk, dv;  // forward_out: the forward kernel's O against the reference
+  bool ok() const { return forward_out.ok() && dq.ok() && dk.ok() && dv.ok(); }
 };
 
 class BackwardCase {
  public:
   BackwardCase(const AttentionShape& shape, DType dtype, uint64_t seed, Layout layout = Layout::bshd)
-      : shape_(shape), dtype_(dtype), layout_(shape.is_varlen() ? Layout::bshd : layout) {
+      : shape_(shape), dtype_(dtype), layout_(layout) {
     std::mt19937_64 rng(seed);
     const int d = shape.head_dim;
     fill_rounded(rng, dtype, size_t(shape.total_q()) * shape.heads_q * d, q_bits_, q_);
     fill_rounded(rng, dtype, size_t(shape.total_k()) * shape.heads_kv * d, k_bits_, k_);
     fill_rounded(rng, dtype, size_t(shape.total_k()) * shape.heads_kv * d, v_bits_, v_);
     fill_rounded(rng, dtype, q_.size(), dout_bits_, dout_);
+    reference_attention(shape, q_, k_, v_, want_out_, want_lse_, &want_magnitude_);
+    std::vector<double> rounded_out(want_out_.size());
+    want_out_bits_.resize(want_out_.size());
+    for (size_t i = 0; i < want_out_.size(); ++i) {
+      want_out_bits_[i] = to_storage(dtype, static_cast<float>(want_out_[i]));
+      rounded_out[i] = from_storage(dtype, want_out_bits_[i]);
+    }
+    reference_ = std::make_unique<AttentionGradients>(reference_attention_backward(shape, q_, k_, v_, rounded_out, dout_));
   }
 
-  // Forward, then backward with `options` (the forward gets the same mask options, no forced
-  // kernel and the automatic backend). Gradients are poisoned first; the reference is computed once, from the first run's
-  // forward output.
+  // Forward (the same mask options, no forced kernel, the automatic backend), then the backward
+  // with `options` on the reference forward's O and LSE. Outputs and gradients are poisoned first.
   void run(Runtime& runtime, AttentionOptions options) {
     options.causal = shape_.causal;
     options.window_left = shape_.window_left;
@@ -44,55 +54,59 @@ class BackwardCase {
     forward_options.backend = Backend::automatic;
 
     const ScalarType t = dtype_ == DType::bf16 ? ScalarType::bfloat16 : ScalarType::float16;
-    const size_t q_bytes = q_bits_.size() * 2, k_bytes = k_bits_.size() * 2;
-    DeviceBuffer q(q_bytes), k(k_bytes), v(k_bytes), out(q_bytes), dout(q_bytes), dq(q_bytes), dk(k_bytes),
-        dv(k_bytes), lse(size_t(shape_.total_q()) * shape_.heads_q * 4);
-    q.upload(to_layout(q_bits_, shape_.seqlen_q, shape_.heads_q));
-    k.upload(to_layout(k_bits_, shape_.seqlen_k, shape_.heads_kv));
-    v.upload(to_layout(v_bits_, shape_.seqlen_k, shape_.heads_kv));
-    dout.upload(to_layout(dout_bits_, shape_.seqlen_q, shape_.heads_q));
-    for (DeviceBuffer* b : {&out, &lse, &dq, &dk, &dv}) b->poison();
+    const int rows_q = shape_.is_varlen() ? shape_.total_q() : shape_.seqlen_q;
+    const int rows_k = shape_.is_varlen() ? shape_.total_k() : shape_.seqlen_k;
+    // The inputs in `layout_` (q, k, v packed for packed_qkv); out, dout and the gradients as the
+    // other tensors. Outputs are poisoned.
+    auto buffer = [&](int rows, int heads, Role role) {
+      return std::make_unique<DeviceBuffer>(placement(shape_, rows, heads, layout_, role).elements * 2);
+    };
+    auto upload = [&](const std::vector<uint16_t>& bits, int rows, int heads, Role role) {
+      auto b = buffer(rows, heads, role);
+      b->upload(to_layout(bits, rows, heads, role));
+      return b;
+    };
+    const auto q = upload(q_bits_, rows_q, shape_.heads_q, Role::q);
+    const auto k = upload(k_bits_, rows_k, shape_.heads_kv, Role::k);
+    const auto v = upload(v_bits_, rows_k, shape_.heads_kv, Role::v);
+    const auto dout = upload(dout_bits_, rows_q, shape_.heads_q, Role::other);
+    const auto out = buffer(rows_q, shape_.heads_q, Role::other), dq = buffer(rows_q, shape_.heads_q, Role::other);
+    const auto dk = buffer(rows_k, shape_.heads_kv, Role::other), dv = buffer(rows_k, shape_.heads_kv, Role::other);
+    DeviceBuffer lse(size_t(shape_.total_q()) * shape_.heads_q * 4);
+    for (DeviceBuffer* b : {out.get(), &lse, dq.get(), dk.get(), dv.get()}) b->poison();
+    auto qv = [&](const DeviceBuffer& b, Role role) { return view(b.get(), t, rows_q, shape_.heads_q, role); };
+    auto kv = [&](const DeviceBuffer& b, Role role) { return view(b.get(), t, rows_k, shape_.heads_kv, role); };
+    const Role other = Role::other;
 
     if (shape_.is_varlen()) {
       const DeviceVarlenBatch varlen(shape_);
-      const VarlenBatch& batch = varlen.batch();
-      const int d = shape_.head_dim;
-      auto packed = [&](DeviceBuffer& b, int rows, int heads) {
-        return TensorView::contiguous(b.get(), t, {rows, heads, d});
-      };
-      const int tq = shape_.total_q(), tk = shape_.total_k();
-      auto lse_view = TensorView::contiguous(lse.get(), ScalarType::float32, {shape_.heads_q, tq});
-      runtime.forward_varlen(packed(q, tq, shape_.heads_q), packed(k, tk, shape_.heads_kv),
-                             packed(v, tk, shape_.heads_kv), packed(out, tq, shape_.heads_q), &lse_view, batch,
-                             forward_options);
-      runtime.backward_varlen(packed(q, tq, shape_.heads_q), packed(k, tk, shape_.heads_kv),
-                              packed(v, tk, shape_.heads_kv), packed(out, tq, shape_.heads_q),
-                              packed(dout, tq, shape_.heads_q), &lse_view, packed(dq, tq, shape_.heads_q),
-                              packed(dk, tk, shape_.heads_kv), packed(dv, tk, shape_.heads_kv), batch, options);
+      auto lse_view = TensorView::contiguous(lse.get(), ScalarType::float32, {shape_.heads_q, rows_q});
+      runtime.forward_varlen(qv(*q, Role::q), kv(*k, Role::k), kv(*v, Role::v), qv(*out, other), &lse_view,
+                             varlen.batch(), forward_options);
       synchronize();
+      take_forward(*out, lse, forward_options);
+      runtime.backward_varlen(qv(*q, Role::q), kv(*k, Role::k), kv(*v, Role::v), qv(*out, other), qv(*dout, other),
+                              &lse_view, qv(*dq, other), kv(*dk, other), kv(*dv, other), varlen.batch(), options);
     } else {
       auto lse_view = TensorView::contiguous(lse.get(), ScalarType::float32,
                                              {shape_.batch, shape_.heads_q, shape_.seqlen_q});
-      auto qv = [&](DeviceBuffer& b) { return view(b.get(), t, shape_.seqlen_q, shape_.heads_q); };
-      auto kv = [&](DeviceBuffer& b) { return view(b.get(), t, shape_.seqlen_k, shape_.heads_kv); };
-      runtime.forward(qv(q), kv(k), kv(v), qv(out), &lse_view, forward_options);
-      runtime.backward(qv(q), kv(k), kv(v), qv(out), qv(dout), &lse_view, qv(dq), kv(dk), kv(dv), options);
+      runtime.forward(qv(*q, Role::q), kv(*k, Role::k), kv(*v, Role::v), qv(*out, other), &lse_view,
+                      forward_options);
       synchronize();
+      take_forward(*out, lse, forward_options);
+      runtime.backward(qv(*q, Role::q), kv(*k, Role::k), kv(*v, Role::v), qv(*out, other), qv(*dout, other),
+                       &lse_view, qv(*dq, other), kv(*dk, other), kv(*dv, other), options);
     }
-    if (!reference_) {
-      const std::vector<uint16_t> out_bits = from_layout(out.download<uint16_t>(), shape_.seqlen_q, shape_.heads_q);
-      std::vector<double> out_values(out_bits.size());
-      for (size_t i = 0; i < out_bits.size(); ++i) out_values[i] = from_storage(dtype_, out_bits[i]);
-      reference_ = std::make_unique<AttentionGradients>(
-          reference_attention_backward(shape_, q_, k_, v_, out_values, dout_));
-    }
-    got_dq_ = from_layout(dq.download<uint16_t>(), shape_.seqlen_q, shape_.heads_q);
-    got_dk_ = from_layout(dk.download<uint16_t>(), shape_.seqlen_k, shape_.heads_kv);
-    got_dv_ = from_layout(dv.download<uint16_t>(), shape_.seqlen_k, shape_.heads_kv);
+    synchronize();
+    CaseLedger::get().ran(options, /*backward=*/true, shape_, dtype_);
+    got_dq_ = from_layout(dq->download<uint16_t>(), rows_q, shape_.heads_q, other);
+    got_dk_ = from_layout(dk->download<uint16_t>(), rows_k, shape_.heads_kv, other);
+    got_dv_ = from_layout(dv->download<uint16_t>(), rows_k, shape_.heads_kv, other);
   }
 
   GradientComparison check(GradientTolerance t) const {
     GradientComparison c;
+    c.forward_out = forward_out_;
     const std::vector<double> none(reference_->dv.size(), 0.0);  // dV = P^T dO has no dS
     compare_gradient(c.dq, "dq", got_dq_, reference_->dq, reference_->dq_mass, reference_->dq_cancellation,
                      shape_.heads_q, t);
@@ -115,7 +129,7 @@ class BackwardCase {
     s << to_string(dtype_) << " b" << shape_.batch << " sq" << shape_.seqlen_q << " sk" << shape_.seqlen_k
       << " hq" << shape_.heads_q << " hkv" << shape_.heads_kv << " d" << shape_.head_dim
       << (shape_.causal ? " causal" : "") << " window(" << shape_.window_left << "," << shape_.window_right
-      << ") softcap " << shape_.softcap << (layout_ == Layout::bhsd ? " bhsd" : "")
+      << ") softcap " << shape_.softcap << " " << layout_name(layout_)
       << (shape_.is_varlen() ? " varlen" : "");
     return s.str();
   }
@@ -133,21 +147,35 @@ class BackwardCase {
     }
   }
 
-  TensorView view(void* data, ScalarType t, int seqlen, int heads) const {
-    return layout_view(data, t, shape_, seqlen, heads, layout_);
+  // The forward kernel's O against the reference forward; then the reference's O and LSE replace
+  // the kernel's in `out` and `lse` for the backward.
+  void take_forward(DeviceBuffer& out, DeviceBuffer& lse, const AttentionOptions& forward_options) {
+    CaseLedger::get().ran(forward_options, /*backward=*/false, shape_, dtype_);
+    const int rows_q = shape_.is_varlen() ? shape_.total_q() : shape_.seqlen_q;
+    const std::vector<uint16_t> got = from_layout(out.download<uint16_t>(), rows_q, shape_.heads_q, Role::other);
+    forward_out_ = compare_output(shape_, dtype_, got, want_out_, want_magnitude_, tensor_core_output_tolerance(dtype_));
+    out.upload(to_layout(want_out_bits_, rows_q, shape_.heads_q, Role::other));
+    std::vector<float> lse_values(want_lse_.begin(), want_lse_.end());
+    lse.upload(lse_values);
   }
-  std::vector<uint16_t> to_layout(const std::vector<uint16_t>& bshd, int seqlen, int heads) const {
-    return relayout(bshd, shape_, seqlen, heads, layout_, /*to_memory=*/true);
+
+  TensorView view(void* data, ScalarType t, int rows, int heads, Role role) const {
+    return layout_view(data, t, shape_, rows, heads, layout_, role);
   }
-  std::vector<uint16_t> from_layout(const std::vector<uint16_t>& mem, int seqlen, int heads) const {
-    return relayout(mem, shape_, seqlen, heads, layout_, /*to_memory=*/false);
+  std::vector<uint16_t> to_layout(const std::vector<uint16_t>& bshd, int rows, int heads, Role role) const {
+    return relayout(bshd, shape_, rows, heads, layout_, /*to_memory=*/true, role);
+  }
+  std::vector<uint16_t> from_layout(const std::vector<uint16_t>& mem, int rows, int heads, Role role) const {
+    return relayout(mem, shape_, rows, heads, layout_, /*to_memory=*/false, role);
   }
 
   AttentionShape shape_;
   DType dtype_;
   Layout layout_;
   std::vector<uint16_t> q_bits_, k_bits_, v_bits_, dout_bits_;
-  std::vector<double> q_, k_, v_, dout_;
+  std::vector<double> q_, k_, v_, dout_, want_out_, want_lse_, want_magnitude_;
+  std::vector<uint16_t> want_out_bits_;  // the reference O rounded to the dtype, the backward's input
+  Comparison forward_out_;
   std::unique_ptr<AttentionGradients> reference_;
   std::vector<uint16_t> got_dq_, got_dk_, got_dv_;
 };
