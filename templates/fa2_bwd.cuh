@@ -56,13 +56,6 @@ struct WarpGrid {
   __device__ static int col0(int warp) { return (warp / kRowWarps) * kWarpCols; }
 };
 
-// The largest even divisor of `frags` that is at most 8 (n8 tiles are loaded in pairs).
-constexpr int chunk_frags(int frags) {
-  for (int c = 8; c >= 2; c -= 2)
-    if (frags % c == 0) return c;
-  return frags;
-}
-
 template <class Config>
 struct Fa2BwdShape {
   using Element = typename Config::Element;
@@ -82,8 +75,8 @@ struct Fa2BwdShape {
   using ScoreGrid = WarpGrid<kBlockN, kBlockM, kWarps>;
   using KvGradGrid = WarpGrid<kBlockN, kHeadDim, kWarps>;
   using DqGrid = WarpGrid<kBlockM, kHeadDim, kWarps>;
-  // dQ is computed 64 dims at a time, so its accumulators never exceed 32 registers on top of dK/dV.
-  static constexpr int kDqChunkFrags = chunk_frags(DqGrid::kColFrags);
+  // dQ is computed a chunk of its dims at a time on top of dK/dV (codegen sizes the chunk).
+  static constexpr int kDqChunkFrags = Config::kDqChunkFrags;
   static constexpr int kDqChunks = DqGrid::kColFrags / kDqChunkFrags;
 
   // The deterministic dq kernel: one m16 tile per warp, kDqBlockN keys per step (codegen picks them
@@ -109,7 +102,8 @@ struct Fa2BwdShape {
   static constexpr int kDeltaOffset = kLseOffset + kStages * kBlockM * 4;
   static constexpr int kDkdvSmemBytes = kDeltaOffset + kStages * kBlockM * 4;
 
-  static_assert(DqGrid::kColFrags % kDqChunkFrags == 0, "dQ dims split into equal chunks");
+  static_assert(kDqChunkFrags % 2 == 0 && DqGrid::kColFrags % kDqChunkFrags == 0,
+                "dQ dims split into equal chunks of n8 pairs");
   static_assert(kDqBlockM == 16 * kWarps && kDqBlockN % 16 == 0, "dq: one m16 tile per warp, k16 steps of keys");
   static_assert(kDkdvSmemBytes == Config::kDkdvSmemBytes && kDqSmemBytes == Config::kDqSmemBytes,
                 "the shared-memory layouts are the sizes codegen launches them with");

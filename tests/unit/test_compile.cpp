@@ -100,10 +100,7 @@ TEST_CASE("compile sweep: sm_80 and sm_90a compile without spills", "[compile]")
 }
 
 // sm_86 and sm_89 (99 KB of shared memory) get other tiles than sm_80 for 64 of 144 default specs.
-// Known failures, reported here and not yet fixed (so the case may fail without failing CI): fa2_bwd
-// m64n64w4s1 at head dims 96 and 128 (no mask, window) and m32n32w4s1 at 256 causal spill 4 bytes
-// in dkdv_atomic_dq at 255 registers, bf16 and fp16, on both archs.
-TEST_CASE("compile sweep: sm_86 and sm_89 compile without spills", "[compile][!mayfail]") {
+TEST_CASE("compile sweep: sm_86 and sm_89 compile without spills", "[compile]") {
   compile_sweep({"sm_86", "sm_89"});
 }
 

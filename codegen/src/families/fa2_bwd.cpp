@@ -33,18 +33,46 @@ WarpTile balanced_warp_tile(int rows, int cols, int warps) {
   return best;
 }
 
+// The deterministic dq kernel's Q and dO (block_m rows), K and V (block_n rows), single-buffered.
+int dq_tile_smem_bytes(const KernelSpec& s, int block_m, int block_n) {
+  return 2 * (block_m + block_n) * (s.head_dim + 8) * 2;
+}
+
 struct BwdLayout {
   WarpTile scores, kv_grads, dq;  // S^T/dP^T (keys x queries), dK/dV (keys x dims), dQ (queries x dims)
+  int dq_chunk_frags;             // n8 tiles of dQ accumulated at a time in dkdv_atomic_dq
   int dq_block_m, dq_block_n;     // the deterministic dq kernel's tile
 };
+
+// dQ's n8 tiles per chunk: the largest even divisor of the warp's tiles up to 8 (64 dims; n8 tiles
+// are loaded in pairs), halved while dK, dV and the chunk exceed the accumulator budget. Four warps
+// keep more per-thread state besides: at 192 (head dim 256, 32 x 32 tiles on the 99 KB archs) ptxas
+// spills there, which eight warps do not.
+int dq_chunk_frags(const KernelSpec& s, const WarpTile& kv_grads, const WarpTile& dq) {
+  const int frags = dq.cols / 8;
+  int chunk = frags;
+  for (int c = 8; c >= 2; c -= 2)
+    if (frags % c == 0) {
+      chunk = c;
+      break;
+    }
+  const int budget = s.num_warps == 4 ? 160 : 192;
+  const int kv_accumulators = 2 * kv_grads.rows * kv_grads.cols / 32;
+  while (chunk % 4 == 0 && kv_accumulators + dq.rows * chunk * 8 / 32 > budget) chunk /= 2;
+  return chunk;
+}
 
 BwdLayout layout(const KernelSpec& s) {
   BwdLayout l;
   l.scores = balanced_warp_tile(s.block_n, s.block_m, s.num_warps);
   l.kv_grads = balanced_warp_tile(s.block_n, s.head_dim, s.num_warps);
   l.dq = balanced_warp_tile(s.block_m, s.head_dim, s.num_warps);
+  l.dq_chunk_frags = dq_chunk_frags(s, l.kv_grads, l.dq);
   l.dq_block_m = 16 * s.num_warps;
   l.dq_block_n = s.head_dim > 192 ? 16 : s.head_dim > 128 ? 32 : 64;
+  // Fewer keys per step where Q, dO, K and V would not fit (eight warps on the 99 KB archs).
+  while (l.dq_block_n > 16 && dq_tile_smem_bytes(s, l.dq_block_m, l.dq_block_n) > max_smem_per_block(s.arch))
+    l.dq_block_n /= 2;
   return l;
 }
 
@@ -56,7 +84,7 @@ int dkdv_smem_bytes(const KernelSpec& s) {
 
 int dq_smem_bytes(const KernelSpec& s) {
   const BwdLayout l = layout(s);
-  return 2 * (l.dq_block_m + l.dq_block_n) * (s.head_dim + 8) * 2;
+  return dq_tile_smem_bytes(s, l.dq_block_m, l.dq_block_n);
 }
 
 int smem_bytes(const KernelSpec& s) { return std::max(dkdv_smem_bytes(s), dq_smem_bytes(s)); }
@@ -67,7 +95,7 @@ int accumulator_registers(const KernelSpec& s) {
   const BwdLayout l = layout(s);
   const int dkdv = 2 * l.kv_grads.rows * l.kv_grads.cols / 32;
   const int scores = 2 * l.scores.rows * l.scores.cols / 32;
-  const int dq = l.dq.rows * std::min(l.dq.cols, 64) / 32;  // 64 dims at a time
+  const int dq = l.dq.rows * l.dq_chunk_frags * 8 / 32;
   const int dq_kernel = 16 * s.head_dim / 32 + 2 * 16 * l.dq_block_n / 32;
   return std::max(dkdv + std::max(scores, dq), dq_kernel);
 }
@@ -102,7 +130,8 @@ void set_default_tiles(KernelSpec& s) {
   // fa2_bwd_sweep_h200.json): up to head dim 64, four warps over 128 keys with 32-query steps
   // (64-key tiles when masked, where short rows waste the long tile); eight warps over 128 keys
   // at 128, 64 keys above. Hopper's shared memory double-buffers Q and dO (not with softcap at
-  // 128, which then spills); sm_80 single-buffers; the 99 KB archs get the smallest tiles.
+  // 128, which then spills); sm_80 single-buffers; the 99 KB archs get the smallest tiles, with
+  // eight warps from head dim 96 (four spill there).
   const int smem = max_smem_per_block(s.arch);
   const bool hopper_smem = smem >= 200 * 1024, small_smem = smem < 160 * 1024;
   auto set = [&](int block_m, int block_n, int warps, int stages) {
@@ -112,7 +141,7 @@ void set_default_tiles(KernelSpec& s) {
     s.num_stages = stages;
   };
   if (small_smem) {
-    s.head_dim <= 128 ? set(64, 64, 4, 1) : set(32, 32, 4, 1);
+    s.head_dim <= 64 ? set(64, 64, 4, 1) : s.head_dim <= 128 ? set(64, 64, 8, 1) : set(32, 32, 4, 1);
   } else if (s.head_dim <= 64) {
     s.mask == MaskKind::none ? set(32, 128, 4, 1) : set(64, 64, 4, 1);
   } else if (s.head_dim <= 96) {
@@ -132,6 +161,7 @@ std::vector<KernelConstant> constants(const KernelSpec& s) {
   const BwdLayout l = layout(s);
   return {{"kDkdvSmemBytes", dkdv_smem_bytes(s)},
           {"kDqSmemBytes", dq_smem_bytes(s)},
+          {"kDqChunkFrags", l.dq_chunk_frags},
           {"kDqBlockM", l.dq_block_m},
           {"kDqBlockN", l.dq_block_n}};
 }
