@@ -5,6 +5,7 @@
 #include <chrono>
 #include <cmath>
 #include <functional>
+#include <numeric>
 #include <random>
 #include <thread>
 
@@ -43,6 +44,11 @@ struct Options {
   double peak_tflops = 0;  // 0: the measured ceiling of a known device, else no % column
   std::string tuning_db;   // dispatch consults this database (as FLASHJIT_TUNING_DB would)
   bool versus_heuristic = false;  // also time the heuristic's spec, interleaved with dispatch's
+  // --decode: forward_kvcache rows, batch x cached tokens (--seqlens), one head dim (--head-dims).
+  bool decode = false;
+  std::vector<int> batches{1, 16, 64};
+  int heads_q = 32, heads_kv = 8, seqlen_q = 1;
+  int page_size = 0;  // 0: a contiguous cache
 };
 
 // Dense bf16 tensor-core rates measured on real GPUs (a GEMM on random data), the ceiling the
@@ -97,7 +103,135 @@ std::vector<double> median_ms(const std::vector<std::function<void()>>& calls, i
   return medians;
 }
 
+// --decode: one decode step (seqlen_q query tokens per sequence) over a KV cache of `seqlen` tokens
+// per sequence, contiguous or paged (pages in a shuffled order); GB/s of K + V read. Every call of a
+// sample reads another copy of the cache until the copies pass 200 MB, so small rows do not run
+// from the L2. (Queued calls: where a call's host cost exceeds its GPU time, bench/decode.py's
+// CUDA-graph timing is the one to read.)
+int run_decode(const Options& o) {
+  const DType dtype = parse_dtype(o.dtype);
+  const ScalarType scalar = dtype == DType::bf16 ? ScalarType::bfloat16 : ScalarType::float16;
+  const int d = o.head_dims.front();
+  if (o.page_size < 0) throw Error(ErrorCode::invalid_argument, "--page-size", "must be >= 0 (0: contiguous)");
+  for (int s : o.seqlens)
+    if (o.page_size > 0 && s % o.page_size != 0)
+      throw Error(ErrorCode::invalid_argument, "--seqlens", fmt::format("{} is not a multiple of --page-size {}", s, o.page_size));
+  const DeviceProperties& device = device_properties(o.device);
+  detail::make_context_current(o.device);
+  Runtime& runtime = Runtime::global();
+  CUevent start, stop;
+  FLASHJIT_CU(cuEventCreate, &start, CU_EVENT_DEFAULT);
+  FLASHJIT_CU(cuEventCreate, &stop, CU_EVENT_DEFAULT);
+  const std::vector<uint16_t> random = detail::random_half_bits(size_t(1) << 24, dtype, 7);
+  auto fill = [&](const detail::DeviceMemory& m, size_t bytes) {  // repeats of one random block
+    for (size_t at = 0; at < bytes; at += random.size() * 2)
+      FLASHJIT_CU(cuMemcpyHtoD, m.address() + at, random.data(), std::min(random.size() * 2, bytes - at));
+  };
+  if (!o.json_output)
+    fmt::print("{} --decode on {}: heads {}/{}, head dim {}, {} query token(s), {}, {}\n", kTool, device.name, o.heads_q,
+               o.heads_kv, d, o.seqlen_q, o.page_size > 0 ? fmt::format("page size {}", o.page_size) : "contiguous cache",
+               o.layout);
+  json rows = json::array();
+  for (int batch : o.batches)
+    for (int seqlen : o.seqlens) {
+      const size_t cache_elements = size_t(batch) * seqlen * o.heads_kv * d;
+      const double kv_bytes = 2.0 * cache_elements * 2;
+      const int copies = static_cast<int>(std::clamp(std::ceil(200e6 / kv_bytes), 1.0, 8.0));
+      struct Copy {
+        std::unique_ptr<detail::DeviceMemory> k, v;
+      };
+      std::vector<Copy> caches;
+      for (int c = 0; c < copies; ++c) {
+        caches.push_back({std::make_unique<detail::DeviceMemory>(cache_elements * 2),
+                          std::make_unique<detail::DeviceMemory>(cache_elements * 2)});
+        fill(*caches.back().k, cache_elements * 2);
+        fill(*caches.back().v, cache_elements * 2);
+      }
+      const size_t q_elements = size_t(batch) * o.seqlen_q * o.heads_q * d;
+      detail::DeviceMemory q(q_elements * 2), out(q_elements * 2), lse(q_elements / d * 4), seqlens(size_t(batch) * 4);
+      fill(q, q_elements * 2);
+      const std::vector<int> lengths(batch, seqlen);
+      FLASHJIT_CU(cuMemcpyHtoD, seqlens.address(), lengths.data(), lengths.size() * 4);
+      const int pages_per_sequence = o.page_size > 0 ? seqlen / o.page_size : 1;
+      std::vector<int> table(size_t(batch) * pages_per_sequence);
+      std::iota(table.begin(), table.end(), 0);
+      std::shuffle(table.begin(), table.end(), std::mt19937(3));
+      detail::DeviceMemory table_memory(table.size() * 4);
+      FLASHJIT_CU(cuMemcpyHtoD, table_memory.address(), table.data(), table.size() * 4);
+      const TensorView q_view = TensorView::contiguous(q.get(), scalar, {batch, o.seqlen_q, o.heads_q, d}, o.device);
+      const TensorView out_view = TensorView::contiguous(out.get(), scalar, {batch, o.seqlen_q, o.heads_q, d}, o.device);
+      const TensorView lse_view =
+          TensorView::contiguous(lse.get(), ScalarType::float32, {batch, o.heads_q, o.seqlen_q}, o.device);
+      const TensorView seqlens_view = TensorView::contiguous(seqlens.get(), ScalarType::int32, {batch}, o.device);
+      const TensorView table_view =
+          TensorView::contiguous(table_memory.get(), ScalarType::int32, {batch, pages_per_sequence}, o.device);
+      auto cache_view = [&](const detail::DeviceMemory& m) {
+        if (o.page_size > 0)
+          return TensorView::contiguous(m.get(), scalar, {int64_t(batch) * pages_per_sequence, o.page_size, o.heads_kv, d},
+                                        o.device);
+        return o.layout == "bhsd" ? TensorView::head_major(m.get(), scalar, batch, seqlen, o.heads_kv, d, o.device)
+                                  : TensorView::contiguous(m.get(), scalar, {batch, seqlen, o.heads_kv, d}, o.device);
+      };
+      std::vector<KvCache> views;
+      for (const Copy& c : caches) {
+        KvCache cache;
+        cache.k_cache = cache_view(*c.k);
+        cache.v_cache = cache_view(*c.v);
+        cache.cache_seqlens = &seqlens_view;
+        if (o.page_size > 0) cache.block_table = &table_view;
+        views.push_back(cache);
+      }
+      AttentionOptions options;
+      options.num_splits = o.num_splits;
+      size_t next = 0;
+      auto call = [&] {
+        runtime.forward_kvcache(q_view, views[next], out_view, &lse_view, options);
+        next = (next + 1) % views.size();
+      };
+      json sweep = json::array();
+      if (o.sweep) {
+        const detail::KvCacheProblem problem = detail::make_kvcache_problem(q_view, views[0], out_view, &lse_view, options);
+        const detail::PassProblem planned{detail::Pass::kvcache, problem.forward, nullptr, &problem};
+        double best = 1e30;
+        std::optional<KernelSpec> winner;
+        for (const auto& spec : detail::tuning_plan(planned, device.arch()).candidates) {
+          if (runtime.kernel_cache().get(spec)->has_spills()) continue;
+          options.kernel = spec;
+          const double ms = median_ms({call}, 1, std::max(3, o.iters / 2), start, stop)[0];
+          sweep.push_back({{"spec", spec.name()}, {"ms", ms}, {"gb_per_s", kv_bytes / (ms * 1e-3) / 1e9}});
+          if (ms < best) {
+            best = ms;
+            winner = spec;
+          }
+        }
+        options.kernel = winner;
+      }
+      const double ms = median_ms({call}, o.warmup, o.iters, start, stop)[0];
+      const detail::KvCacheProblem problem = detail::make_kvcache_problem(q_view, views[0], out_view, &lse_view, options);
+      const std::string spec = options.kernel ? options.kernel->name()
+                                              : detail::select_kernel({detail::Pass::kvcache, problem.forward, nullptr, &problem},
+                                                                      device, &runtime.tuning()).name();
+      const double gbps = kv_bytes / (ms * 1e-3) / 1e9;
+      rows.push_back({{"batch", batch}, {"seqlen", seqlen}, {"kv_bytes", kv_bytes}, {"median_ms", ms}, {"gb_per_s", gbps},
+                      {"spec", spec}, {"sweep", sweep}});
+      if (!o.json_output) {
+        fmt::print("b{:<4} cache {:<6} {:10.1f} us {:8.0f} GB/s  {}\n", batch, seqlen, ms * 1e3, gbps, spec);
+        for (const auto& entry : sweep)
+          fmt::print("    {:8.0f} GB/s  {}\n", entry["gb_per_s"].get<double>(), entry["spec"].get<std::string>());
+        std::fflush(stdout);
+      }
+    }
+  detail::driver().cuEventDestroy(start);
+  detail::driver().cuEventDestroy(stop);
+  if (o.json_output)
+    fmt::print("{}\n", json{{"device", device.name}, {"mode", "decode"}, {"dtype", o.dtype}, {"layout", o.layout},
+                            {"heads_q", o.heads_q}, {"heads_kv", o.heads_kv}, {"head_dim", d}, {"seqlen_q", o.seqlen_q},
+                            {"page_size", o.page_size}, {"rows", rows}}.dump(2));
+  return cli::kExitOk;
+}
+
 int run(const Options& o) {
+  if (o.decode) return run_decode(o);
   const DType dtype = parse_dtype(o.dtype);
   const ScalarType scalar = dtype == DType::bf16 ? ScalarType::bfloat16 : ScalarType::float16;
   Backend backend = Backend::automatic;
@@ -338,6 +472,12 @@ int main(int argc, char** argv) {
   app.add_flag("--deterministic", o.deterministic, "With --backward: the bitwise-reproducible dQ path");
   app.add_flag("--versus-heuristic", o.versus_heuristic,
                "Also time the heuristic's spec per row, interleaved with dispatch's (tuned) choice");
+  app.add_flag("--decode", o.decode, "Decode rows (forward_kvcache): --batches x --seqlens cached tokens, first --head-dims");
+  app.add_option("--batches", o.batches, "--decode: batch sizes")->delimiter(',');
+  app.add_option("--heads-q", o.heads_q, "--decode: query heads");
+  app.add_option("--heads-kv", o.heads_kv, "--decode: KV heads");
+  app.add_option("--seqlen-q", o.seqlen_q, "--decode: query tokens per sequence");
+  app.add_option("--page-size", o.page_size, "--decode: tokens per page of a paged cache (0: contiguous)");
   app.add_flag("--json", o.json_output, "Print JSON");
   return cli::run_tool(kTool, app, argc, argv, [&] { return run(o); });
 }

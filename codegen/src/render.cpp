@@ -141,12 +141,13 @@ extern const FamilyRules kFa2FwdRules;
 extern const FamilyRules kFa2BwdRules;
 extern const FamilyRules kSm90FwdRules;
 extern const FamilyRules kSm90BwdRules;
+extern const FamilyRules kKvCacheFwdRules;
 
 // The family table: every family's rules, in the order of the Family enum (a new family is a line
 // here and its enum value).
 const std::vector<const FamilyRules*>& all_family_rules() {
   static const std::vector<const FamilyRules*> table{&kReferenceFwdRules, &kFa2FwdRules, &kFa2BwdRules,
-                                                     &kSm90FwdRules, &kSm90BwdRules};
+                                                     &kSm90FwdRules, &kSm90BwdRules, &kKvCacheFwdRules};
   return table;
 }
 

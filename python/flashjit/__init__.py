@@ -13,7 +13,7 @@ import sys
 
 from . import _capi
 
-__all__ = ["flash_attn_func", "flash_attn_varlen_func", "FlashJitError", "cache_stats", "load_tuning_db",
+__all__ = ["flash_attn_func", "flash_attn_varlen_func", "flash_attn_with_kvcache", "check_kvcache", "FlashJitError", "cache_stats", "load_tuning_db",
            "__version__"]
 
 _lib = _capi.load()
@@ -228,6 +228,55 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
                                    softmax_scale, bool(causal), int(window_size[0]), int(window_size[1]),
                                    float(softcap), backend, int(sm_margin))
     return (out, lse) if return_lse else out
+
+
+def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=None, block_table=None,
+                            softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, num_splits=0,
+                            return_softmax_lse=False):
+    """Attention of q over a KV cache, as flash-attn's function of the same name (inference only).
+
+    q: (batch, seqlen_q, heads_q, head_dim). k_cache, v_cache: (batch, seqlen_cache, heads_kv, head_dim),
+    or paged (num_pages, page_size, heads_kv, head_dim) with block_table (batch, max_pages_per_seq) int32
+    page ids. cache_seqlens: int or int32 (batch,) tokens already cached; k, v: (batch, seqlen_new,
+    heads_kv, head_dim) written into the cache at cache_seqlens inside the call, and attended to.
+    causal/window are bottom-right aligned (the queries are the last tokens). num_splits: key-range
+    splits (0 chosen). No host synchronisation: capturable in a CUDA graph. Page ids or lengths out of
+    range are never read through; the sequence's rows come out NaN, and check_kvcache() raises naming them.
+    Returns out, or (out, softmax_lse (batch, heads_q, seqlen_q) float32) with return_softmax_lse=True.
+    """
+    torch = _torch()
+    _check_options(softmax_scale, window_size, "auto")
+    if (k is None) != (v is None):
+        raise ValueError("k and v: pass both new tensors or neither")
+    if q.dim() != 4:
+        raise ValueError(f"q: expected 4 dims (batch, seqlen_q, heads_q, head_dim), got shape {tuple(q.shape)}")
+    tensors = [(q, "q"), (k_cache, "k_cache"), (v_cache, "v_cache")]
+    if isinstance(cache_seqlens, int):
+        cache_seqlens = torch.full((q.shape[0],), cache_seqlens, dtype=torch.int32, device=q.device)
+    for t, name in ((k, "k"), (v, "v"), (cache_seqlens, "cache_seqlens"), (block_table, "block_table")):
+        if t is not None:
+            tensors.append((t, name))
+    _same_device([t for t, _ in tensors], [n for _, n in tensors])
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    lse = torch.empty((q.shape[0], q.shape[2], q.shape[1]), dtype=torch.float32, device=q.device)
+    with torch.cuda.device(q.device):
+        options = _options(q, softmax_scale, causal, window_size[0], window_size[1], softcap)
+        options.num_splits = int(num_splits)
+        optional = [ctypes.byref(_view(t, name)) if t is not None else None
+                    for t, name in ((block_table, "block_table"), (cache_seqlens, "cache_seqlens"), (k, "k"), (v, "v"))]
+        _check(_lib.flashjit_forward_kvcache(ctypes.byref(_view(q, "q")), ctypes.byref(_view(k_cache, "k_cache")),
+                                             ctypes.byref(_view(v_cache, "v_cache")), *optional,
+                                             ctypes.byref(_view(out, "out")), ctypes.byref(_view(lse, "lse")),
+                                             ctypes.byref(options)))
+    return (out, lse) if return_softmax_lse else out
+
+
+def check_kvcache(device=None):
+    """Waits for the current stream of `device` and raises ValueError naming the first out-of-range page
+    id or cache length that a flash_attn_with_kvcache call found on the GPU since the last check."""
+    torch = _torch()
+    stream = torch.cuda.current_stream(device).cuda_stream
+    _check(_lib.flashjit_check_kvcache(ctypes.c_void_p(stream)))
 
 
 def _autograd_path(*tensors):

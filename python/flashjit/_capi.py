@@ -70,6 +70,10 @@ def load():
     lib.flashjit_backward.restype = ctypes.c_int
     lib.flashjit_backward_varlen.argtypes = [P(Tensor)] * 11 + [ctypes.c_int32, ctypes.c_int32, P(AttentionOptions)]
     lib.flashjit_backward_varlen.restype = ctypes.c_int
+    lib.flashjit_forward_kvcache.argtypes = [P(Tensor)] * 9 + [P(AttentionOptions)]
+    lib.flashjit_forward_kvcache.restype = ctypes.c_int
+    lib.flashjit_check_kvcache.argtypes = [ctypes.c_void_p]
+    lib.flashjit_check_kvcache.restype = ctypes.c_int
     lib.flashjit_load_tuning_db.argtypes = [ctypes.c_char_p]
     lib.flashjit_load_tuning_db.restype = ctypes.c_int
     lib.flashjit_cache_stats.argtypes = [P(ctypes.c_uint64)] * 3

@@ -3,6 +3,7 @@
 #include "flashjit/flashjit.h"
 
 #include <cmath>
+#include <optional>
 #include <string>
 
 #include <vector>
@@ -166,6 +167,34 @@ flashjit_status flashjit_backward_varlen(const flashjit_tensor* q, const flashji
     flashjit::Runtime::global().backward_varlen(t[0], t[1], t[2], t[3], t[4], lse ? &lse_view : nullptr, g[0], g[1],
                                                 g[2], batch, options_of(options));
   });
+}
+
+flashjit_status flashjit_forward_kvcache(const flashjit_tensor* q, const flashjit_tensor* k_cache,
+                                         const flashjit_tensor* v_cache, const flashjit_tensor* block_table,
+                                         const flashjit_tensor* cache_seqlens, const flashjit_tensor* k_new,
+                                         const flashjit_tensor* v_new, const flashjit_tensor* out,
+                                         const flashjit_tensor* lse, const flashjit_attention_options* options) {
+  return guarded([&] {
+    const Views t = views_of({{q, "q"}, {k_cache, "k_cache"}, {v_cache, "v_cache"}, {out, "out"}});
+    auto optional = [](const flashjit_tensor* tensor, const char* name) {
+      return tensor ? std::optional<flashjit::TensorView>(view_of(tensor, name)) : std::nullopt;
+    };
+    const auto table = optional(block_table, "block_table"), seqlens = optional(cache_seqlens, "cache_seqlens");
+    const auto kn = optional(k_new, "k"), vn = optional(v_new, "v"), lse_view = optional(lse, "lse");
+    flashjit::KvCache cache;
+    cache.k_cache = t[1];
+    cache.v_cache = t[2];
+    cache.block_table = table ? &*table : nullptr;
+    cache.cache_seqlens = seqlens ? &*seqlens : nullptr;
+    cache.k_new = kn ? &*kn : nullptr;
+    cache.v_new = vn ? &*vn : nullptr;
+    flashjit::Runtime::global().forward_kvcache(t[0], cache, t[3], lse_view ? &*lse_view : nullptr,
+                                                options_of(options));
+  });
+}
+
+flashjit_status flashjit_check_kvcache(void* stream) {
+  return guarded([&] { flashjit::Runtime::global().check_kvcache(stream); });
 }
 
 flashjit_status flashjit_load_tuning_db(const char* path) {

@@ -81,8 +81,9 @@ std::vector<const RuntimeFamily*> usable_families(const PassProblem& problem, co
 
 KernelSpec heuristic_spec(const RuntimeFamily& family, const PassProblem& problem, const Arch& arch) {
   const ForwardProblem& f = problem.forward;
-  const KernelSpec spec = default_spec(family.family, arch, f.dtype, kernel_head_dim(family.family, f.head_dim), f.mask,
-                                       f.has_softcap);
+  KernelSpec spec = default_spec(family.family, arch, f.dtype, kernel_head_dim(family.family, f.head_dim), f.mask,
+                                 f.has_softcap);
+  if (family.fit_to_problem != nullptr) family.fit_to_problem(spec, problem);
   if (auto reason = spec.validate())
     throw Error(ErrorCode::unsupported, problem.operation(),
                 fmt::format("no {} kernel for head_dim {} on {}: {}", problem.operation(), f.head_dim, arch.name(),
@@ -179,7 +180,7 @@ TuningPlan tuning_plan(const PassProblem& problem, const Arch& arch) {
   ForwardProblem automatic = problem.forward;
   automatic.backend = Backend::automatic;
   automatic.forced_kernel.reset();
-  const PassProblem planned{problem.pass, automatic, problem.backward};
+  const PassProblem planned{problem.pass, automatic, problem.backward, problem.kvcache};
   const std::vector<const RuntimeFamily*> usable = usable_families(planned, arch);
   const Family key_family = usable.front()->tuning_key;
   TuningPlan plan{usable.front()->family, problem_key(automatic, key_family), {}};

@@ -33,6 +33,7 @@ namespace flashjit::detail {
   X(cuLibraryLoadData, 12000)           \
   X(cuLibraryUnload, 12000)             \
   X(cuLibraryGetKernel, 12000)          \
+  X(cuLibraryGetGlobal, 12000)          \
   X(cuKernelSetAttribute, 12000)        \
   X(cuKernelGetAttribute, 12000)        \
   X(cuLaunchKernelEx, 11060)            \
@@ -50,6 +51,12 @@ namespace flashjit::detail {
   X(cuStreamCreate, 2000)               \
   X(cuStreamDestroy, 4000)              \
   X(cuStreamSynchronize, 2000)          \
+  X(cuStreamBeginCapture, 10010)        \
+  X(cuStreamEndCapture, 10000)          \
+  X(cuGraphInstantiateWithFlags, 11040) \
+  X(cuGraphLaunch, 10000)               \
+  X(cuGraphExecDestroy, 10000)          \
+  X(cuGraphDestroy, 10000)              \
   X(cuEventCreate, 2000)                \
   X(cuEventDestroy, 4000)               \
   X(cuEventRecord, 2000)                \

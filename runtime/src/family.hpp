@@ -18,7 +18,7 @@
 
 namespace flashjit::detail {
 
-enum class Pass { forward, backward };
+enum class Pass { forward, backward, kvcache };
 
 // A problem as the families see it: the forward's part in both passes, and in the backward pass the
 // backward's, where it is known (the tuner and the tools plan a backward from its forward part:
@@ -27,9 +27,15 @@ struct PassProblem {
   Pass pass;
   const ForwardProblem& forward;
   const BackwardProblem* backward = nullptr;
+  const KvCacheProblem* kvcache = nullptr;  // the kvcache pass's
 
   bool deterministic() const { return backward != nullptr && backward->deterministic; }
-  const char* operation() const { return pass == Pass::forward ? "forward" : "backward"; }
+  const char* operation() const {
+    return pass == Pass::forward ? "forward" : pass == Pass::backward ? "backward" : "forward_kvcache";
+  }
+  bool is_empty() const {
+    return pass == Pass::forward ? forward.is_empty() : pass == Pass::backward ? backward->is_empty() : kvcache->is_empty();
+  }
 };
 
 struct Grid {
@@ -47,6 +53,7 @@ struct FamilyCall {
 
   const ForwardProblem& forward() const { return problem.forward; }
   const BackwardProblem& backward() const { return *problem.backward; }
+  const KvCacheProblem& kvcache() const { return *problem.kvcache; }
   const KernelLayout& layout() const { return kernel.layout; }
 
   // Launches entry `entry` (its codegen name) on the call's stream, with the threads and dynamic
@@ -81,6 +88,9 @@ struct RuntimeFamily {
   std::vector<KernelSpec> (*tuning_candidates)(const KernelSpec& base);
   // Builds the parameters, grids and workspace and launches the family's entry sequence.
   void (*run)(const FamilyCall& call);
+  // Fits the default spec's tiles to the problem where the best tile depends on it (the packed
+  // query rows of a decode step); null: the default spec serves every problem.
+  void (*fit_to_problem)(KernelSpec& spec, const PassProblem& problem) = nullptr;
 };
 
 // Helpers that several families share.

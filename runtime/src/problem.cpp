@@ -136,6 +136,41 @@ int to_int(int64_t value, const char* what) {
   return static_cast<int>(value);
 }
 
+// The options' mask, scale, softcap and launch fields into `p` (its head_dim already set).
+void apply_options(ForwardProblem& p, const AttentionOptions& options) {
+  if (options.window_left < -1 || options.window_right < -1)
+    throw bad(fmt::format("window_size ({}, {}): each side must be -1 (unbounded) or >= 0",
+                          options.window_left, options.window_right));
+  if (!(options.softcap >= 0.f) || std::isinf(options.softcap))
+    throw bad(fmt::format("softcap must be finite and >= 0, got {}", options.softcap));
+  const float scale = options.softmax_scale.value_or(1.f / std::sqrt(static_cast<float>(p.head_dim)));
+  // (The kernels take each row's max of the raw scores as the softmax's stabiliser: with a
+  // negative scale that is the wrong end, and exp2 overflows.)
+  if (!(scale > 0.f) || !std::isfinite(scale))
+    throw bad(fmt::format("softmax_scale must be positive and finite, got {}", scale));
+
+  int window_left = options.window_left, window_right = options.window_right;
+  if (options.causal) window_right = 0;
+  if (window_left >= 0 || window_right >= 0)
+    p.mask = window_left < 0 && window_right == 0 ? MaskKind::causal : MaskKind::window;
+  p.has_softcap = options.softcap > 0.f;
+  if (options.sm_margin < 0)
+    throw bad(fmt::format("sm_margin must be >= 0 (SMs to leave free), got {}", options.sm_margin));
+  p.backend = options.backend;
+  p.sm_margin = options.sm_margin;
+  if (options.num_splits < 0)
+    throw bad(fmt::format("num_splits must be >= 0 (0: chosen, 1: no split), got {}", options.num_splits));
+  p.num_splits = options.num_splits;
+  p.forced_kernel = options.kernel;
+  p.stream = options.stream;
+
+  AttentionFwdParams& a = p.params;
+  a.window_left = p.mask == MaskKind::none ? -1 : window_left;
+  a.window_right = p.mask == MaskKind::none ? -1 : window_right;
+  a.softmax_scale = scale;
+  a.softcap = options.softcap;
+}
+
 }  // namespace
 
 namespace {
@@ -354,32 +389,7 @@ ForwardProblem make_forward_problem(const TensorView& q, const TensorView& k, co
     a.lse = static_cast<float*>(lse->data);
   }
 
-  // Options.
-  if (options.window_left < -1 || options.window_right < -1)
-    throw bad(fmt::format("window_size ({}, {}): each side must be -1 (unbounded) or >= 0",
-                          options.window_left, options.window_right));
-  if (!(options.softcap >= 0.f) || std::isinf(options.softcap))
-    throw bad(fmt::format("softcap must be finite and >= 0, got {}", options.softcap));
-  const float scale = options.softmax_scale.value_or(1.f / std::sqrt(static_cast<float>(head_dim)));
-  // (The kernels take each row's max of the raw scores as the softmax's stabiliser: with a
-  // negative scale that is the wrong end, and exp2 overflows.)
-  if (!(scale > 0.f) || !std::isfinite(scale))
-    throw bad(fmt::format("softmax_scale must be positive and finite, got {}", scale));
-
-  int window_left = options.window_left, window_right = options.window_right;
-  if (options.causal) window_right = 0;
-  if (window_left >= 0 || window_right >= 0)
-    p.mask = window_left < 0 && window_right == 0 ? MaskKind::causal : MaskKind::window;
-  p.has_softcap = options.softcap > 0.f;
-  if (options.sm_margin < 0)
-    throw bad(fmt::format("sm_margin must be >= 0 (SMs to leave free), got {}", options.sm_margin));
-  p.backend = options.backend;
-  p.sm_margin = options.sm_margin;
-  if (options.num_splits < 0)
-    throw bad(fmt::format("num_splits must be >= 0 (0: chosen, 1: no split), got {}", options.num_splits));
-  p.num_splits = options.num_splits;
-  p.forced_kernel = options.kernel;
-  p.stream = options.stream;
+  apply_options(p, options);
 
   a.q = q.data;
   a.k = k.data;
@@ -395,11 +405,152 @@ ForwardProblem make_forward_problem(const TensorView& q, const TensorView& k, co
   a.head_dim = p.head_dim;
   a.seqlen_q = p.seqlen_q;
   a.seqlen_k = p.seqlen_k;
-  a.window_left = p.mask == MaskKind::none ? -1 : window_left;
-  a.window_right = p.mask == MaskKind::none ? -1 : window_right;
-  a.softmax_scale = scale;
-  a.softcap = options.softcap;
   return p;
+}
+
+KvCacheProblem make_kvcache_problem(const TensorView& q, const KvCache& cache, const TensorView& out,
+                                    const TensorView* lse, const AttentionOptions& options) {
+  KvCacheProblem c;
+  try {
+    const TensorView& kc = cache.k_cache;
+    const TensorView& vc = cache.v_cache;
+    c.is_paged = cache.block_table != nullptr;
+    const char* q_layout = "(batch, seqlen_q, heads_q, head_dim)";
+    const char* cache_layout = c.is_paged ? "(num_pages, page_size, heads_kv, head_dim)"
+                                          : "(batch, seqlen_cache, heads_kv, head_dim)";
+    check_rank(q, "q", 4, q_layout);
+    check_rank(out, "out", 4, q_layout);
+    check_rank(kc, "k_cache", 4, cache_layout);
+    check_rank(vc, "v_cache", 4, cache_layout);
+    if (q.dtype != ScalarType::float16 && q.dtype != ScalarType::bfloat16)
+      throw bad(fmt::format("q: expected dtype float16 or bfloat16, got {}", to_string(q.dtype)));
+    check_same(q, "q", kc, "k_cache");
+    check_same(q, "q", vc, "v_cache");
+    check_same(q, "q", out, "out");
+    if (q.device < 0) throw bad(fmt::format("q: device {} is not a CUDA device ordinal", q.device));
+    const int64_t batch = q.shape[0], head_dim = q.shape[3], heads_q = q.shape[2], heads_kv = kc.shape[2];
+    if (head_dim > kMaxHeadDim || head_dim % 8 != 0 || head_dim == 0)
+      throw bad(fmt::format("q: head_dim {} is not supported (expected a multiple of 8, at most {})", head_dim,
+                            kMaxHeadDim));
+    if (heads_kv == 0 || heads_q % heads_kv != 0)
+      throw bad(fmt::format("k_cache: heads_kv {} must divide heads_q {} (GQA/MQA)", heads_kv, heads_q));
+    if (kc.shape[3] != head_dim)
+      throw bad(fmt::format("k_cache: head_dim {} differs from q's {}", kc.shape[3], head_dim));
+    check_shape(vc, "v_cache", {kc.shape[0], kc.shape[1], heads_kv, head_dim}, "(the shape of k_cache)");
+    check_shape(out, "out", {batch, q.shape[1], heads_q, head_dim}, q_layout);
+    for (const auto& [view, name] : {std::pair{&q, "q"}, {&kc, "k_cache"}, {&vc, "v_cache"}, {&out, "out"}})
+      check_attention_layout(*view, name);
+
+    AttentionKvCacheParams& a = c.params;
+    auto int32_vector = [&](const TensorView& t, const char* name, int rank, const char* layout) {
+      check_rank(t, name, rank, layout);
+      if (t.dtype != ScalarType::int32) throw bad(fmt::format("{}: expected dtype int32, got {}", name, to_string(t.dtype)));
+      if (t.device != q.device) throw bad(fmt::format("{}: on device {}, but q is on device {}", name, t.device, q.device));
+      if (t.strides[rank - 1] != 1 && t.shape[rank - 1] > 1)
+        throw bad(fmt::format("{}: the last dim must be contiguous (stride 1), got stride {}", name, t.strides[rank - 1]));
+      if (reinterpret_cast<uintptr_t>(t.data) % 4 != 0) throw bad(fmt::format("{}: data pointer is not 4-byte aligned", name));
+    };
+    int64_t capacity = kc.shape[1];
+    if (c.is_paged) {
+      const TensorView& table = *cache.block_table;
+      int32_vector(table, "block_table", 2, "(batch, max_pages_per_seq)");
+      if (table.shape[0] != batch)
+        throw bad(fmt::format("block_table: {} rows, but q has batch {}", table.shape[0], batch));
+      if (kc.shape[0] == 0) throw bad("k_cache: a paged cache needs at least one page");
+      if (kc.shape[1] == 0) throw bad("k_cache: page_size must be at least 1, got 0");
+      capacity = table.shape[1] * kc.shape[1];
+      a.block_table = static_cast<const int*>(table.data);
+      a.block_table_batch_stride = table.strides[0];
+      a.num_pages = to_int(kc.shape[0], "num_pages");
+      a.page_size = to_int(kc.shape[1], "page_size");
+    } else {
+      if (kc.shape[0] != batch)
+        throw bad(fmt::format("k_cache: batch {} differs from q's {} (a contiguous cache holds one sequence per row; "
+                              "pass block_table for a paged one)", kc.shape[0], batch));
+      a.page_size = to_int(std::max<int64_t>(capacity, 1), "seqlen_cache");
+      a.num_pages = to_int(batch, "batch");
+    }
+    a.capacity = to_int(capacity, "the cache's tokens per sequence");
+    a.k_page_stride = kc.strides[0];
+    a.v_page_stride = vc.strides[0];
+
+    if (cache.cache_seqlens != nullptr) {
+      int32_vector(*cache.cache_seqlens, "cache_seqlens", 1, "(batch)");
+      if (cache.cache_seqlens->shape[0] != batch)
+        throw bad(fmt::format("cache_seqlens: {} entries, but q has batch {}", cache.cache_seqlens->shape[0], batch));
+      a.cache_seqlens = static_cast<const int*>(cache.cache_seqlens->data);
+    }
+    if ((cache.k_new == nullptr) != (cache.v_new == nullptr))
+      throw bad(fmt::format("{} is given without {}: new tokens need both", cache.k_new ? "k" : "v", cache.k_new ? "v" : "k"));
+    if (cache.k_new != nullptr) {
+      const TensorView& kn = *cache.k_new;
+      const TensorView& vn = *cache.v_new;
+      if (cache.cache_seqlens == nullptr)
+        throw bad("k, v: appending new tokens needs cache_seqlens (where each sequence's new tokens go)");
+      check_rank(kn, "k", 4, "(batch, seqlen_new, heads_kv, head_dim)");
+      check_same(q, "q", kn, "k");
+      check_same(q, "q", vn, "v");
+      check_shape(kn, "k", {batch, kn.shape[1], heads_kv, head_dim}, "(batch, seqlen_new, heads_kv, head_dim)");
+      check_shape(vn, "v", {batch, kn.shape[1], heads_kv, head_dim}, "(the shape of k)");
+      check_attention_layout(kn, "k");
+      check_attention_layout(vn, "v");
+      if (kn.shape[1] > capacity)
+        throw bad(fmt::format("k: {} new tokens do not fit a cache of {} tokens per sequence", kn.shape[1], capacity));
+      c.seqlen_new = to_int(kn.shape[1], "seqlen_new");
+      a.k_new = kn.data;
+      a.v_new = vn.data;
+      kernel_strides(kn, false, a.k_new_batch_stride, a.k_new_row_stride, a.k_new_head_stride);
+      kernel_strides(vn, false, a.v_new_batch_stride, a.v_new_row_stride, a.v_new_head_stride);
+    }
+    a.seqlen_new = c.seqlen_new;
+
+    ForwardProblem& p = c.forward;
+    p.dtype = q.dtype == ScalarType::float16 ? DType::fp16 : DType::bf16;
+    p.device = q.device;
+    p.batch = to_int(batch, "batch");
+    p.seqlen_q = to_int(q.shape[1], "seqlen_q");
+    p.seqlen_k = a.capacity;
+    p.heads_q = to_int(heads_q, "heads_q");
+    p.heads_kv = to_int(heads_kv, "heads_kv");
+    p.head_dim = static_cast<int>(head_dim);
+    if (p.batch > 65535) throw bad(fmt::format("batch {} exceeds the grid limit of 65535", p.batch));
+    if (lse != nullptr) {
+      if (lse->dtype != ScalarType::float32)
+        throw bad(fmt::format("lse: expected dtype float32, got {}", to_string(lse->dtype)));
+      if (lse->device != q.device)
+        throw bad(fmt::format("lse: on device {}, but q is on device {}", lse->device, q.device));
+      check_shape(*lse, "lse", {batch, heads_q, q.shape[1]}, "(batch, heads_q, seqlen_q)");
+      if (lse->strides[2] != 1 && lse->shape[2] > 1)
+        throw bad(fmt::format("lse: rows must be contiguous (last stride 1), got stride {}", lse->strides[2]));
+      if (reinterpret_cast<uintptr_t>(lse->data) % 4 != 0)
+        throw bad(fmt::format("lse: data pointer {} is not 4-byte aligned", lse->data));
+      p.params.lse = static_cast<float*>(lse->data);
+      p.params.lse_batch_stride = lse->strides[0];
+      p.params.lse_head_stride = lse->strides[1];
+    }
+    apply_options(p, options);
+
+    AttentionFwdParams& f = p.params;
+    f.q = q.data;
+    f.k = kc.data;
+    f.v = vc.data;
+    f.o = out.data;
+    kernel_strides(q, false, f.q_batch_stride, f.q_row_stride, f.q_head_stride);
+    kernel_strides(out, false, f.o_batch_stride, f.o_row_stride, f.o_head_stride);
+    kernel_strides(kc, false, f.k_batch_stride, f.k_row_stride, f.k_head_stride);
+    kernel_strides(vc, false, f.v_batch_stride, f.v_row_stride, f.v_head_stride);
+    f.batch = p.batch;
+    f.num_heads_q = p.heads_q;
+    f.num_heads_kv = p.heads_kv;
+    f.head_dim = p.head_dim;
+    f.seqlen_q = p.seqlen_q;
+    f.seqlen_k = p.seqlen_k;
+    a.fwd = f;
+  } catch (const Error& e) {
+    if (e.code() != ErrorCode::invalid_argument) throw;
+    throw Error(ErrorCode::invalid_argument, "forward_kvcache", e.message());
+  }
+  return c;
 }
 
 BackwardProblem make_backward_problem(const TensorView& q, const TensorView& k, const TensorView& v,

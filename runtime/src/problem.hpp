@@ -60,6 +60,24 @@ BackwardProblem make_backward_problem(const TensorView& q, const TensorView& k, 
                                       const TensorView& dq, const TensorView& dk, const TensorView& dv,
                                       const VarlenBatch* varlen, const AttentionOptions& options);
 
+// forward_kvcache's problem: `forward` describes q, out, lse and the options, with k/v the caches
+// and seqlen_k the capacity of one sequence; `params` holds the cache's addressing and the
+// appended tokens (splits and partials are left for the launcher).
+struct KvCacheProblem {
+  ForwardProblem forward;
+  AttentionKvCacheParams params{};
+  bool is_paged = false;
+  int seqlen_new = 0;
+
+  // Nothing to attend and nothing to append.
+  bool is_empty() const { return forward.batch == 0 || forward.heads_kv == 0 || (forward.is_empty() && seqlen_new == 0); }
+};
+
+// Throws Error(invalid_argument) naming the argument and what was expected; reads nothing on the
+// device (cache_seqlens and block_table are checked by the kernels).
+KvCacheProblem make_kvcache_problem(const TensorView& q, const KvCache& cache, const TensorView& out,
+                                    const TensorView* lse, const AttentionOptions& options);
+
 // Reads cu_seqlens_q/k back on the problem's stream and throws Error(invalid_argument) unless they
 // start at 0, never decrease, stay within the packed tensors and respect max_seqlen_q/k.
 void check_cu_seqlens(const ForwardProblem& problem, const VarlenBatch& batch, int64_t total_q,

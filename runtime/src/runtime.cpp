@@ -2,6 +2,7 @@
 #include "driver.hpp"
 #include "env.hpp"
 #include "family.hpp"
+#include "families/kvcache_fwd.hpp"
 #include "flashjit/flashjit.hpp"
 #include "module_cache.hpp"
 #include "problem.hpp"
@@ -41,7 +42,7 @@ struct Runtime::Impl {
       if (view != nullptr) check_device_pointer(*view, name);
     make_context_current(f.device);
     check_on_device();
-    if (problem.pass == Pass::forward ? f.is_empty() : problem.backward->is_empty()) return;
+    if (problem.is_empty()) return;
 
     const KernelSpec spec = select_kernel(problem, device, &tuning);
     const LoadedKernel& kernel = modules.get(spec, device);
@@ -95,6 +96,20 @@ void Runtime::backward_varlen(const TensorView& q, const TensorView& k, const Te
     if (batch.check_cu_seqlens) check_cu_seqlens(problem.forward, batch, q.shape[0], k.shape[0]);
   }, {{&q, "q"}, {&k, "k"}, {&v, "v"}, {&out, "out"}, {&dout, "dout"}, {lse, "lse"}, {&dq, "dq"},
       {&dk, "dk"}, {&dv, "dv"}, {&batch.cu_seqlens_q, "cu_seqlens_q"}, {&batch.cu_seqlens_k, "cu_seqlens_k"}});
+}
+
+void Runtime::forward_kvcache(const TensorView& q, const KvCache& cache, const TensorView& out, const TensorView* lse,
+                              const AttentionOptions& options) {
+  const KvCacheProblem problem = make_kvcache_problem(q, cache, out, lse, options);
+  impl_->run(PassProblem{Pass::kvcache, problem.forward, nullptr, &problem}, [] {},
+             {{&q, "q"}, {&cache.k_cache, "k_cache"}, {&cache.v_cache, "v_cache"}, {&out, "out"}, {lse, "lse"},
+              {cache.block_table, "block_table"}, {cache.cache_seqlens, "cache_seqlens"}, {cache.k_new, "k"},
+              {cache.v_new, "v"}});
+}
+
+void Runtime::check_kvcache(void* stream) {
+  driver();
+  check_kvcache_status(static_cast<CUstream>(stream));
 }
 
 KernelCache& Runtime::kernel_cache() { return impl_->kernels; }

@@ -108,4 +108,40 @@ struct AttentionSm90BwdParams {
   AttentionBwdParams bwd;
 };
 
+
+// Attention over a KV cache (kvcache_fwd). `fwd` holds q, o, lse and the options; its k and v are
+// the caches, with k/v_row_stride the stride between a page's tokens (a contiguous cache's between
+// its tokens) and k/v_head_stride between heads; seqlen_q is this call's query tokens and seqlen_k
+// the cache's capacity per sequence. A paged cache is (num_pages, page_size, heads_kv, head_dim)
+// addressed through block_table (batch, max_pages) of page ids; a contiguous one is one page per
+// sequence (block_table null, k/v_page_stride its batch stride). Sequence b holds cache_seqlens[b]
+// tokens before this call (null: capacity - seqlen_new), and k_new/v_new (batch, seqlen_new,
+// heads_kv, head_dim) are appended after them; attention covers both, bottom-right aligned.
+struct AttentionKvCacheParams {
+  AttentionFwdParams fwd;
+  const int* cache_seqlens;
+  const int* block_table;  // null: contiguous
+  long long block_table_batch_stride;
+  int page_size;           // tokens per page (contiguous: the capacity)
+  int num_pages;           // page ids must lie in [0, num_pages)
+  int capacity;            // tokens one sequence can hold: page_size * max_pages, or the cache's rows
+  long long k_page_stride, v_page_stride;
+  const void* k_new;
+  const void* v_new;
+  long long k_new_batch_stride, k_new_row_stride, k_new_head_stride;
+  long long v_new_batch_stride, v_new_row_stride, v_new_head_stride;
+  int seqlen_new;
+  // Key-range splits (flash-decoding). With more than one, split c of a row writes its normalised O
+  // and LSE to partial_o (num_splits, batch, heads_q, seqlen_q, kernel head_dim) and partial_lse
+  // (num_splits, batch, heads_q, seqlen_q), fp32, and the combine entry merges them.
+  int num_splits;
+  float* partial_o;
+  float* partial_lse;
+};
+
+// What a kvcache_fwd kernel records in its module's flashjit_kvcache_status {code, batch, index,
+// value} the first time a call's device-side data is out of range.
+constexpr int kKvCacheSeqlenOutOfRange = 1;  // index: cache_seqlens[batch]; value: the most it may be
+constexpr int kKvCachePageOutOfRange = 2;    // index: the block_table column; value: the page id read
+
 }  // namespace flashjit

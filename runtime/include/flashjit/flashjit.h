@@ -77,6 +77,21 @@ flashjit_status flashjit_forward_varlen(const flashjit_tensor* q, const flashjit
                                         int32_t max_seqlen_k,
                                         const flashjit_attention_options* options);
 
+/* See flashjit::Runtime::forward_kvcache: q (batch, seqlen_q, heads_q, head_dim) over a contiguous
+ * (batch, seqlen_cache, heads_kv, head_dim) or paged (num_pages, page_size, heads_kv, head_dim) cache.
+ * block_table (int32 (batch, max_pages_per_seq): paged), cache_seqlens (int32 (batch)), k_new and
+ * v_new (batch, seqlen_new, heads_kv, head_dim: appended at cache_seqlens) and lse may be NULL.
+ * options->num_splits: key splits, 0 chosen. */
+flashjit_status flashjit_forward_kvcache(const flashjit_tensor* q, const flashjit_tensor* k_cache,
+                                         const flashjit_tensor* v_cache, const flashjit_tensor* block_table,
+                                         const flashjit_tensor* cache_seqlens, const flashjit_tensor* k_new,
+                                         const flashjit_tensor* v_new, const flashjit_tensor* out,
+                                         const flashjit_tensor* lse, const flashjit_attention_options* options);
+
+/* See flashjit::Runtime::check_kvcache: waits for `stream` (a CUstream, NULL = legacy) and reports
+ * (FLASHJIT_ERROR_INVALID_ARGUMENT) the first device-side fault of the kvcache calls since the last check. */
+flashjit_status flashjit_check_kvcache(void* stream);
+
 /* See flashjit::Runtime::backward. lse (the forward's) is required; options must be the forward's. */
 flashjit_status flashjit_backward(const flashjit_tensor* q, const flashjit_tensor* k,
                                   const flashjit_tensor* v, const flashjit_tensor* out,

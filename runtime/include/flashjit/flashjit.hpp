@@ -89,6 +89,23 @@ struct VarlenBatch {
   bool check_cu_seqlens = true;
 };
 
+// A KV cache as flash-attn's flash_attn_with_kvcache takes it. Contiguous: k_cache/v_cache (batch,
+// seqlen_cache, heads_kv, head_dim), any strides with the last dim contiguous. Paged: (num_pages,
+// page_size, heads_kv, head_dim) with block_table, int32 (batch, max_pages_per_seq) page ids, any
+// page_size from 1. cache_seqlens (int32 (batch), on the device) holds each sequence's cached
+// tokens; without it every sequence fills the cache. k_new/v_new (batch, seqlen_new, heads_kv,
+// head_dim), when given, are written into the cache at cache_seqlens (which then is required)
+// inside the call, and attention covers the cached and new tokens (bottom-right aligned, as
+// causal and window are for every call). Nothing is read back to the host: faults only the device
+// can see (a page id outside the cache, a length past its end) are reported by check_kvcache.
+struct KvCache {
+  TensorView k_cache, v_cache;
+  const TensorView* block_table = nullptr;
+  const TensorView* cache_seqlens = nullptr;
+  const TensorView* k_new = nullptr;
+  const TensorView* v_new = nullptr;
+};
+
 class Runtime {
  public:
   explicit Runtime(CacheConfig cache = CacheConfig::from_environment());
@@ -124,6 +141,20 @@ class Runtime {
                        const TensorView& dout, const TensorView* lse, const TensorView& dq,
                        const TensorView& dk, const TensorView& dv, const VarlenBatch& batch,
                        const AttentionOptions& options = {});
+
+  // Attention of q (batch, seqlen_q, heads_q, head_dim) over a KV cache (decode: seqlen_q 1 to 16;
+  // longer for chunked prefill), split over keys across CTAs (options.num_splits: 0 chosen from
+  // the SM count, batch, heads and the cache's capacity; n forces n) and merged in a fixed order.
+  // out like q; lse optional float32 (batch, heads_q, seqlen_q). Capturable in a CUDA graph: no
+  // host synchronisation, scratch memory from the stream-ordered pool.
+  void forward_kvcache(const TensorView& q, const KvCache& cache, const TensorView& out, const TensorView* lse,
+                       const AttentionOptions& options = {});
+
+  // Waits for `stream`'s work, then throws Error(invalid_argument) naming the first fault that a
+  // forward_kvcache call since the last check found on the device (a page id outside [0,
+  // num_pages), a cache_seqlens entry past the cache), and clears it. The rows of a faulty
+  // sequence were written as NaN and nothing outside the cache was read.
+  void check_kvcache(void* stream = nullptr);
 
   KernelCache& kernel_cache();
 

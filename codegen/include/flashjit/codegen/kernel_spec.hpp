@@ -20,6 +20,7 @@ enum class Family {
   fa2_bwd,        // FlashAttention-2 backward (dQ, dK, dV), mma.sync, sm_80+
   sm90_fwd,       // Hopper forward: TMA, mbarriers, wgmma, warp specialisation (sm_90a)
   sm90_bwd,       // Hopper backward: fa2_bwd's algorithm on TMA and wgmma (sm_90a)
+  kvcache_fwd,    // attention over a (paged) KV cache, split over keys: decode, mma.sync, sm_80+
 };
 
 enum class DType { fp16, bf16 };

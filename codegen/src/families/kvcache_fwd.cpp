@@ -1,0 +1,97 @@
+// Rules of the KV-cache attention family (templates/kvcache_fwd.cuh): decode, speculative
+// verification and prefill against a contiguous or paged cache, split over keys. block_m is the
+// packed query rows of one KV head per CTA (queries x the heads of its group), block_n the keys per
+// tile, num_stages the K/V ring's buffers. The warps split the rows first, in m16 tiles, and the
+// keys with what is left over (a decode tile of 16 rows gives every warp a quarter of each tile).
+#include <algorithm>
+
+#include <fmt/format.h>
+
+#include "../family_rules.hpp"
+#include "flashjit/codegen/render.hpp"
+
+namespace flashjit::codegen_detail {
+namespace {
+
+int row_warps(const KernelSpec& s) { return std::max(1, std::min(s.num_warps, s.block_m / 16)); }
+
+int pipeline_bytes(const KernelSpec& s) { return (s.block_m + 2 * s.num_stages * s.block_n) * (s.head_dim + 8) * 2; }
+
+int merge_bytes(const KernelSpec& s) {
+  const int key_warps = s.num_warps / row_warps(s);
+  return key_warps * s.block_m * (s.head_dim + 4) * 4 + 2 * key_warps * s.block_m * 4;
+}
+
+int smem_bytes(const KernelSpec& s) { return std::max(pipeline_bytes(s), merge_bytes(s)); }
+
+// fp32 accumulators per thread: O and S of the warp's rows.
+int accumulator_registers(const KernelSpec& s) {
+  const int m_frags = s.block_m / row_warps(s) / 16;
+  const int warp_keys = s.block_n / (s.num_warps / row_warps(s));
+  return m_frags * (s.head_dim / 8) * 4 + m_frags * (warp_keys / 8) * 4;
+}
+
+std::optional<std::string> validate_tiles(const KernelSpec& s) {
+  if (s.num_warps != 4 && s.num_warps != 8)
+    return fmt::format("num_warps must be 4 or 8 for kvcache_fwd, got {}", s.num_warps);
+  if (s.block_m != 16 && s.block_m != 32 && s.block_m != 64 && s.block_m != 128)
+    return fmt::format("block_m must be 16, 32, 64 or 128 for kvcache_fwd, got {}", s.block_m);
+  if (s.block_n != 32 && s.block_n != 64 && s.block_n != 128)
+    return fmt::format("block_n must be 32, 64 or 128 for kvcache_fwd, got {}", s.block_n);
+  if (s.num_stages < 2 || s.num_stages > 4)
+    return fmt::format("num_stages must be 2 to 4 for kvcache_fwd, got {}", s.num_stages);
+  const int key_warps = s.num_warps / row_warps(s);
+  if (s.block_m % (16 * row_warps(s)) != 0 || (s.block_n / key_warps) % 16 != 0)
+    return fmt::format("block_m {} x block_n {} does not split over {} warps into m16 rows and k16 keys",
+                       s.block_m, s.block_n, s.num_warps);
+  if (accumulator_registers(s) > 160)
+    return fmt::format("{} fp32 accumulators per thread (block_m {}, block_n {}, {} warps, head_dim {}) "
+                       "cannot fit in 255 registers", accumulator_registers(s), s.block_m, s.block_n,
+                       s.num_warps, s.head_dim);
+  if (smem_bytes(s) > max_smem_per_block(s.arch))
+    return fmt::format("needs {} bytes of shared memory per block, {} allows {}", smem_bytes(s),
+                       s.arch.name(), max_smem_per_block(s.arch));
+  return std::nullopt;
+}
+
+// The decode tile: 16 packed rows (one query of a group of up to 16 heads, or a few queries of a
+// smaller group), four warps over 64-key tiles, three buffers: two CTAs per SM on Hopper and sm_80
+// up to head dim 128 keep four tiles in flight per SM. Dispatch widens block_m for longer queries.
+void set_default_tiles(KernelSpec& s) {
+  s.block_m = 16;
+  s.block_n = 64;
+  s.num_warps = 4;
+  s.num_stages = 3;
+  while (s.num_stages > 2 && smem_bytes(s) > max_smem_per_block(s.arch)) --s.num_stages;
+  if (smem_bytes(s) > max_smem_per_block(s.arch)) s.block_n = 32;
+}
+
+int threads(const KernelSpec& s) { return 32 * s.num_warps; }
+
+std::vector<KernelConstant> constants(const KernelSpec& s) {
+  return {{"kSmemBytes", smem_bytes(s)}, {"kRowWarps", row_warps(s)}};
+}
+
+}  // namespace
+
+extern const FamilyRules kKvCacheFwdRules;
+const FamilyRules kKvCacheFwdRules{
+    Family::kvcache_fwd,
+    "kvcache_fwd",
+    "kvcache_fwd.cuh",
+    /*computes_gradients=*/false,
+    {{"append_kv", "flashjit::AttentionKvCacheParams", "flashjit::kernels::kvcache_append_kv_kernel"},
+     {"attention", "flashjit::AttentionKvCacheParams", "flashjit::kernels::kvcache_attention_kernel", false,
+      "kSmemBytes"},
+     {"combine", "flashjit::AttentionKvCacheParams", "flashjit::kernels::kvcache_combine_kernel"}},
+    /*min_sm=*/80,
+    /*needs_arch_specific=*/false,
+    /*head_dims=*/{32, 64, 96, 128, 160, 192, 224, 256},
+    /*min_blocks_per_sm=*/1,
+    validate_tiles,
+    set_default_tiles,
+    threads,
+    constants,
+};
+
+}  // namespace flashjit::codegen_detail

@@ -1,0 +1,167 @@
+// kvcache_fwd at run time: forward_kvcache's entry sequence. append_kv writes the new tokens into
+// the cache; attention runs (splits, KV heads x query tiles, batch) CTAs; combine merges the
+// splits' fp32 partials, from a stream-ordered workspace, when there is more than one. Nothing is
+// read back from the device, so a call can be captured in a CUDA graph and replayed with other
+// cache_seqlens and block tables.
+#include "kvcache_fwd.hpp"
+
+#include <algorithm>
+#include <cmath>
+#include <mutex>
+#include <set>
+
+#include <fmt/format.h>
+
+#include "../family.hpp"
+
+namespace flashjit::detail {
+
+int choose_kv_splits(long long ctas, int resident_ctas_per_sm, int sm_count, int key_tiles, int requested) {
+  if (requested > 0) return std::clamp(requested, 1, std::max(1, key_tiles));
+  // Reading the cache at the memory's speed takes every SM's resident slots: split until the CTAs
+  // fill them, choosing the count whose last wave is fullest (a wave half full costs as much as a
+  // full one), and keep at least four tiles per split so the pipeline's start and the partials'
+  // merge stay small beside it. Ties go to fewer splits.
+  const long long slots = static_cast<long long>(resident_ctas_per_sm) * sm_count;
+  if (ctas >= slots) return 1;
+  const int most = static_cast<int>(std::clamp<long long>(key_tiles / 4, 1, kMaxKvSplits));
+  int best = 1;
+  double best_efficiency = 0;
+  for (int splits = 1; splits <= most; ++splits) {
+    const double waves = static_cast<double>(ctas * splits) / slots;
+    const double efficiency = waves / std::ceil(waves);  // the busy share of the slots over the waves
+    if (efficiency > best_efficiency + 0.02) {
+      best = splits;
+      best_efficiency = efficiency;
+    }
+  }
+  return best;
+}
+
+namespace {
+
+// Module globals flashjit_kvcache_status already handed to a call, per device: check_kvcache reads
+// and clears them.
+struct StatusWords {
+  std::mutex mutex;
+  std::set<std::pair<CUlibrary, int>> registered;  // (module, device) pairs already looked up
+  std::set<std::pair<int, CUdeviceptr>> words;
+};
+StatusWords& status_words() {
+  static StatusWords words;
+  return words;
+}
+
+void register_status_word(const LoadedKernel& kernel, int device) {
+  StatusWords& all = status_words();
+  std::lock_guard<std::mutex> lock(all.mutex);
+  if (all.registered.count({kernel.library, device}) != 0) return;
+  CUdeviceptr word = 0;
+  size_t bytes = 0;
+  FLASHJIT_CU(cuLibraryGetGlobal, &word, &bytes, kernel.library, "flashjit_kvcache_status");
+  all.words.insert({device, word});
+  all.registered.insert({kernel.library, device});
+}
+
+std::optional<std::string> unusable_reason(const PassProblem&, const Arch&) { return std::nullopt; }
+
+std::vector<KernelSpec> tuning_candidates(const KernelSpec& base) {
+  std::vector<KernelSpec> candidates;
+  for (int block_m : {16, 32, 64})
+    for (int block_n : {32, 64, 128})
+      for (int warps : {4, 8})
+        for (int stages : {2, 3, 4}) {
+          KernelSpec s = base;
+          s.block_m = block_m;
+          s.block_n = block_n;
+          s.num_warps = warps;
+          s.num_stages = stages;
+          if (!s.validate()) candidates.push_back(s);
+        }
+  return candidates;
+}
+
+// The packed rows of one KV head (queries x group) in as few m16 tiles as hold them, up to 64 per
+// CTA; fewer buffers where the taller tile leaves too little shared memory for three.
+void fit_to_problem(KernelSpec& spec, const PassProblem& problem) {
+  const ForwardProblem& f = problem.forward;
+  const long long rows = static_cast<long long>(f.seqlen_q) * (f.heads_q / std::max(1, f.heads_kv));
+  spec.block_m = rows <= 16 ? 16 : rows <= 32 ? 32 : 64;
+  while (spec.validate() && spec.num_stages > 2) --spec.num_stages;
+  if (spec.validate()) spec.block_n = 32;
+}
+
+void run(const FamilyCall& call) {
+  const KvCacheProblem& problem = call.kvcache();
+  const ForwardProblem& f = problem.forward;
+  AttentionKvCacheParams params = problem.params;
+  register_status_word(call.kernel, f.device);
+  const unsigned batch = static_cast<unsigned>(f.batch);
+  const int threads = call.layout().threads;
+
+  if (problem.seqlen_new > 0) {
+    const long long chunks = static_cast<long long>(problem.seqlen_new) * f.heads_kv * (f.head_dim / 8);
+    call.launch("append_kv", Grid{blocks(chunks, threads), batch}, params);
+  }
+  if (f.is_empty()) return;
+
+  const int group = f.heads_q / f.heads_kv;
+  const unsigned m_blocks = blocks(static_cast<long long>(f.seqlen_q) * group, call.spec.block_m);
+  const long long ctas = static_cast<long long>(m_blocks) * f.heads_kv * f.batch;
+  if (static_cast<long long>(m_blocks) * f.heads_kv > 65535)
+    throw Error(ErrorCode::invalid_argument, "forward_kvcache",
+                fmt::format("heads_kv {} x {} query tiles exceed the grid limit of 65535", f.heads_kv, m_blocks));
+  const int smem = static_cast<int>(call.layout().entries[call.layout().entry_index("attention")].dynamic_smem_bytes);
+  const int resident = std::max(1, std::min(call.device.smem_per_sm / (smem + 1024), 2048 / threads));
+  const int key_tiles = static_cast<int>(blocks(std::max(1, f.seqlen_k), call.spec.block_n));
+  params.num_splits = choose_kv_splits(ctas, resident, call.device.sm_count, key_tiles, f.num_splits);
+
+  std::optional<StreamWorkspace> workspace;
+  if (params.num_splits > 1) {
+    const size_t rows = static_cast<size_t>(params.num_splits) * f.batch * f.heads_q * f.seqlen_q;
+    const size_t o_bytes = (rows * call.spec.head_dim * sizeof(float) + 255) / 256 * 256;
+    workspace.emplace(f.device, call.stream, o_bytes + rows * sizeof(float));
+    params.partial_o = reinterpret_cast<float*>(workspace->get());
+    params.partial_lse = reinterpret_cast<float*>(workspace->get() + o_bytes);
+  }
+  call.launch("attention", Grid{static_cast<unsigned>(params.num_splits), m_blocks * f.heads_kv, batch}, params);
+  if (params.num_splits > 1) {
+    const long long rows = static_cast<long long>(f.heads_q) * f.seqlen_q;
+    call.launch("combine", Grid{blocks(rows, threads / 32), batch}, params);
+  }
+}
+
+}  // namespace
+
+void check_kvcache_status(CUstream stream) {
+  FLASHJIT_CU(cuStreamSynchronize, stream);
+  StatusWords& all = status_words();
+  std::lock_guard<std::mutex> lock(all.mutex);
+  std::optional<std::string> first;
+  for (const auto& [device, word] : all.words) {
+    make_context_current(device);
+    int status[4] = {0, 0, 0, 0};
+    FLASHJIT_CU(cuMemcpyDtoH, status, word, sizeof(status));
+    if (status[0] == 0) continue;
+    FLASHJIT_CU(cuMemsetD8, word, 0, sizeof(status));
+    if (first) continue;
+    if (status[0] == kKvCacheSeqlenOutOfRange)
+      first = fmt::format("cache_seqlens[{}] is {}: it must lie in [0, {}] (the cache's {} tokens per sequence "
+                          "less the new ones); that sequence's output rows are NaN",
+                          status[1], status[2], status[3], status[3]);
+    else if (status[0] == kKvCachePageOutOfRange)
+      first = fmt::format("block_table[{}][{}] is {}, not a page id of k_cache (expected 0 <= id < num_pages); "
+                          "that sequence's output rows are NaN",
+                          status[1], status[2], status[3]);
+    else
+      first = fmt::format("kvcache status code {} (batch {}, index {}, value {})", status[0], status[1], status[2],
+                          status[3]);
+  }
+  if (first) throw Error(ErrorCode::invalid_argument, "check_kvcache", *first);
+}
+
+extern const RuntimeFamily kKvCacheFwdFamily;
+const RuntimeFamily kKvCacheFwdFamily{Family::kvcache_fwd, Pass::kvcache, Backend::automatic, /*automatic=*/true,
+                                      Family::kvcache_fwd, unusable_reason, tuning_candidates, run, fit_to_problem};
+
+}  // namespace flashjit::detail

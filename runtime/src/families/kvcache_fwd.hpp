@@ -1,0 +1,17 @@
+// What the runtime and the tools reach of kvcache_fwd's module besides its family table entry.
+#pragma once
+
+#include "../driver.hpp"
+
+namespace flashjit::detail {
+
+// Key-range splits of a decode call (flash-decoding): `requested` when the caller forces it (1
+// to key_tiles), else enough to give the resident CTA slots of every SM work twice over.
+constexpr int kMaxKvSplits = 128;
+int choose_kv_splits(long long ctas, int resident_ctas_per_sm, int sm_count, int key_tiles, int requested);
+
+// Waits for `stream`, reads and clears every kvcache module's fault record, and throws
+// Error(invalid_argument) describing the first fault found.
+void check_kvcache_status(CUstream stream);
+
+}  // namespace flashjit::detail

@@ -1,0 +1,433 @@
+// Attention over a KV cache (decode, speculative verification, chunked prefill), mma.sync, sm_80+.
+//   Algorithm: flash-decoding. A CTA owns kBlockM packed query rows of one KV head (row r is query
+//   r / group of query head kv_head * group + r % group, so the `group` query heads of a KV head
+//   share every K/V byte read) and one of num_splits contiguous shares of the key tiles its rows
+//   see. K/V tiles of kBlockN keys stream through a cp.async ring (kNumStages buffers, kNumStages
+//   - 1 loads in flight); keys are gathered row by row through the block table, so any page size
+//   works. The warps form kRowWarps x kKeyWarps: each owns kWarpRows rows and kWarpKeys keys of a
+//   tile and keeps its own online softmax; the key warps' (max, sum, O) are merged in shared memory
+//   at the end. With one split the CTA writes O and the LSE; with more it writes its normalised O
+//   and LSE to fp32 partials, and the combine entry merges them in split order (deterministic).
+//   append_kv copies this call's new keys and values into the cache at cache_seqlens first.
+//   Grids: attention (num_splits, heads_kv * ceil(seqlen_q * group / kBlockM), batch); append_kv
+//   (ceil(seqlen_new * heads_kv * kChunks / kThreads), batch); combine (ceil(heads_q * seqlen_q /
+//   kWarps), batch), a warp per row. Threads: kNumWarps * 32.
+//   Shared memory (bytes): max((kBlockM + 2 * kNumStages * kBlockN) * (kHeadDim + 8) * 2,
+//   kKeyWarps * kBlockM * (kHeadDim + 4) * 4 + 2 * kKeyWarps * kBlockM * 4).
+//   Faults the host cannot see without a synchronisation (a page id outside [0, num_pages), a
+//   cache_seqlens entry that is negative or leaves no room, a block table too short) are never
+//   read through: the loads are zero-filled, the batch's rows come out NaN, and the first fault is
+//   recorded in flashjit_kvcache_status for Runtime::check_kvcache.
+//   Preconditions: kHeadDim % 16 == 0 and >= head_dim; head_dim % 8 == 0; 16-byte aligned bases
+//   and strides that are multiples of 8 elements (checked on the host).
+#pragma once
+
+#include "common/softmax.cuh"
+#include "common/tile_sm80.cuh"
+
+namespace flashjit::kernels {
+
+}  // namespace flashjit::kernels
+
+// The first fault of the calls since the last check: {code, batch, index, value}, code 0 = none
+// (codes: params.cuh). A module global (C linkage, so the runtime finds it by this name): no
+// allocation, and it survives graph replays.
+extern "C" __device__ int flashjit_kvcache_status[4];
+__device__ int flashjit_kvcache_status[4];
+
+namespace flashjit::kernels {
+
+__device__ __forceinline__ void report_kvcache_fault(int code, int batch, int index, int value) {
+  if (atomicCAS(&flashjit_kvcache_status[0], 0, -1) == 0) {  // claim the record, then fill it
+    flashjit_kvcache_status[1] = batch;
+    flashjit_kvcache_status[2] = index;
+    flashjit_kvcache_status[3] = value;
+    __threadfence();
+    atomicExch(&flashjit_kvcache_status[0], code);
+  }
+}
+
+template <class Config>
+struct KvCacheShape {
+  using Element = typename Config::Element;
+  static constexpr int kHeadDim = Config::kHeadDim;
+  static constexpr int kBlockM = Config::kBlockM;  // packed query rows per CTA
+  static constexpr int kBlockN = Config::kBlockN;  // keys per tile
+  static constexpr int kWarps = Config::kNumWarps;
+  static constexpr int kStages = Config::kNumStages;
+  static constexpr int kThreads = kWarps * 32;
+  static constexpr int kRowWarps = Config::kRowWarps;
+  static constexpr int kKeyWarps = kWarps / kRowWarps;
+  static constexpr int kWarpRows = kBlockM / kRowWarps;
+  static constexpr int kWarpKeys = kBlockN / kKeyWarps;
+  static constexpr int kMFrags = kWarpRows / 16;
+  static constexpr int kSFrags = kWarpKeys / 8;
+  static constexpr int kOFrags = kHeadDim / 8;
+  static constexpr int kChunks = kHeadDim / 8;  // 16-byte chunks per row
+  // Threads per row when loading a tile: kChunks rounded up to a power of two (head dims 96, 160,
+  // 224 leave a few idle rather than wrap rows mid-warp).
+  static constexpr int kLoadThreadsPerRow = kChunks <= 4 ? 4 : kChunks <= 8 ? 8 : kChunks <= 16 ? 16 : 32;
+  static constexpr int kRowStride = kHeadDim + 8;
+  static constexpr int kTileBytes = kBlockN * kRowStride * 2;
+  // The key warps' merge: fp32 O rows padded by 4 floats, then (max, sum) per warp and row.
+  static constexpr int kMergeRowStride = kHeadDim + 4;
+  static constexpr int kPipelineBytes = (kBlockM + 2 * kStages * kBlockN) * kRowStride * 2;
+  static constexpr int kMergeBytes = kKeyWarps * kBlockM * kMergeRowStride * 4 + 2 * kKeyWarps * kBlockM * 4;
+  static constexpr int kSmemBytes = kPipelineBytes > kMergeBytes ? kPipelineBytes : kMergeBytes;
+
+  static_assert(kWarps % kRowWarps == 0 && kWarpRows % 16 == 0, "warps own whole m16 tiles of rows");
+  static_assert(kWarpKeys % 16 == 0, "a warp's keys are whole k16 steps of P V");
+  static_assert(kHeadDim % 16 == 0, "QK^T consumes head dims 16 at a time");
+  static_assert(kStages >= 2, "a ring of at least two K/V buffers");
+  static_assert(kBlockN % (kThreads / kLoadThreadsPerRow) == 0, "tile loads in whole passes of rows");
+  static_assert(kSmemBytes == Config::kSmemBytes, "the shared-memory layout is the size codegen launches it with");
+};
+
+// Where cache position `pos` of sequence `batch` lives: a page and a row in it. Contiguous caches
+// are one page per sequence (page = batch). `valid` is false for a page id outside the cache.
+struct CacheSlot {
+  long long page;
+  int row;
+  bool valid;
+};
+
+__device__ __forceinline__ CacheSlot cache_slot(const AttentionKvCacheParams& p, int batch, int pos) {
+  if (p.block_table == nullptr) return {batch, pos, true};
+  const int slot = pos / p.page_size;
+  const int page = p.block_table[batch * p.block_table_batch_stride + slot];
+  return {page, pos - slot * p.page_size, page >= 0 && page < p.num_pages};
+}
+
+// This sequence's keys (cache plus appended), checked against the cache's capacity; a bad length
+// is reported, and clamped so nothing past the cache is read.
+struct CacheExtent {
+  int seqlen_k;
+  bool faulty;
+};
+
+__device__ __forceinline__ CacheExtent cache_extent(const AttentionKvCacheParams& p, int batch, bool report) {
+  const int cached = p.cache_seqlens != nullptr ? p.cache_seqlens[batch] : p.capacity - p.seqlen_new;
+  const long long total = static_cast<long long>(cached) + p.seqlen_new;
+  if (cached < 0 || total > p.capacity) {
+    if (report) report_kvcache_fault(kKvCacheSeqlenOutOfRange, batch, cached, p.capacity - p.seqlen_new);
+    return {cached < 0 ? 0 : p.capacity, true};
+  }
+  return {static_cast<int>(total), false};
+}
+
+// append_kv: k_new / v_new rows into the cache at cache_seqlens[batch] + i, one 16-byte chunk of K
+// and of V per thread.
+template <class Config>
+__device__ void kvcache_append_kv_kernel(const AttentionKvCacheParams& p) {
+  using Shape = KvCacheShape<Config>;
+  using Element = typename Shape::Element;
+  const int batch = blockIdx.y;
+  const long long item = static_cast<long long>(blockIdx.x) * Shape::kThreads + threadIdx.x;
+  const int chunks = p.fwd.head_dim / 8;
+  if (item >= static_cast<long long>(p.seqlen_new) * p.fwd.num_heads_kv * chunks) return;
+  const int chunk = item % chunks;
+  const int head = (item / chunks) % p.fwd.num_heads_kv;
+  const int row = item / (chunks * p.fwd.num_heads_kv);
+  if (cache_extent(p, batch, /*report=*/false).faulty) return;  // the attention entry reports it
+  const int cached = p.cache_seqlens[batch];
+  const CacheSlot slot = cache_slot(p, batch, cached + row);
+  if (!slot.valid) {
+    report_kvcache_fault(kKvCachePageOutOfRange, batch, (cached + row) / p.page_size, static_cast<int>(slot.page));
+    return;
+  }
+  const Element* k_src = static_cast<const Element*>(p.k_new) + batch * p.k_new_batch_stride +
+                         row * p.k_new_row_stride + head * p.k_new_head_stride + chunk * 8;
+  const Element* v_src = static_cast<const Element*>(p.v_new) + batch * p.v_new_batch_stride +
+                         row * p.v_new_row_stride + head * p.v_new_head_stride + chunk * 8;
+  Element* k_dst = static_cast<Element*>(const_cast<void*>(p.fwd.k)) + slot.page * p.k_page_stride +
+                   slot.row * p.fwd.k_row_stride + head * p.fwd.k_head_stride + chunk * 8;
+  Element* v_dst = static_cast<Element*>(const_cast<void*>(p.fwd.v)) + slot.page * p.v_page_stride +
+                   slot.row * p.fwd.v_row_stride + head * p.fwd.v_head_stride + chunk * 8;
+  *reinterpret_cast<uint4*>(k_dst) = *reinterpret_cast<const uint4*>(k_src);
+  *reinterpret_cast<uint4*>(v_dst) = *reinterpret_cast<const uint4*>(v_src);
+}
+
+template <class Config>
+__device__ void kvcache_attention_kernel(const AttentionKvCacheParams& p) {
+  using Shape = KvCacheShape<Config>;
+  using Element = typename Shape::Element;
+  constexpr int kBlockM = Shape::kBlockM, kBlockN = Shape::kBlockN, kStages = Shape::kStages;
+  constexpr MaskKind kMask = Config::kMask;
+  constexpr float kLog2e = 1.4426950408889634f;
+  const AttentionFwdParams& f = p.fwd;
+
+  extern __shared__ __align__(16) unsigned char smem[];
+  require_dynamic_smem(Config::kSmemBytes);
+  const unsigned sQ = shared_address(smem);                  // (kBlockM, kRowStride)
+  const unsigned sK = sQ + kBlockM * Shape::kRowStride * 2;  // (kStages, kBlockN, kRowStride)
+  const unsigned sV = sK + kStages * Shape::kTileBytes;      // (kStages, kBlockN, kRowStride)
+
+  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+  const int split = blockIdx.x, batch = blockIdx.z;
+  const int group = f.num_heads_q / f.num_heads_kv;
+  const int packed_rows = f.seqlen_q * group;
+  const int m_blocks = (packed_rows + kBlockM - 1) / kBlockM;
+  const int kv_head = blockIdx.y / m_blocks, m0 = (blockIdx.y % m_blocks) * kBlockM;
+
+  const CacheExtent extent = cache_extent(p, batch, /*report=*/split == 0 && blockIdx.y == 0 && tid == 0);
+  const int seqlen_k = extent.seqlen_k;
+  const int diagonal = seqlen_k - f.seqlen_q;
+  // The keys any of this CTA's queries sees, in whole tiles, and this split's share of them.
+  const int q_first = m0 / group, q_last = min(f.seqlen_q - 1, (m0 + kBlockM - 1) / group);
+  KeyRange keys{0, seqlen_k};
+  if (kMask != MaskKind::kNone && f.window_right >= 0) keys.end = min(keys.end, q_last + diagonal + f.window_right + 1);
+  if (kMask == MaskKind::kWindow && f.window_left >= 0) keys.begin = max(0, q_first + diagonal - f.window_left);
+  const int tile_first = keys.begin / kBlockN;
+  const int tile_end = keys.end > keys.begin ? (keys.end + kBlockN - 1) / kBlockN : tile_first;
+  const int tiles_per_split = (tile_end - tile_first + p.num_splits - 1) / p.num_splits;
+  const int split_first = tile_first + split * tiles_per_split;
+  const int num_tiles = max(0, min(tile_end, split_first + tiles_per_split) - split_first);
+
+  // Q: packed row r is query r / group of head kv_head * group + r % group.
+  {
+    const Element* gQ = static_cast<const Element*>(f.q) + batch * f.q_batch_stride;
+    for (int i = tid; i < kBlockM * Shape::kChunks; i += Shape::kThreads) {
+      const int r = i / Shape::kChunks, chunk = i % Shape::kChunks, row = m0 + r;
+      const bool valid = row < packed_rows && chunk * 8 < f.head_dim;
+      const Element* src = valid ? gQ + (row / group) * f.q_row_stride +
+                                       (kv_head * group + row % group) * f.q_head_stride + chunk * 8
+                                 : gQ;
+      cp_async_16(sQ + (r * Shape::kRowStride + chunk * 8) * 2, src, valid);
+    }
+  }
+  // K and V tile `t` of this split into ring buffer `buffer`, gathered through the block table. A
+  // thread loads one 16-byte column chunk of kLoadPasses rows; the page ids of its rows in the next
+  // tile are read right after a tile's loads are issued, so their latency passes during the compute
+  // instead of delaying the next tile's loads.
+  constexpr int kThreadsPerRow = Shape::kLoadThreadsPerRow, kRowsPerPass = Shape::kThreads / kThreadsPerRow;
+  constexpr int kLoadPasses = kBlockN / kRowsPerPass;
+  const int load_chunk = tid % kThreadsPerRow, load_row0 = tid / kThreadsPerRow;
+  const bool loads_column = load_chunk < Shape::kChunks && load_chunk * 8 < f.head_dim;
+  int pages[kLoadPasses];  // page ids of this thread's rows in the next tile to load
+  auto fetch_pages = [&](int t) {
+#pragma unroll
+    for (int pass = 0; pass < kLoadPasses; ++pass) {
+      const int pos = (split_first + t) * kBlockN + load_row0 + pass * kRowsPerPass;
+      pages[pass] = p.block_table == nullptr || pos >= seqlen_k || t >= num_tiles
+                        ? batch
+                        : p.block_table[batch * p.block_table_batch_stride + pos / p.page_size];
+    }
+  };
+  bool read_bad_page = false;
+  auto load_kv = [&](int t, int buffer) {
+    const int n0 = (split_first + t) * kBlockN;
+    const Element* gK = static_cast<const Element*>(f.k) + kv_head * f.k_head_stride + load_chunk * 8;
+    const Element* gV = static_cast<const Element*>(f.v) + kv_head * f.v_head_stride + load_chunk * 8;
+#pragma unroll
+    for (int pass = 0; pass < kLoadPasses; ++pass) {
+      const int r = load_row0 + pass * kRowsPerPass, pos = n0 + r;
+      const int page = pages[pass];
+      const bool page_valid = p.block_table == nullptr || (page >= 0 && page < p.num_pages);
+      if (pos < seqlen_k && !page_valid && !read_bad_page) {
+        read_bad_page = true;
+        report_kvcache_fault(kKvCachePageOutOfRange, batch, pos / p.page_size, page);
+      }
+      const bool valid = loads_column && pos < seqlen_k && page_valid;
+      const int row = p.block_table == nullptr ? pos : pos % p.page_size;
+      const unsigned offset = (r * Shape::kRowStride + load_chunk * 8) * 2 + buffer * Shape::kTileBytes;
+      if (load_chunk < Shape::kChunks) {
+        cp_async_16(sK + offset, valid ? gK + page * p.k_page_stride + row * f.k_row_stride : gK, valid);
+        cp_async_16(sV + offset, valid ? gV + page * p.v_page_stride + row * f.v_row_stride : gV, valid);
+      }
+    }
+    fetch_pages(t + 1);
+  };
+
+  RowStatistics<Shape> st;
+  st.reset();
+  float o[Shape::kMFrags][Shape::kOFrags][4];  // (kWarpRows, kHeadDim)
+  zero_fragments(o);
+  const float scale_log2 = Config::kHasSoftcap ? kLog2e : f.softmax_scale * kLog2e;
+  const float softcap_scale = Config::kHasSoftcap ? f.softmax_scale / f.softcap : 0.f;
+  const int row_warp = warp % Shape::kRowWarps, key_warp = warp / Shape::kRowWarps;
+  const int warp_row0 = row_warp * Shape::kWarpRows, warp_key0 = key_warp * Shape::kWarpKeys;
+
+  cp_async_commit();  // Q
+  fetch_pages(0);
+#pragma unroll
+  for (int i = 0; i < kStages - 1; ++i) {
+    if (i < num_tiles) load_kv(i, i);
+    cp_async_commit();
+  }
+  int buffer = 0;
+  for (int t = 0; t < num_tiles; ++t) {
+    cp_async_wait<kStages - 2>();
+    __syncthreads();  // tile t landed; every warp is done with tile t - 1's buffer
+    const int ahead = t + kStages - 1;
+    if (ahead < num_tiles) load_kv(ahead, buffer == 0 ? kStages - 1 : buffer - 1);
+    cp_async_commit();
+
+    float s[Shape::kMFrags][Shape::kSFrags][4];  // (kWarpRows, kWarpKeys)
+    zero_fragments(s);
+    const unsigned tile_k = sK + buffer * Shape::kTileBytes + warp_key0 * Shape::kRowStride * 2;
+    const unsigned tile_v = sV + buffer * Shape::kTileBytes + warp_key0 * Shape::kRowStride * 2;
+    warp_gemm_ss<Element, Shape::kMFrags, Shape::kSFrags, Shape::kHeadDim / 16, false, false>(
+        s, sQ + warp_row0 * Shape::kRowStride * 2, Shape::kRowStride, tile_k, Shape::kRowStride, lane);
+    if constexpr (Config::kHasSoftcap) {
+#pragma unroll
+      for (int mi = 0; mi < Shape::kMFrags; ++mi)
+#pragma unroll
+        for (int ni = 0; ni < Shape::kSFrags; ++ni)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) s[mi][ni][e] = f.softcap * tanh_accurate(s[mi][ni][e] * softcap_scale);
+    }
+    const int n0 = (split_first + t) * kBlockN + warp_key0;
+    const bool cut = n0 + Shape::kWarpKeys > seqlen_k ||
+                     (kMask != MaskKind::kNone && f.window_right >= 0 && n0 + Shape::kWarpKeys - 1 > q_first + diagonal + f.window_right) ||
+                     (kMask == MaskKind::kWindow && f.window_left >= 0 && n0 < q_last + diagonal - f.window_left);
+    if (cut) {
+#pragma unroll
+      for (int mi = 0; mi < Shape::kMFrags; ++mi)
+#pragma unroll
+        for (int ni = 0; ni < Shape::kSFrags; ++ni)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const int query = (m0 + warp_row0 + mi * 16 + lane / 4 + (e / 2) * 8) / group;
+            const int key = n0 + ni * 8 + (lane % 4) * 2 + e % 2;
+            if (!AttentionMask<kMask>::visible(f, query, key, seqlen_k, diagonal)) s[mi][ni][e] = -positive_infinity();
+          }
+    }
+    online_softmax<Shape>(st, o, s, scale_log2);
+    // O += P V over this warp's keys (P from the S registers: C layout of two n8 tiles = A of k16).
+#pragma unroll
+    for (int ks = 0; ks < Shape::kWarpKeys / 16; ++ks) {
+      unsigned a[Shape::kMFrags][4];
+#pragma unroll
+      for (int mi = 0; mi < Shape::kMFrags; ++mi) {
+        a[mi][0] = pack2<Element>(s[mi][2 * ks][0], s[mi][2 * ks][1]);
+        a[mi][1] = pack2<Element>(s[mi][2 * ks][2], s[mi][2 * ks][3]);
+        a[mi][2] = pack2<Element>(s[mi][2 * ks + 1][0], s[mi][2 * ks + 1][1]);
+        a[mi][3] = pack2<Element>(s[mi][2 * ks + 1][2], s[mi][2 * ks + 1][3]);
+      }
+#pragma unroll
+      for (int nd2 = 0; nd2 < Shape::kOFrags / 2; ++nd2) {
+        unsigned b[4];
+        const int key = ks * 16 + lane % 8 + ((lane / 8) % 2) * 8;
+        ldmatrix_x4_trans(b, tile_v + (key * Shape::kRowStride + (nd2 * 2 + lane / 16) * 8) * 2);
+#pragma unroll
+        for (int mi = 0; mi < Shape::kMFrags; ++mi) {
+          mma_16816<Element>(o[mi][2 * nd2], a[mi], b[0], b[1]);
+          mma_16816<Element>(o[mi][2 * nd2 + 1], a[mi], b[2], b[3]);
+        }
+      }
+    }
+    buffer = buffer == kStages - 1 ? 0 : buffer + 1;
+  }
+  cp_async_wait<0>();
+  const bool faulty = __syncthreads_or(read_bad_page || extent.faulty);  // also: every warp is done with the ring
+
+  // Merge the key warps: each stores its unnormalised O and (max, sum) per row, in natural-log
+  // units of the scaled scores.
+  float* mO = reinterpret_cast<float*>(smem);  // (kKeyWarps, kBlockM, kMergeRowStride)
+  float* mMax = mO + Shape::kKeyWarps * kBlockM * Shape::kMergeRowStride;  // (kKeyWarps, kBlockM)
+  float* mSum = mMax + Shape::kKeyWarps * kBlockM;
+#pragma unroll
+  for (int mi = 0; mi < Shape::kMFrags; ++mi)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int r = warp_row0 + mi * 16 + lane / 4 + h * 8;
+      float* row = mO + (key_warp * kBlockM + r) * Shape::kMergeRowStride;
+#pragma unroll
+      for (int nd = 0; nd < Shape::kOFrags; ++nd)
+        *reinterpret_cast<float2*>(row + nd * 8 + (lane % 4) * 2) = make_float2(o[mi][nd][2 * h], o[mi][nd][2 * h + 1]);
+      const float sum = quad_sum(st.row_sum[mi][h]);
+      if (lane % 4 == 0) {
+        const float m = st.row_max[mi][h];
+        mMax[key_warp * kBlockM + r] = m == -positive_infinity() ? m : (Config::kHasSoftcap ? m : m * f.softmax_scale);
+        mSum[key_warp * kBlockM + r] = sum;
+      }
+    }
+  __syncthreads();
+
+  const bool partial = p.num_splits > 1;
+  const float nan = __int_as_float(0x7fffffff);
+  constexpr int kQuads = Shape::kHeadDim / 4;  // each step: 4 dims of one row
+  for (int i = tid; i < kBlockM * kQuads; i += Shape::kThreads) {
+    const int r = i / kQuads, dim = (i % kQuads) * 4, row = m0 + r;
+    if (row >= packed_rows) continue;
+    float row_max = -positive_infinity();
+#pragma unroll
+    for (int w = 0; w < Shape::kKeyWarps; ++w) row_max = fmaxf(row_max, mMax[w * kBlockM + r]);
+    float sum = 0.f, acc[4] = {0.f, 0.f, 0.f, 0.f};
+    if (row_max != -positive_infinity()) {
+#pragma unroll
+      for (int w = 0; w < Shape::kKeyWarps; ++w) {
+        const float weight = __expf(mMax[w * kBlockM + r] - row_max);
+        sum += weight * mSum[w * kBlockM + r];
+        const float4 part = *reinterpret_cast<const float4*>(mO + (w * kBlockM + r) * Shape::kMergeRowStride + dim);
+        acc[0] += weight * part.x;
+        acc[1] += weight * part.y;
+        acc[2] += weight * part.z;
+        acc[3] += weight * part.w;
+      }
+    }
+    const float inv_sum = sum > 0.f ? 1.f / sum : 0.f;
+    // A row that saw no key: O = 0, and LSE +inf (final) or -inf (a partial that weighs nothing).
+    float lse = sum > 0.f ? row_max + logf(sum) : (partial ? -positive_infinity() : positive_infinity());
+    for (int e = 0; e < 4; ++e) acc[e] = faulty ? nan : acc[e] * inv_sum;
+    if (faulty) lse = nan;
+    const int query = row / group, head = kv_head * group + row % group;
+    const long long row_index = (static_cast<long long>(batch) * f.num_heads_q + head) * f.seqlen_q + query;
+    if (partial) {
+      const long long partial_row = static_cast<long long>(split) * f.batch * f.num_heads_q * f.seqlen_q + row_index;
+      *reinterpret_cast<float4*>(p.partial_o + partial_row * Shape::kHeadDim + dim) = make_float4(acc[0], acc[1], acc[2], acc[3]);
+      if (dim == 0) p.partial_lse[partial_row] = lse;
+    } else {
+      if (dim < f.head_dim) {
+        Element* gO = static_cast<Element*>(f.o) + batch * f.o_batch_stride + query * f.o_row_stride +
+                      head * f.o_head_stride + dim;
+        const unsigned lo = pack2<Element>(acc[0], acc[1]), hi = pack2<Element>(acc[2], acc[3]);
+        *reinterpret_cast<uint2*>(gO) = make_uint2(lo, hi);
+      }
+      if (dim == 0 && f.lse != nullptr) f.lse[batch * f.lse_batch_stride + head * f.lse_head_stride + query] = lse;
+    }
+  }
+}
+
+// combine: one warp per (head, query) row merges the num_splits partials in split order.
+template <class Config>
+__device__ void kvcache_combine_kernel(const AttentionKvCacheParams& p) {
+  using Shape = KvCacheShape<Config>;
+  using Element = typename Shape::Element;
+  const AttentionFwdParams& f = p.fwd;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, batch = blockIdx.y;
+  const int row = blockIdx.x * Shape::kWarps + warp;  // head * seqlen_q + query
+  if (row >= f.num_heads_q * f.seqlen_q) return;
+  const int head = row / f.seqlen_q, query = row % f.seqlen_q;
+  const long long row_index = static_cast<long long>(batch) * f.num_heads_q * f.seqlen_q + row;
+  const long long split_rows = static_cast<long long>(f.batch) * f.num_heads_q * f.seqlen_q;
+  float row_max = -positive_infinity();
+  bool any_nan = false;
+  for (int s = 0; s < p.num_splits; ++s) {
+    const float lse = p.partial_lse[s * split_rows + row_index];
+    any_nan = any_nan || lse != lse;
+    row_max = fmaxf(row_max, lse);
+  }
+  float sum = 0.f;
+  if (row_max != -positive_infinity())
+    for (int s = 0; s < p.num_splits; ++s) sum += __expf(p.partial_lse[s * split_rows + row_index] - row_max);
+  const float lse = any_nan ? __int_as_float(0x7fffffff) : sum > 0.f ? row_max + logf(sum) : positive_infinity();
+  Element* gO = static_cast<Element*>(f.o) + batch * f.o_batch_stride + query * f.o_row_stride + head * f.o_head_stride;
+  for (int dim = lane * 4; dim < f.head_dim; dim += 128) {
+    float acc[4] = {0.f, 0.f, 0.f, 0.f};
+    if (sum > 0.f)
+      for (int s = 0; s < p.num_splits; ++s) {
+        const float weight = __expf(p.partial_lse[s * split_rows + row_index] - lse);
+        const float4 part = *reinterpret_cast<const float4*>(p.partial_o + (s * split_rows + row_index) * Shape::kHeadDim + dim);
+        acc[0] += weight * part.x;
+        acc[1] += weight * part.y;
+        acc[2] += weight * part.z;
+        acc[3] += weight * part.w;
+      }
+    if (any_nan) acc[0] = acc[1] = acc[2] = acc[3] = __int_as_float(0x7fffffff);
+    *reinterpret_cast<uint2*>(gO + dim) = make_uint2(pack2<Element>(acc[0], acc[1]), pack2<Element>(acc[2], acc[3]));
+  }
+  if (lane == 0 && f.lse != nullptr) f.lse[batch * f.lse_batch_stride + head * f.lse_head_stride + query] = lse;
+}
+
+}  // namespace flashjit::kernels
