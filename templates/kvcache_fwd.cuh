@@ -91,9 +91,16 @@ struct CacheSlot {
   bool valid;
 };
 
+// The block-table column of cache position `pos` (0 for a contiguous cache), pos / page_size by
+// the host's reciprocal (a multiply-high and a shift instead of a runtime division).
+__device__ __forceinline__ int page_slot(const AttentionKvCacheParams& p, int pos) {
+  if (p.block_table == nullptr) return 0;
+  return (__umulhi(static_cast<unsigned>(pos), p.page_size_magic) + static_cast<unsigned>(pos)) >> p.page_size_shift;
+}
+
 __device__ __forceinline__ CacheSlot cache_slot(const AttentionKvCacheParams& p, int batch, int pos) {
   if (p.block_table == nullptr) return {batch, pos, true};
-  const int slot = pos / p.page_size;
+  const int slot = page_slot(p, pos);
   const int page = p.block_table[batch * p.block_table_batch_stride + slot];
   return {page, pos - slot * p.page_size, page >= 0 && page < p.num_pages};
 }
@@ -203,14 +210,17 @@ __device__ void kvcache_attention_kernel(const AttentionKvCacheParams& p) {
   constexpr int kLoadPasses = kBlockN / kRowsPerPass;
   const int load_chunk = tid % kThreadsPerRow, load_row0 = tid / kThreadsPerRow;
   const bool loads_column = load_chunk < Shape::kChunks && load_chunk * 8 < f.head_dim;
-  int pages[kLoadPasses];  // page ids of this thread's rows in the next tile to load
+  // Page ids and rows in them of this thread's rows in the next tile to load.
+  int pages[kLoadPasses], page_rows[kLoadPasses];
   auto fetch_pages = [&](int t) {
 #pragma unroll
     for (int pass = 0; pass < kLoadPasses; ++pass) {
       const int pos = (split_first + t) * kBlockN + load_row0 + pass * kRowsPerPass;
+      const int slot = page_slot(p, pos);
       pages[pass] = p.block_table == nullptr || pos >= seqlen_k || t >= num_tiles
                         ? batch
-                        : p.block_table[batch * p.block_table_batch_stride + pos / p.page_size];
+                        : p.block_table[batch * p.block_table_batch_stride + slot];
+      page_rows[pass] = pos - slot * p.page_size;
     }
   };
   bool read_bad_page = false;
@@ -228,7 +238,7 @@ __device__ void kvcache_attention_kernel(const AttentionKvCacheParams& p) {
         report_kvcache_fault(kKvCachePageOutOfRange, batch, pos / p.page_size, page);
       }
       const bool valid = loads_column && pos < seqlen_k && page_valid;
-      const int row = p.block_table == nullptr ? pos : pos % p.page_size;
+      const int row = page_rows[pass];
       const unsigned offset = (r * Shape::kRowStride + load_chunk * 8) * 2 + buffer * Shape::kTileBytes;
       if (load_chunk < Shape::kChunks) {
         cp_async_16(sK + offset, valid ? gK + page * p.k_page_stride + row * f.k_row_stride : gK, valid);

@@ -31,7 +31,7 @@ struct Options {
   std::vector<std::string> masks{"none", "causal"};
   std::string specs_file;
   std::string tuning_db;
-  std::vector<std::string> passes{"fwd", "bwd"};
+  std::vector<std::string> passes{"fwd", "bwd", "kvcache"};
   std::string cache_dir;
   int jobs = 0;
   bool check = false;
@@ -110,13 +110,18 @@ std::vector<KernelSpec> gather_specs(const Options& o) {
         for (int head_dim : o.head_dims)
           for (MaskKind mask : cli::parse_masks(o.masks))
             for (const auto& pass : o.passes) {
+              if (pass == "kvcache") {  // forward_kvcache: decode and longer query tiles
+                for (const KernelSpec& s : heuristic_kvcache_specs(arch, dtype, head_dim, mask)) specs.push_back(s);
+                continue;
+              }
               KernelSpec heuristic;
               if (pass == "fwd")
                 heuristic = heuristic_forward_spec(arch, dtype, head_dim, mask);
               else if (pass == "bwd")
                 heuristic = heuristic_backward_spec(arch, dtype, head_dim, mask);
               else
-                throw Error(ErrorCode::invalid_argument, "--passes", fmt::format("'{}' is not fwd or bwd", pass));
+                throw Error(ErrorCode::invalid_argument, "--passes",
+                            fmt::format("'{}' is not fwd, bwd or kvcache", pass));
               specs.push_back(heuristic);
               // Where the bundled database overrides the heuristic (the H200's tuned tiles), its
               // picks too: dispatch runs them for the shapes they were tuned on.
@@ -254,7 +259,7 @@ int main(int argc, char** argv) {
   CLI::App app{"Compile flashjit kernels into the disk cache ahead of time (no GPU needed)", kTool};
   app.footer(
       "Examples:\n"
-      "  flashjit-warm --arch sm_90a --preset default     forward and backward kernels\n"
+      "  flashjit-warm --arch sm_90a --preset default     forward, backward and KV-cache kernels\n"
       "      the kernels dispatch picks by default for head dims 64/128/256, bf16 and fp16\n"
       "  flashjit-warm --arch sm_80 --arch sm_90a --preset default --head-dims 128 --dtypes bf16\n"
       "  flashjit-warm --specs specs.json --cache-dir /opt/app/flashjit-cache\n"
@@ -266,7 +271,7 @@ int main(int argc, char** argv) {
   app.add_option("--head-dims", o.head_dims, "Head dims for the preset")->delimiter(',')->check(cli::kHeadDimCheck);
   app.add_option("--dtypes", o.dtypes, "Dtypes for the preset (bf16, fp16)")->delimiter(',');
   app.add_option("--masks", o.masks, "Mask kinds for the preset (none, causal, window)")->delimiter(',');
-  app.add_option("--passes", o.passes, "Passes for the preset (fwd, bwd)")->delimiter(',');
+  app.add_option("--passes", o.passes, "Passes for the preset (fwd, bwd, kvcache: forward_kvcache's decode tiles)")->delimiter(',');
   app.add_option("--specs", o.specs_file, "JSON file: an array of kernel specs");
   app.add_option("--tuning-db", o.tuning_db, "Tuning database (flashjit-tune): its winners and runner-ups");
   app.add_option("--cache-dir", o.cache_dir, "Cache directory (default: FLASHJIT_CACHE_DIR or ~/.cache/flashjit)");

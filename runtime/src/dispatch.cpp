@@ -232,6 +232,20 @@ KernelSpec heuristic_backward_spec(const Arch& arch, DType dtype, int head_dim, 
   return heuristic_spec_of(detail::Pass::backward, arch, dtype, head_dim, mask, has_softcap);
 }
 
+std::vector<KernelSpec> heuristic_kvcache_specs(const Arch& arch, DType dtype, int head_dim, MaskKind mask,
+                                                bool has_softcap) {
+  std::vector<KernelSpec> specs;
+  for (int packed_rows : {16, 32, 64}) {  // one query token of a group of this many heads
+    detail::KvCacheProblem kvcache;
+    kvcache.forward = common_problem(dtype, head_dim, mask, has_softcap);
+    kvcache.forward.heads_q = packed_rows;
+    const detail::PassProblem planned{detail::Pass::kvcache, kvcache.forward, nullptr, &kvcache};
+    const KernelSpec spec = detail::heuristic_spec(*detail::usable_families(planned, arch).front(), planned, arch);
+    if (std::find(specs.begin(), specs.end(), spec) == specs.end()) specs.push_back(spec);
+  }
+  return specs;
+}
+
 std::vector<KernelSpec> bundled_tuned_specs(const KernelSpec& heuristic) {
   std::vector<KernelSpec> specs;
   for (const TunedEntry& e : bundled_tuning_db().entries()) {

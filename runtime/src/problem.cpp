@@ -463,6 +463,14 @@ KvCacheProblem make_kvcache_problem(const TensorView& q, const KvCache& cache, c
       a.block_table_batch_stride = table.strides[0];
       a.num_pages = to_int(kc.shape[0], "num_pages");
       a.page_size = to_int(kc.shape[1], "page_size");
+      // Division by the page size as a multiply-high and a shift (round-up reciprocal, exact for
+      // dividends below 2^31): shift = ceil(log2(page_size)), magic = ceil(2^(32 + shift) / page_size).
+      int shift = 0;
+      while ((int64_t(1) << shift) < a.page_size) ++shift;
+      a.page_size_shift = shift;
+      a.page_size_magic = a.page_size == 1 ? 0u
+                                           : static_cast<unsigned>(((uint64_t(1) << (32 + shift)) + a.page_size - 1) /
+                                                                   a.page_size - (uint64_t(1) << 32));
     } else {
       if (kc.shape[0] != batch)
         throw bad(fmt::format("k_cache: batch {} differs from q's {} (a contiguous cache holds one sequence per row; "

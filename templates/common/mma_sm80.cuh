@@ -21,12 +21,6 @@ __device__ __forceinline__ void cp_async_16(unsigned smem, const void* gmem, boo
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem), "l"(gmem),
                "r"(valid ? 16 : 0));
 }
-// The same, asking the L2 to fetch the whole 256-byte block around it (streams of rows that will
-// all be read: one DRAM burst instead of several).
-__device__ __forceinline__ void cp_async_16_prefetch_l2(unsigned smem, const void* gmem, bool valid) {
-  asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16, %2;\n" ::"r"(smem), "l"(gmem),
-               "r"(valid ? 16 : 0));
-}
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 template <int kPending>
 __device__ __forceinline__ void cp_async_wait() {

@@ -123,6 +123,9 @@ struct AttentionKvCacheParams {
   const int* block_table;  // null: contiguous
   long long block_table_batch_stride;
   int page_size;           // tokens per page (contiguous: the capacity)
+  // pos / page_size as (umulhi(pos, magic) >> shift) for pos < 2^31 (magic 0: page_size 1).
+  unsigned page_size_magic;
+  int page_size_shift;
   int num_pages;           // page ids must lie in [0, num_pages)
   int capacity;            // tokens one sequence can hold: page_size * max_pages, or the cache's rows
   long long k_page_stride, v_page_stride;

@@ -12,7 +12,7 @@ if not torch.cuda.is_available():
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "python"))
 import flashjit  # noqa: E402
-from flashjit import flash_attn_func, flash_attn_varlen_func  # noqa: E402
+from flashjit import flash_attn_func, flash_attn_varlen_func, flash_attn_with_kvcache  # noqa: E402
 
 
 def reference(q, k, v, causal=False, window=(-1, -1), softcap=0.0, scale=None):
@@ -308,3 +308,82 @@ def test_hopper_and_fa2_backends_agree_and_sm_margin():
         flash_attn_func(q, k, v, sm_margin=-1)
     with pytest.raises(ValueError, match="sm_margin"):
         flash_attn_func(q, k, v, backend="sm90", sm_margin=sms)
+
+
+# flash_attn_with_kvcache: decode over contiguous and paged caches, appending, graphs, faults.
+
+def paged_cache(k, page_size):
+    """(b, s, h, d) -> pages (shuffled) and a block table."""
+    b, s, h, d = k.shape
+    pages_per_seq = s // page_size
+    order = torch.randperm(b * pages_per_seq, device=k.device)
+    pages = torch.empty(b * pages_per_seq, page_size, h, d, dtype=k.dtype, device=k.device)
+    pages[order] = k.reshape(b * pages_per_seq, page_size, h, d)
+    return pages, order.view(b, pages_per_seq).to(torch.int32)
+
+
+@pytest.mark.parametrize("page_size", [0, 1, 16, 64])
+@pytest.mark.parametrize("seqlen_q,causal", [(1, False), (4, True)])
+def test_kvcache_matches_reference(page_size, seqlen_q, causal):
+    torch.manual_seed(page_size + seqlen_q)
+    b, s, hq, hkv, d = 3, 256, 16, 4, 128
+    q = torch.randn(b, seqlen_q, hq, d, dtype=torch.bfloat16, device="cuda")
+    k = torch.randn(b, s, hkv, d, dtype=torch.bfloat16, device="cuda")
+    v = torch.randn_like(k)
+    lens = torch.tensor([0, 100, 256], dtype=torch.int32, device="cuda")
+    if page_size:
+        kc, table = paged_cache(k, page_size)
+        vc = torch.empty_like(kc)
+        vc[table.view(-1).long()] = v.reshape(-1, page_size, hkv, d)
+    else:
+        kc, vc, table = k, v, None
+    out, lse = flash_attn_with_kvcache(q, kc, vc, cache_seqlens=lens, block_table=table, causal=causal,
+                                       return_softmax_lse=True)
+    for i, n in enumerate(lens.tolist()):
+        want, want_lse = reference(q[i:i + 1], k[i:i + 1, :n], v[i:i + 1, :n], causal=causal)
+        if n == 0:
+            assert (out[i] == 0).all() and torch.isinf(lse[i]).all()
+            continue
+        assert_close(out[i:i + 1], want, torch.bfloat16)
+        assert torch.allclose(lse[i:i + 1], want_lse, atol=1e-3)
+
+
+def test_kvcache_append_then_graph_replay():
+    torch.manual_seed(5)
+    b, hq, hkv, d, cap = 2, 8, 2, 64, 128
+    k_cache = torch.randn(b, cap, hkv, d, dtype=torch.float16, device="cuda")
+    v_cache = torch.randn_like(k_cache)
+    q = torch.randn(b, 1, hq, d, dtype=torch.float16, device="cuda")
+    k_new = torch.randn(b, 1, hkv, d, dtype=torch.float16, device="cuda")
+    v_new = torch.randn_like(k_new)
+    lens = torch.tensor([5, 60], dtype=torch.int32, device="cuda")
+    flash_attn_with_kvcache(q, k_cache, v_cache, k=k_new, v=v_new, cache_seqlens=lens, causal=True)  # warm
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = flash_attn_with_kvcache(q, k_cache, v_cache, k=k_new, v=v_new, cache_seqlens=lens, causal=True)
+    for step in range(3):
+        lens.copy_(torch.tensor([10 + step, 100 - step], dtype=torch.int32))
+        k_new.normal_()
+        v_new.normal_()
+        graph.replay()
+        torch.cuda.synchronize()
+        for i, n in enumerate(lens.tolist()):
+            assert torch.equal(k_cache[i, n], k_new[i, 0]) and torch.equal(v_cache[i, n], v_new[i, 0])
+            want, _ = reference(q[i:i + 1], k_cache[i:i + 1, :n + 1], v_cache[i:i + 1, :n + 1], causal=True)
+            assert_close(out[i:i + 1], want, torch.float16)
+    flashjit.check_kvcache()
+
+
+def test_kvcache_faults_and_argument_errors():
+    q = torch.randn(1, 1, 4, 64, dtype=torch.bfloat16, device="cuda")
+    kc = torch.randn(4, 16, 1, 64, dtype=torch.bfloat16, device="cuda")
+    table = torch.tensor([[0, 99]], dtype=torch.int32, device="cuda")
+    out = flash_attn_with_kvcache(q, kc, kc, cache_seqlens=torch.tensor([20], dtype=torch.int32, device="cuda"),
+                                  block_table=table)
+    with pytest.raises(ValueError, match=r"block_table\[0\]\[1\] is 99"):
+        flashjit.check_kvcache()
+    assert torch.isnan(out.float()).all()
+    with pytest.raises(ValueError, match="block_table: expected dtype int32"):
+        flash_attn_with_kvcache(q, kc, kc, cache_seqlens=1, block_table=table.float())
+    with pytest.raises(ValueError, match="k and v"):
+        flash_attn_with_kvcache(q, kc, kc, k=q)

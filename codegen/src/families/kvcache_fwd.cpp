@@ -56,14 +56,17 @@ std::optional<std::string> validate_tiles(const KernelSpec& s) {
 
 // The decode tile: 16 packed rows (one query of a group of up to 16 heads, or a few queries of a
 // smaller group), four warps over 64-key tiles, three buffers: two CTAs per SM on Hopper and sm_80
-// up to head dim 128 keep four tiles in flight per SM. Dispatch widens block_m for longer queries.
+// up to head dim 128. Where shared memory is short, fewer buffers, then 32-key tiles (over two key
+// warps, so 32 rows). Dispatch widens block_m for longer queries (runtime/src/families).
 void set_default_tiles(KernelSpec& s) {
-  s.block_m = 16;
-  s.block_n = 64;
   s.num_warps = 4;
-  s.num_stages = 3;
-  while (s.num_stages > 2 && smem_bytes(s) > max_smem_per_block(s.arch)) --s.num_stages;
-  if (smem_bytes(s) > max_smem_per_block(s.arch)) s.block_n = 32;
+  for (int block_m : {16, 32})
+    for (auto [block_n, stages] : {std::pair{64, 3}, {64, 2}, {32, 4}, {32, 3}, {32, 2}}) {
+      s.block_m = block_m;
+      s.block_n = block_n;
+      s.num_stages = stages;
+      if (!validate_tiles(s)) return;
+    }
 }
 
 int threads(const KernelSpec& s) { return 32 * s.num_warps; }

@@ -16,6 +16,12 @@ KernelSpec heuristic_forward_spec(const Arch& arch, DType dtype, int head_dim, M
 KernelSpec heuristic_backward_spec(const Arch& arch, DType dtype, int head_dim, MaskKind mask,
                                    bool has_softcap = false);
 
+// The kvcache_fwd specs forward_kvcache's heuristic picks on `arch`: the decode tile (up to 16
+// packed query rows per KV head), and the taller ones of longer queries or larger GQA groups (32,
+// then 64 rows: speculative verification, chunked prefill). Each spec once.
+std::vector<KernelSpec> heuristic_kvcache_specs(const Arch& arch, DType dtype, int head_dim, MaskKind mask,
+                                                bool has_softcap = false);
+
 // The bundled tuning database's winners of the same kind as `heuristic` (family, arch, dtype,
 // kernel head dim, mask, softcap): what dispatch runs instead of it on the GPUs the database was
 // tuned on, for some sequence lengths and batch sizes. Each spec once, in database order.

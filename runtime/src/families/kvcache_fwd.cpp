@@ -18,21 +18,23 @@ namespace flashjit::detail {
 
 int choose_kv_splits(long long ctas, int resident_ctas_per_sm, int sm_count, int key_tiles, int requested) {
   if (requested > 0) return std::clamp(requested, 1, std::max(1, key_tiles));
-  // Reading the cache at the memory's speed takes every SM's resident slots: split until the CTAs
-  // fill them, choosing the count whose last wave is fullest (a wave half full costs as much as a
-  // full one), and keep at least four tiles per split so the pipeline's start and the partials'
-  // merge stay small beside it. Ties go to fewer splits.
-  const long long slots = static_cast<long long>(resident_ctas_per_sm) * sm_count;
-  if (ctas >= slots) return 1;
-  const int most = static_cast<int>(std::clamp<long long>(key_tiles / 4, 1, kMaxKvSplits));
+  // Reading the cache at the memory's speed takes every SM's resident slots. A split count s runs
+  // ceil(ctas * s / slots) waves of CTAs that each stream key_tiles / s tiles plus a fixed cost of
+  // about two tiles (the pipeline's fill, the merge and the partials' write): the count with the
+  // shortest estimate wins, ties going to fewer splits. Fitted on the H200 (bench/results/
+  // decode_splits_h200.json): batch 16 x 16k keys wants 2 (the 33 that fill the slots exactly ran
+  // 18% slower), batch 1 x 4k wants 32.
+  constexpr double kFixedTilesPerCta = 2.0;
+  const long long slots = std::max(1ll, static_cast<long long>(resident_ctas_per_sm) * sm_count);
+  const int most = std::clamp(key_tiles / 2, 1, kMaxKvSplits);
   int best = 1;
-  double best_efficiency = 0;
+  double best_time = 1e300;
   for (int splits = 1; splits <= most; ++splits) {
-    const double waves = static_cast<double>(ctas * splits) / slots;
-    const double efficiency = waves / std::ceil(waves);  // the busy share of the slots over the waves
-    if (efficiency > best_efficiency + 0.02) {
+    const long long waves = (ctas * splits + slots - 1) / slots;
+    const double time = static_cast<double>(waves) * (static_cast<double>(key_tiles) / splits + kFixedTilesPerCta);
+    if (time < best_time * 0.999) {
       best = splits;
-      best_efficiency = efficiency;
+      best_time = time;
     }
   }
   return best;
@@ -82,13 +84,22 @@ std::vector<KernelSpec> tuning_candidates(const KernelSpec& base) {
 }
 
 // The packed rows of one KV head (queries x group) in as few m16 tiles as hold them, up to 64 per
-// CTA; fewer buffers where the taller tile leaves too little shared memory for three.
+// CTA, with the deepest ring and longest key tile that fit beside them (the default spec's when
+// none does).
 void fit_to_problem(KernelSpec& spec, const PassProblem& problem) {
   const ForwardProblem& f = problem.forward;
   const long long rows = static_cast<long long>(f.seqlen_q) * (f.heads_q / std::max(1, f.heads_kv));
-  spec.block_m = rows <= 16 ? 16 : rows <= 32 ? 32 : 64;
-  while (spec.validate() && spec.num_stages > 2) --spec.num_stages;
-  if (spec.validate()) spec.block_n = 32;
+  KernelSpec fitted = spec;
+  fitted.block_m = rows <= 16 ? 16 : rows <= 32 ? 32 : 64;
+  if (fitted.block_m <= spec.block_m) return;  // the default's rows already hold them
+  for (auto [block_n, stages] : {std::pair{64, 3}, {64, 2}, {32, 4}, {32, 3}, {32, 2}}) {
+    fitted.block_n = block_n;
+    fitted.num_stages = stages;
+    if (!fitted.validate()) {
+      spec = fitted;
+      return;
+    }
+  }
 }
 
 void run(const FamilyCall& call) {

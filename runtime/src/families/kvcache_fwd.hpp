@@ -6,7 +6,8 @@
 namespace flashjit::detail {
 
 // Key-range splits of a decode call (flash-decoding): `requested` when the caller forces it (1
-// to key_tiles), else enough to give the resident CTA slots of every SM work twice over.
+// to key_tiles), else the count that streams `ctas` CTAs' key_tiles tiles through the device's
+// resident CTA slots in the least time.
 constexpr int kMaxKvSplits = 128;
 int choose_kv_splits(long long ctas, int resident_ctas_per_sm, int sm_count, int key_tiles, int requested);
 

@@ -1,0 +1,151 @@
+// forward_kvcache's host side without a GPU: argument checks (each names what is wrong), the split
+// choice, and the kvcache_fwd specs dispatch and flashjit-warm's preset pick.
+#include <catch2/catch.hpp>
+
+#include "families/kvcache_fwd.hpp"
+#include "flashjit/codegen/render.hpp"
+#include "flashjit/dispatch.hpp"
+#include "problem.hpp"
+
+using namespace flashjit;
+
+namespace {
+
+// Views over a fake, aligned device address: the checks here run before any pointer is touched.
+void* fake(size_t offset = 0) { return reinterpret_cast<void*>(uintptr_t(1) << 32 | offset); }
+
+struct Paged {
+  TensorView q = TensorView::contiguous(fake(), ScalarType::bfloat16, {2, 1, 8, 128});
+  TensorView out = TensorView::contiguous(fake(), ScalarType::bfloat16, {2, 1, 8, 128});
+  TensorView table = TensorView::contiguous(fake(), ScalarType::int32, {2, 4});
+  TensorView seqlens = TensorView::contiguous(fake(), ScalarType::int32, {2});
+  TensorView k_new = TensorView::contiguous(fake(), ScalarType::bfloat16, {2, 1, 2, 128});
+  KvCache cache;
+  Paged() {
+    cache.k_cache = TensorView::contiguous(fake(), ScalarType::bfloat16, {16, 16, 2, 128});
+    cache.v_cache = cache.k_cache;
+    cache.block_table = &table;
+    cache.cache_seqlens = &seqlens;
+  }
+  detail::KvCacheProblem problem() const { return detail::make_kvcache_problem(q, cache, out, nullptr, {}); }
+};
+
+}  // namespace
+
+TEST_CASE("kvcache: a paged problem's addressing", "[api]") {
+  Paged p;
+  const auto problem = p.problem();
+  CHECK(problem.is_paged);
+  CHECK(problem.params.page_size == 16);
+  CHECK(problem.params.num_pages == 16);
+  CHECK(problem.params.capacity == 64);  // 4 pages of 16 per sequence
+  CHECK(problem.forward.seqlen_k == 64);
+  CHECK(problem.params.k_page_stride == 16 * 2 * 128);
+  CHECK(problem.params.fwd.k_row_stride == 2 * 128);
+  CHECK(problem.params.fwd.k_head_stride == 128);
+}
+
+TEST_CASE("kvcache: bad arguments name the argument and what was expected", "[api]") {
+  auto fails_with = [](const Paged& p, const char* what) {
+    CHECK_THROWS_WITH(p.problem(), Catch::Contains(what) && Catch::Contains("forward_kvcache"));
+  };
+  {
+    Paged p;
+    p.table.shape[0] = 3;
+    fails_with(p, "block_table: 3 rows, but q has batch 2");
+  }
+  {
+    Paged p;
+    p.table.dtype = ScalarType::float32;
+    fails_with(p, "block_table: expected dtype int32, got float32");
+  }
+  {
+    Paged p;
+    p.seqlens.shape[0] = 5;
+    fails_with(p, "cache_seqlens: 5 entries, but q has batch 2");
+  }
+  {
+    Paged p;
+    p.cache.v_cache.shape[2] = 4;
+    fails_with(p, "v_cache: expected shape (16, 16, 2, 128)");
+  }
+  {
+    Paged p;
+    p.cache.k_cache.dtype = ScalarType::float16;
+    fails_with(p, "k_cache: dtype float16 differs from q's bfloat16");
+  }
+  {
+    Paged p;
+    p.q.shape[2] = 3;
+    fails_with(p, "heads_kv 2 must divide heads_q 3");
+  }
+  {
+    Paged p;
+    p.cache.k_new = &p.k_new;
+    fails_with(p, "k is given without v");
+  }
+  {
+    Paged p;
+    p.cache.k_new = p.cache.v_new = &p.k_new;
+    p.cache.cache_seqlens = nullptr;
+    fails_with(p, "appending new tokens needs cache_seqlens");
+  }
+  {
+    Paged p;
+    p.cache.k_cache.shape[1] = p.cache.v_cache.shape[1] = 0;
+    fails_with(p, "page_size must be at least 1");
+  }
+  {
+    Paged p;  // a contiguous cache holds one sequence per row
+    p.cache.block_table = nullptr;
+    fails_with(p, "k_cache: batch 16 differs from q's 2");
+  }
+  {
+    Paged p;
+    p.cache.k_cache.strides[2] = 130;
+    fails_with(p, "k_cache: stride 130 of dim 2 is not a multiple of 8");
+  }
+}
+
+TEST_CASE("kvcache: splits fill the resident slots in the fewest waves", "[dispatch]") {
+  using detail::choose_kv_splits;
+  // H200, the decode tile at head dim 128: 2 CTAs per SM, 132 SMs; 64-key tiles.
+  CHECK(choose_kv_splits(8, 2, 132, 64, 0) == 32);      // batch 1, 8 KV heads, 4k keys
+  CHECK(choose_kv_splits(8, 2, 132, 1024, 0) == 33);    // batch 1, 64k keys: the slots filled exactly
+  CHECK(choose_kv_splits(128, 2, 132, 256, 0) == 2);    // batch 16, 16k keys: not 33 splits
+  CHECK(choose_kv_splits(512, 2, 132, 64, 0) == 1);     // batch 64: enough CTAs already
+  CHECK(choose_kv_splits(8, 2, 132, 1, 0) == 1);        // one tile: nothing to split
+  CHECK(choose_kv_splits(8, 2, 132, 64, 7) == 7);       // forced
+  CHECK(choose_kv_splits(8, 2, 132, 3, 50) == 3);       // forced, at most one tile per split
+  for (int tiles : {1, 2, 7, 64, 1000, 100000})
+    for (long long ctas : {1ll, 8ll, 100ll, 10000ll}) {
+      const int splits = choose_kv_splits(ctas, 2, 132, tiles, 0);
+      CHECK(splits >= 1);
+      CHECK(splits <= std::max(1, std::min(tiles / 2, detail::kMaxKvSplits)));
+    }
+}
+
+TEST_CASE("kvcache: the specs dispatch picks are legal on every arch", "[spec]") {
+  for (const char* arch_name : {"sm_80", "sm_86", "sm_89", "sm_90a"})
+    for (int head_dim : {32, 64, 96, 128, 160, 192, 224, 256})
+      for (MaskKind mask : {MaskKind::none, MaskKind::causal, MaskKind::window}) {
+        const Arch arch = Arch::parse(arch_name);
+        INFO(arch_name << " d" << head_dim);
+        const auto specs = heuristic_kvcache_specs(arch, DType::bf16, head_dim, mask);
+        REQUIRE(!specs.empty());
+        for (const KernelSpec& s : specs) {
+          INFO(s.name());
+          CHECK(s.family == Family::kvcache_fwd);
+          CHECK_FALSE(s.validate());
+          const KernelLayout layout = kernel_layout(s);
+          CHECK(layout.threads == 32 * s.num_warps);
+          CHECK(layout.entry_index("attention") < layout.entries.size());
+        }
+        CHECK(specs.front().block_m <= 32);  // the decode tile first
+      }
+  const auto hopper = heuristic_kvcache_specs(Arch::parse("sm_90a"), DType::bf16, 128, MaskKind::none);
+  REQUIRE(hopper.size() == 3);
+  CHECK(hopper[0].name() == "kvcache_fwd_bf16_d128_m16n64w4s3_sm90a");
+  CHECK(hopper[1].block_m == 32);
+  CHECK(hopper[2].block_m == 64);
+}
