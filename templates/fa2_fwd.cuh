@@ -79,37 +79,6 @@ __device__ __forceinline__ void warp_scores(float (&s)[Shape::kMFrags][Shape::kS
   }
 }
 
-// O += P V, P converted from the S registers (the C layout of two n8 tiles is the A layout of one
-// k16 step).
-template <class Shape>
-__device__ __forceinline__ void warp_accumulate_pv(float (&o)[Shape::kMFrags][Shape::kOFrags][4],
-                                                   const float (&s)[Shape::kMFrags][Shape::kSFrags][4],
-                                                   unsigned sV, int lane) {
-  using Element = typename Shape::Element;
-#pragma unroll
-  for (int ks = 0; ks < Shape::kBlockN / 16; ++ks) {
-    unsigned a[Shape::kMFrags][4];
-#pragma unroll
-    for (int mi = 0; mi < Shape::kMFrags; ++mi) {
-      a[mi][0] = pack2<Element>(s[mi][2 * ks][0], s[mi][2 * ks][1]);
-      a[mi][1] = pack2<Element>(s[mi][2 * ks][2], s[mi][2 * ks][3]);
-      a[mi][2] = pack2<Element>(s[mi][2 * ks + 1][0], s[mi][2 * ks + 1][1]);
-      a[mi][3] = pack2<Element>(s[mi][2 * ks + 1][2], s[mi][2 * ks + 1][3]);
-    }
-#pragma unroll
-    for (int nd2 = 0; nd2 < Shape::kOFrags / 2; ++nd2) {
-      unsigned b[4];
-      const int key = ks * 16 + lane % 8 + ((lane / 8) % 2) * 8;
-      ldmatrix_x4_trans(b, sV + (key * Shape::kRowStride + (nd2 * 2 + lane / 16) * 8) * 2);
-#pragma unroll
-      for (int mi = 0; mi < Shape::kMFrags; ++mi) {
-        mma_16816<Element>(o[mi][2 * nd2], a[mi], b[0], b[1]);
-        mma_16816<Element>(o[mi][2 * nd2 + 1], a[mi], b[2], b[3]);
-      }
-    }
-  }
-}
-
 template <class Config>
 __device__ void fa2_fwd_kernel(const AttentionFwdParams& p) {
   using Shape = Fa2FwdShape<Config>;
@@ -217,7 +186,7 @@ __device__ void fa2_fwd_kernel(const AttentionFwdParams& p) {
       __syncthreads();  // V(n) landed; every warp is done with K(n)
       if (n_block > n_block_min) load_k(n_block - 1, 0);
       cp_async_commit();
-      warp_accumulate_pv<Shape>(o, s, sV, lane);
+      warp_accumulate_pv<Element, Shape::kBlockN / 16>(o, s, sV, Shape::kRowStride, lane);
     }
   } else {
     // A ring of kStages K/V tiles: tile t + kStages - 1 loads while tile t is computed.
@@ -243,7 +212,8 @@ __device__ void fa2_fwd_kernel(const AttentionFwdParams& p) {
       cp_async_commit();
       warp_scores<Shape>(s, sQ, sK + buffer * Shape::kTileElements * 2, warp_row0, lane);
       scores_to_probabilities(n_block_max - 1 - t);
-      warp_accumulate_pv<Shape>(o, s, sV + buffer * Shape::kTileElements * 2, lane);
+      warp_accumulate_pv<Element, Shape::kBlockN / 16>(o, s, sV + buffer * Shape::kTileElements * 2,
+                                                        Shape::kRowStride, lane);
       buffer = buffer == kStages - 1 ? 0 : buffer + 1;
     }
   }

@@ -210,17 +210,14 @@ __device__ void kvcache_attention_kernel(const AttentionKvCacheParams& p) {
   constexpr int kLoadPasses = kBlockN / kRowsPerPass;
   const int load_chunk = tid % kThreadsPerRow, load_row0 = tid / kThreadsPerRow;
   const bool loads_column = load_chunk < Shape::kChunks && load_chunk * 8 < f.head_dim;
-  // Page ids and rows in them of this thread's rows in the next tile to load.
-  int pages[kLoadPasses], page_rows[kLoadPasses];
+  int pages[kLoadPasses];  // page ids of this thread's rows in the next tile to load
   auto fetch_pages = [&](int t) {
 #pragma unroll
     for (int pass = 0; pass < kLoadPasses; ++pass) {
       const int pos = (split_first + t) * kBlockN + load_row0 + pass * kRowsPerPass;
-      const int slot = page_slot(p, pos);
       pages[pass] = p.block_table == nullptr || pos >= seqlen_k || t >= num_tiles
                         ? batch
-                        : p.block_table[batch * p.block_table_batch_stride + slot];
-      page_rows[pass] = pos - slot * p.page_size;
+                        : p.block_table[batch * p.block_table_batch_stride + page_slot(p, pos)];
     }
   };
   bool read_bad_page = false;
@@ -238,7 +235,7 @@ __device__ void kvcache_attention_kernel(const AttentionKvCacheParams& p) {
         report_kvcache_fault(kKvCachePageOutOfRange, batch, pos / p.page_size, page);
       }
       const bool valid = loads_column && pos < seqlen_k && page_valid;
-      const int row = page_rows[pass];
+      const int row = pos - page_slot(p, pos) * p.page_size;  // recomputed: cheaper than a register per pass
       const unsigned offset = (r * Shape::kRowStride + load_chunk * 8) * 2 + buffer * Shape::kTileBytes;
       if (load_chunk < Shape::kChunks) {
         cp_async_16(sK + offset, valid ? gK + page * p.k_page_stride + row * f.k_row_stride : gK, valid);
@@ -303,29 +300,7 @@ __device__ void kvcache_attention_kernel(const AttentionKvCacheParams& p) {
           }
     }
     online_softmax<Shape>(st, o, s, scale_log2);
-    // O += P V over this warp's keys (P from the S registers: C layout of two n8 tiles = A of k16).
-#pragma unroll
-    for (int ks = 0; ks < Shape::kWarpKeys / 16; ++ks) {
-      unsigned a[Shape::kMFrags][4];
-#pragma unroll
-      for (int mi = 0; mi < Shape::kMFrags; ++mi) {
-        a[mi][0] = pack2<Element>(s[mi][2 * ks][0], s[mi][2 * ks][1]);
-        a[mi][1] = pack2<Element>(s[mi][2 * ks][2], s[mi][2 * ks][3]);
-        a[mi][2] = pack2<Element>(s[mi][2 * ks + 1][0], s[mi][2 * ks + 1][1]);
-        a[mi][3] = pack2<Element>(s[mi][2 * ks + 1][2], s[mi][2 * ks + 1][3]);
-      }
-#pragma unroll
-      for (int nd2 = 0; nd2 < Shape::kOFrags / 2; ++nd2) {
-        unsigned b[4];
-        const int key = ks * 16 + lane % 8 + ((lane / 8) % 2) * 8;
-        ldmatrix_x4_trans(b, tile_v + (key * Shape::kRowStride + (nd2 * 2 + lane / 16) * 8) * 2);
-#pragma unroll
-        for (int mi = 0; mi < Shape::kMFrags; ++mi) {
-          mma_16816<Element>(o[mi][2 * nd2], a[mi], b[0], b[1]);
-          mma_16816<Element>(o[mi][2 * nd2 + 1], a[mi], b[2], b[3]);
-        }
-      }
-    }
+    warp_accumulate_pv<Element, Shape::kWarpKeys / 16>(o, s, tile_v, Shape::kRowStride, lane);  // O += P V
     buffer = buffer == kStages - 1 ? 0 : buffer + 1;
   }
   cp_async_wait<0>();

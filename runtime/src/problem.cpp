@@ -136,6 +136,31 @@ int to_int(int64_t value, const char* what) {
   return static_cast<int>(value);
 }
 
+// The LSE output of a problem whose q is `q` (p.is_varlen set): float32, (heads_q, total_q) when
+// varlen, else (batch, heads_q, seqlen_q), rows contiguous.
+void bind_lse(ForwardProblem& p, const TensorView& lse, const TensorView& q) {
+  AttentionFwdParams& a = p.params;
+  const int64_t heads_q = q.shape[q.rank - 2];
+  if (lse.dtype != ScalarType::float32)
+    throw bad(fmt::format("lse: expected dtype float32, got {}", to_string(lse.dtype)));
+  if (lse.device != q.device)
+    throw bad(fmt::format("lse: on device {}, but q is on device {}", lse.device, q.device));
+  if (p.is_varlen) {
+    check_shape(lse, "lse", {heads_q, q.shape[0]}, "(heads_q, total_q)");
+    a.lse_batch_stride = 0;
+    a.lse_head_stride = lse.strides[0];
+  } else {
+    check_shape(lse, "lse", {q.shape[0], heads_q, q.shape[1]}, "(batch, heads_q, seqlen_q)");
+    a.lse_batch_stride = lse.strides[0];
+    a.lse_head_stride = lse.strides[1];
+  }
+  if (lse.strides[lse.rank - 1] != 1 && lse.shape[lse.rank - 1] > 1)
+    throw bad(fmt::format("lse: rows must be contiguous (last stride 1), got stride {}", lse.strides[lse.rank - 1]));
+  if (reinterpret_cast<uintptr_t>(lse.data) % 4 != 0)
+    throw bad(fmt::format("lse: data pointer {} is not 4-byte aligned", lse.data));
+  a.lse = static_cast<float*>(lse.data);
+}
+
 // The options' mask, scale, softcap and launch fields into `p` (its head_dim already set).
 void apply_options(ForwardProblem& p, const AttentionOptions& options) {
   if (options.window_left < -1 || options.window_right < -1)
@@ -367,27 +392,7 @@ ForwardProblem make_forward_problem(const TensorView& q, const TensorView& k, co
   }
   if (p.batch > 65535) throw bad(fmt::format("batch {} exceeds the grid limit of 65535", p.batch));
 
-  if (lse != nullptr) {
-    if (lse->dtype != ScalarType::float32)
-      throw bad(fmt::format("lse: expected dtype float32, got {}", to_string(lse->dtype)));
-    if (lse->device != q.device)
-      throw bad(fmt::format("lse: on device {}, but q is on device {}", lse->device, q.device));
-    if (p.is_varlen) {
-      check_shape(*lse, "lse", {heads_q, q.shape[0]}, "(heads_q, total_q)");
-      a.lse_batch_stride = 0;
-      a.lse_head_stride = lse->strides[0];
-    } else {
-      check_shape(*lse, "lse", {q.shape[0], heads_q, q.shape[1]}, "(batch, heads_q, seqlen_q)");
-      a.lse_batch_stride = lse->strides[0];
-      a.lse_head_stride = lse->strides[1];
-    }
-    if (lse->strides[lse->rank - 1] != 1 && lse->shape[lse->rank - 1] > 1)
-      throw bad(fmt::format("lse: rows must be contiguous (last stride 1), got stride {}",
-                            lse->strides[lse->rank - 1]));
-    if (reinterpret_cast<uintptr_t>(lse->data) % 4 != 0)
-      throw bad(fmt::format("lse: data pointer {} is not 4-byte aligned", lse->data));
-    a.lse = static_cast<float*>(lse->data);
-  }
+  if (lse != nullptr) bind_lse(p, *lse, q);
 
   apply_options(p, options);
 
@@ -522,20 +527,7 @@ KvCacheProblem make_kvcache_problem(const TensorView& q, const KvCache& cache, c
     p.heads_kv = to_int(heads_kv, "heads_kv");
     p.head_dim = static_cast<int>(head_dim);
     if (p.batch > 65535) throw bad(fmt::format("batch {} exceeds the grid limit of 65535", p.batch));
-    if (lse != nullptr) {
-      if (lse->dtype != ScalarType::float32)
-        throw bad(fmt::format("lse: expected dtype float32, got {}", to_string(lse->dtype)));
-      if (lse->device != q.device)
-        throw bad(fmt::format("lse: on device {}, but q is on device {}", lse->device, q.device));
-      check_shape(*lse, "lse", {batch, heads_q, q.shape[1]}, "(batch, heads_q, seqlen_q)");
-      if (lse->strides[2] != 1 && lse->shape[2] > 1)
-        throw bad(fmt::format("lse: rows must be contiguous (last stride 1), got stride {}", lse->strides[2]));
-      if (reinterpret_cast<uintptr_t>(lse->data) % 4 != 0)
-        throw bad(fmt::format("lse: data pointer {} is not 4-byte aligned", lse->data));
-      p.params.lse = static_cast<float*>(lse->data);
-      p.params.lse_batch_stride = lse->strides[0];
-      p.params.lse_head_stride = lse->strides[1];
-    }
+    if (lse != nullptr) bind_lse(p, *lse, q);
     apply_options(p, options);
 
     AttentionFwdParams& f = p.params;

@@ -78,6 +78,37 @@ __device__ __forceinline__ void warp_gemm_ss(float (&acc)[kMFrags][kNFrags][4], 
   }
 }
 
+// o (kMFrags m16 x kOFrags n8 tiles) += P V for one warp over kKeySteps k16 steps of keys, with P
+// converted from the warp's S accumulators (the C layout of two n8 tiles is the A layout of one
+// k16 step) and V stored k-major at sV (keys x head dims, `row_stride` elements per key).
+template <class Element, int kKeySteps, int kMFrags, int kOFrags, int kSFrags>
+__device__ __forceinline__ void warp_accumulate_pv(float (&o)[kMFrags][kOFrags][4], const float (&s)[kMFrags][kSFrags][4],
+                                                   unsigned sV, int row_stride, int lane) {
+  static_assert(kSFrags >= 2 * kKeySteps, "P covers the keys");
+#pragma unroll
+  for (int ks = 0; ks < kKeySteps; ++ks) {
+    unsigned a[kMFrags][4];
+#pragma unroll
+    for (int mi = 0; mi < kMFrags; ++mi) {
+      a[mi][0] = pack2<Element>(s[mi][2 * ks][0], s[mi][2 * ks][1]);
+      a[mi][1] = pack2<Element>(s[mi][2 * ks][2], s[mi][2 * ks][3]);
+      a[mi][2] = pack2<Element>(s[mi][2 * ks + 1][0], s[mi][2 * ks + 1][1]);
+      a[mi][3] = pack2<Element>(s[mi][2 * ks + 1][2], s[mi][2 * ks + 1][3]);
+    }
+#pragma unroll
+    for (int nd2 = 0; nd2 < kOFrags / 2; ++nd2) {
+      unsigned b[4];
+      const int key = ks * 16 + lane % 8 + ((lane / 8) % 2) * 8;
+      ldmatrix_x4_trans(b, sV + (key * row_stride + (nd2 * 2 + lane / 16) * 8) * 2);
+#pragma unroll
+      for (int mi = 0; mi < kMFrags; ++mi) {
+        mma_16816<Element>(o[mi][2 * nd2], a[mi], b[0], b[1]);
+        mma_16816<Element>(o[mi][2 * nd2 + 1], a[mi], b[2], b[3]);
+      }
+    }
+  }
+}
+
 // Traps when the launch gave less dynamic shared memory than the kernel's layout uses: the host's
 // byte formula (codegen/src/families) and the template's must agree, and a shortfall would
 // otherwise corrupt memory silently.

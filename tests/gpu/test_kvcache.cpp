@@ -309,7 +309,7 @@ TEST_CASE("kvcache: GQA ratios and query lengths, forced and chosen splits", "[k
       s.heads_q = 32;
       s.heads_kv = 32 / ratio;
       s.seqlen_q = seqlen_q;
-      s.cache_lens = {700, 33, 2048};
+      s.cache_lens = std::vector<int>{700, 33, 2048};
       s.page_size = ratio == 4 ? 16 : 0;
       s.num_splits = seqlen_q == 2 ? 1 : seqlen_q == 4 ? 5 : 0;
       s.causal = seqlen_q > 1 && ratio != 8;  // speculative verification: each draft token sees its prefix
@@ -328,7 +328,7 @@ TEST_CASE("kvcache: masks, softcap, head dims and fp16", "[kvcache]") {
       s.seqlen_q = 4;
       s.heads_q = 8;
       s.heads_kv = 1;
-      s.cache_lens = {1500, 129};
+      s.cache_lens = std::vector<int>{1500, 129};
       s.page_size = 64;
       s.causal = true;
       check_case(s, seed++);
@@ -354,7 +354,7 @@ TEST_CASE("kvcache: append new tokens in place, then attend over them", "[kvcach
       s.batch = 4;
       s.seqlen_q = seqlen_new;
       s.seqlen_new = seqlen_new;
-      s.cache_lens = {0, 15, 63, 300};  // new tokens start a page, cross one, fill one
+      s.cache_lens = std::vector<int>{0, 15, 63, 300};  // new tokens start a page, cross one, fill one
       s.page_size = page_size;
       s.causal = true;
       s.heads_q = 16;
@@ -369,13 +369,13 @@ TEST_CASE("kvcache: a 64k cache, and no cache_seqlens", "[kvcache]") {
   s.batch = 2;
   s.heads_q = 8;
   s.heads_kv = 1;
-  s.cache_lens = {65536, 3};
+  s.cache_lens = std::vector<int>{65536, 3};
   s.page_size = 16;
   check_case(s, 500);
   KvSetup full;
   full.batch = 2;
   full.capacity = 777;
-  full.cache_lens = {0, 0};
+  full.cache_lens = std::vector<int>{0, 0};
   full.pass_seqlens = false;
   check_case(full, 501);
 }
@@ -387,7 +387,7 @@ TEST_CASE("kvcache: chunked prefill against a paged cache", "[kvcache][quick]") 
   s.seqlen_new = 100;
   s.heads_q = 8;
   s.heads_kv = 2;
-  s.cache_lens = {300, 0};
+  s.cache_lens = std::vector<int>{300, 0};
   s.page_size = 16;
   s.causal = true;
   check_case(s, 600);
@@ -403,7 +403,7 @@ TEST_CASE("kvcache: splits merge in a fixed order", "[kvcache][quick]") {
   s.batch = 2;
   s.heads_q = 8;
   s.heads_kv = 2;
-  s.cache_lens = {5000, 4000};
+  s.cache_lens = std::vector<int>{5000, 4000};
   s.page_size = 16;
   s.num_splits = 7;
   KvCase c(s, 700);
@@ -417,7 +417,7 @@ TEST_CASE("kvcache: splits merge in a fixed order", "[kvcache][quick]") {
 TEST_CASE("kvcache: faults are reported, never read through", "[kvcache][quick]") {
   KvSetup s;
   s.batch = 2;
-  s.cache_lens = {40, 50};
+  s.cache_lens = std::vector<int>{40, 50};
   s.page_size = 16;
   KvCase c(s, 800);
   c.run();
@@ -486,7 +486,7 @@ TEST_CASE("kvcache: a decode step captured in a CUDA graph replays with new leng
   s.heads_q = 16;
   s.heads_kv = 2;
   s.page_size = 16;
-  s.cache_lens = {10, 31, 500};
+  s.cache_lens = std::vector<int>{10, 31, 500};
   s.capacity = 640;
   s.causal = true;
   KvCase c(s, 1000);

@@ -8,6 +8,7 @@
 #include <thread>
 
 #include "compiler.hpp"
+#include "flashjit/dispatch.hpp"
 #include "flashjit/error.hpp"
 #include "flashjit/kernel_cache.hpp"
 #include "flashjit/tuning.hpp"
@@ -28,6 +29,11 @@ std::vector<KernelSpec> sweep_specs(const Arch& arch) {
           specs.push_back(default_spec(f, arch, t, d, mask, false));
         specs.push_back(default_spec(f, arch, t, d, MaskKind::window, true));
       }
+  // forward_kvcache's dispatch widens the default (decode) tile for longer queries: its taller
+  // tiles too, with the most code (window and softcap; the dtype does not move the registers).
+  for (int d : {32, 64, 96, 128, 160, 192, 224, 256})
+    for (const KernelSpec& s : heuristic_kvcache_specs(arch, DType::bf16, d, MaskKind::window, true))
+      if (std::find(specs.begin(), specs.end(), s) == specs.end()) specs.push_back(s);
   return specs;
 }
 

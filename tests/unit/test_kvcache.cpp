@@ -45,6 +45,25 @@ TEST_CASE("kvcache: a paged problem's addressing", "[api]") {
   CHECK(problem.params.fwd.k_head_stride == 128);
 }
 
+TEST_CASE("kvcache: the page index is an exact division by the page size", "[api]") {
+  // The kernels compute pos / page_size as (umulhi(pos, magic) + pos) >> shift (kvcache_fwd.cuh).
+  for (int page_size : {1, 2, 3, 7, 16, 17, 64, 100, 256, 1000, 4096, 65536, 1 << 20}) {
+    Paged p;
+    p.cache.k_cache.shape[1] = p.cache.v_cache.shape[1] = page_size;
+    p.cache.k_cache.strides[0] = p.cache.v_cache.strides[0] = int64_t(page_size) * 2 * 128;
+    const auto problem = p.problem();
+    const uint64_t magic = problem.params.page_size_magic;
+    const int shift = problem.params.page_size_shift;
+    INFO("page_size " << page_size);
+    for (uint32_t pos : {0u, 1u, 15u, 16u, 17u, 1000u, 65535u, 65536u, 1u << 24, (1u << 31) - 1})
+      for (uint32_t n : {pos, pos + uint32_t(page_size) - 1, pos * uint32_t(page_size) % (1u << 31)}) {
+        if (n >= (1u << 31)) continue;
+        const uint32_t high = static_cast<uint32_t>((uint64_t(n) * magic) >> 32);
+        CHECK(((high + n) >> shift) == n / uint32_t(page_size));
+      }
+  }
+}
+
 TEST_CASE("kvcache: bad arguments name the argument and what was expected", "[api]") {
   auto fails_with = [](const Paged& p, const char* what) {
     CHECK_THROWS_WITH(p.problem(), Catch::Contains(what) && Catch::Contains("forward_kvcache"));

@@ -110,18 +110,20 @@ void run(const FamilyCall& call) {
   const unsigned batch = static_cast<unsigned>(f.batch);
   const int threads = call.layout().threads;
 
+  const int group = f.heads_q / f.heads_kv;
+  const unsigned m_blocks = blocks(static_cast<long long>(f.seqlen_q) * group, call.spec.block_m);
+  if (static_cast<long long>(m_blocks) * f.heads_kv > 65535)  // before anything is launched
+    throw Error(ErrorCode::invalid_argument, "forward_kvcache",
+                fmt::format("heads_kv {} x {} query tiles of {} rows exceed the grid limit of 65535", f.heads_kv,
+                            m_blocks, call.spec.block_m));
+
   if (problem.seqlen_new > 0) {
     const long long chunks = static_cast<long long>(problem.seqlen_new) * f.heads_kv * (f.head_dim / 8);
     call.launch("append_kv", Grid{blocks(chunks, threads), batch}, params);
   }
   if (f.is_empty()) return;
 
-  const int group = f.heads_q / f.heads_kv;
-  const unsigned m_blocks = blocks(static_cast<long long>(f.seqlen_q) * group, call.spec.block_m);
   const long long ctas = static_cast<long long>(m_blocks) * f.heads_kv * f.batch;
-  if (static_cast<long long>(m_blocks) * f.heads_kv > 65535)
-    throw Error(ErrorCode::invalid_argument, "forward_kvcache",
-                fmt::format("heads_kv {} x {} query tiles exceed the grid limit of 65535", f.heads_kv, m_blocks));
   const int smem = static_cast<int>(call.layout().entries[call.layout().entry_index("attention")].dynamic_smem_bytes);
   const int resident = std::max(1, std::min(call.device.smem_per_sm / (smem + 1024), 2048 / threads));
   const int key_tiles = static_cast<int>(blocks(std::max(1, f.seqlen_k), call.spec.block_n));
@@ -157,9 +159,9 @@ void check_kvcache_status(CUstream stream) {
     FLASHJIT_CU(cuMemsetD8, word, 0, sizeof(status));
     if (first) continue;
     if (status[0] == kKvCacheSeqlenOutOfRange)
-      first = fmt::format("cache_seqlens[{}] is {}: it must lie in [0, {}] (the cache's {} tokens per sequence "
-                          "less the new ones); that sequence's output rows are NaN",
-                          status[1], status[2], status[3], status[3]);
+      first = fmt::format("cache_seqlens[{}] is {}, expected 0 to {} (the tokens a sequence's cache or block_table "
+                          "holds, less this call's new ones); that sequence's output rows are NaN",
+                          status[1], status[2], status[3]);
     else if (status[0] == kKvCachePageOutOfRange)
       first = fmt::format("block_table[{}][{}] is {}, not a page id of k_cache (expected 0 <= id < num_pages); "
                           "that sequence's output rows are NaN",
