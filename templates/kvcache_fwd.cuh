@@ -178,12 +178,11 @@ __device__ void kvcache_attention_kernel(const AttentionKvCacheParams& p) {
 
   const CacheExtent extent = cache_extent(p, batch, /*report=*/split == 0 && blockIdx.y == 0 && tid == 0);
   const int seqlen_k = extent.seqlen_k;
-  const int diagonal = seqlen_k - f.seqlen_q;
   // The keys any of this CTA's queries sees, in whole tiles, and this split's share of them.
   const int q_first = m0 / group, q_last = min(f.seqlen_q - 1, (m0 + kBlockM - 1) / group);
-  KeyRange keys{0, seqlen_k};
-  if (kMask != MaskKind::kNone && f.window_right >= 0) keys.end = min(keys.end, q_last + diagonal + f.window_right + 1);
-  if (kMask == MaskKind::kWindow && f.window_left >= 0) keys.begin = max(0, q_first + diagonal - f.window_left);
+  const int q_rows = q_last - q_first + 1;
+  const AttentionMask<kMask> mask(f, f.seqlen_q, seqlen_k);
+  const KeyRange keys = mask.keys_of(f, q_first, q_rows);
   const int tile_first = keys.begin / kBlockN;
   const int tile_end = keys.end > keys.begin ? (keys.end + kBlockN - 1) / kBlockN : tile_first;
   const int tiles_per_split = (tile_end - tile_first + p.num_splits - 1) / p.num_splits;
@@ -284,10 +283,7 @@ __device__ void kvcache_attention_kernel(const AttentionKvCacheParams& p) {
           for (int e = 0; e < 4; ++e) s[mi][ni][e] = f.softcap * tanh_accurate(s[mi][ni][e] * softcap_scale);
     }
     const int n0 = (split_first + t) * kBlockN + warp_key0;
-    const bool cut = n0 + Shape::kWarpKeys > seqlen_k ||
-                     (kMask != MaskKind::kNone && f.window_right >= 0 && n0 + Shape::kWarpKeys - 1 > q_first + diagonal + f.window_right) ||
-                     (kMask == MaskKind::kWindow && f.window_left >= 0 && n0 < q_last + diagonal - f.window_left);
-    if (cut) {
+    if (mask.cuts(f, q_first, q_rows, n0, Shape::kWarpKeys)) {
 #pragma unroll
       for (int mi = 0; mi < Shape::kMFrags; ++mi)
 #pragma unroll
@@ -296,7 +292,7 @@ __device__ void kvcache_attention_kernel(const AttentionKvCacheParams& p) {
           for (int e = 0; e < 4; ++e) {
             const int query = (m0 + warp_row0 + mi * 16 + lane / 4 + (e / 2) * 8) / group;
             const int key = n0 + ni * 8 + (lane % 4) * 2 + e % 2;
-            if (!AttentionMask<kMask>::visible(f, query, key, seqlen_k, diagonal)) s[mi][ni][e] = -positive_infinity();
+            if (!mask.visible(f, query, key)) s[mi][ni][e] = -positive_infinity();
           }
     }
     online_softmax<Shape>(st, o, s, scale_log2);

@@ -48,20 +48,26 @@ Grid query_block_grid(const ForwardProblem& problem, int block_m) {
           static_cast<unsigned>(problem.batch)};
 }
 
-std::vector<KernelSpec> mma_sync_tile_candidates(const KernelSpec& base) {
+std::vector<KernelSpec> tile_grid_candidates(const KernelSpec& base, std::initializer_list<int> block_ms,
+                                             std::initializer_list<int> block_ns, std::initializer_list<int> warps,
+                                             std::initializer_list<int> stages) {
   std::vector<KernelSpec> candidates;
-  for (int block_m : {32, 64, 128, 256})
-    for (int block_n : {32, 64, 128})
-      for (int warps : {4, 8})
-        for (int stages : {1, 2, 3}) {
+  for (int block_m : block_ms)
+    for (int block_n : block_ns)
+      for (int num_warps : warps)
+        for (int num_stages : stages) {
           KernelSpec s = base;
           s.block_m = block_m;
           s.block_n = block_n;
-          s.num_warps = warps;
-          s.num_stages = stages;
+          s.num_warps = num_warps;
+          s.num_stages = num_stages;
           if (!s.validate()) candidates.push_back(s);
         }
   return candidates;
+}
+
+std::vector<KernelSpec> mma_sync_tile_candidates(const KernelSpec& base) {
+  return tile_grid_candidates(base, {32, 64, 128, 256}, {32, 64, 128}, {4, 8}, {1, 2, 3});
 }
 
 namespace {

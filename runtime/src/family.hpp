@@ -5,6 +5,7 @@
 // (family.cpp) and never name a family.
 #pragma once
 
+#include <initializer_list>
 #include <optional>
 #include <string>
 #include <string_view>
@@ -100,6 +101,12 @@ std::optional<std::string> hopper_arch_reason(Family family, const Arch& arch);
 
 // One CTA per block_m query rows of each (head, batch): the grid of the non-persistent forwards.
 Grid query_block_grid(const ForwardProblem& problem, int block_m);
+
+// The legal specs of a tile grid: `base` with every (block_m, block_n, warps, stages) of the lists
+// that validate() accepts, in that nesting order.
+std::vector<KernelSpec> tile_grid_candidates(const KernelSpec& base, std::initializer_list<int> block_ms,
+                                             std::initializer_list<int> block_ns, std::initializer_list<int> warps,
+                                             std::initializer_list<int> stages);
 
 // The mma.sync families' tile grid (block_m 32-256, block_n 32-128, 4 or 8 warps, 1-3 stages),
 // what validate() accepts of it.

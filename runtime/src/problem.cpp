@@ -136,6 +136,36 @@ int to_int(int64_t value, const char* what) {
   return static_cast<int>(value);
 }
 
+// The checks forward and forward_kvcache share: every tensor's rank, q's dtype (fp16 or bf16) and
+// device, k, v and out of q's dtype and device, a supported head dim, and heads_kv dividing heads_q.
+struct AttentionHeads {
+  int64_t head_dim, heads_q, heads_kv;
+};
+struct NamedView {
+  const TensorView* view;
+  const char* name;
+};
+AttentionHeads check_attention_tensors(const TensorView& q, NamedView k, NamedView v, const TensorView& out, int rank,
+                                       const char* q_layout, const char* kv_layout) {
+  check_rank(q, "q", rank, q_layout);
+  check_rank(*k.view, k.name, rank, kv_layout);
+  check_rank(*v.view, v.name, rank, kv_layout);
+  check_rank(out, "out", rank, q_layout);
+  if (q.dtype != ScalarType::float16 && q.dtype != ScalarType::bfloat16)
+    throw bad(fmt::format("q: expected dtype float16 or bfloat16, got {}", to_string(q.dtype)));
+  check_same(q, "q", *k.view, k.name);
+  check_same(q, "q", *v.view, v.name);
+  check_same(q, "q", out, "out");
+  if (q.device < 0) throw bad(fmt::format("q: device {} is not a CUDA device ordinal", q.device));
+  const AttentionHeads h{q.shape[rank - 1], q.shape[rank - 2], k.view->shape[rank - 2]};
+  if (h.head_dim > kMaxHeadDim || h.head_dim % 8 != 0 || h.head_dim == 0)
+    throw bad(fmt::format("q: head_dim {} is not supported (expected a multiple of 8, at most {})", h.head_dim,
+                          kMaxHeadDim));
+  if (h.heads_kv == 0 || h.heads_q % h.heads_kv != 0)
+    throw bad(fmt::format("{}: heads_kv {} must divide heads_q {} (GQA/MQA)", k.name, h.heads_kv, h.heads_q));
+  return h;
+}
+
 // The LSE output of a problem whose q is `q` (p.is_varlen set): float32, (heads_q, total_q) when
 // varlen, else (batch, heads_q, seqlen_q), rows contiguous.
 void bind_lse(ForwardProblem& p, const TensorView& lse, const TensorView& q) {
@@ -316,24 +346,8 @@ ForwardProblem make_forward_problem(const TensorView& q, const TensorView& k, co
   const int rank = p.is_varlen ? 3 : 4;
   const char* q_layout = p.is_varlen ? "(total_q, heads_q, head_dim)" : "(batch, seqlen_q, heads_q, head_dim)";
   const char* kv_layout = p.is_varlen ? "(total_k, heads_kv, head_dim)" : "(batch, seqlen_k, heads_kv, head_dim)";
-  check_rank(q, "q", rank, q_layout);
-  check_rank(k, "k", rank, kv_layout);
-  check_rank(v, "v", rank, kv_layout);
-  check_rank(out, "out", rank, q_layout);
-  if (q.dtype != ScalarType::float16 && q.dtype != ScalarType::bfloat16)
-    throw bad(fmt::format("q: expected dtype float16 or bfloat16, got {}", to_string(q.dtype)));
-  check_same(q, "q", k, "k");
-  check_same(q, "q", v, "v");
-  check_same(q, "q", out, "out");
-  if (q.device < 0) throw bad(fmt::format("q: device {} is not a CUDA device ordinal", q.device));
-
-  const int64_t head_dim = q.shape[rank - 1];
-  const int64_t heads_q = q.shape[rank - 2], heads_kv = k.shape[rank - 2];
-  if (head_dim > kMaxHeadDim || head_dim % 8 != 0 || head_dim == 0)
-    throw bad(fmt::format("q: head_dim {} is not supported (expected a multiple of 8, at most {})",
-                          head_dim, kMaxHeadDim));
-  if (heads_kv == 0 || heads_q % heads_kv != 0)
-    throw bad(fmt::format("k: heads_kv {} must divide heads_q {} (GQA/MQA)", heads_kv, heads_q));
+  const auto [head_dim, heads_q, heads_kv] =
+      check_attention_tensors(q, {&k, "k"}, {&v, "v"}, out, rank, q_layout, kv_layout);
   if (p.is_varlen) {
     check_shape(k, "k", {k.shape[0], heads_kv, head_dim}, kv_layout);
     check_shape(v, "v", {k.shape[0], heads_kv, head_dim}, kv_layout);
@@ -423,22 +437,9 @@ KvCacheProblem make_kvcache_problem(const TensorView& q, const KvCache& cache, c
     const char* q_layout = "(batch, seqlen_q, heads_q, head_dim)";
     const char* cache_layout = c.is_paged ? "(num_pages, page_size, heads_kv, head_dim)"
                                           : "(batch, seqlen_cache, heads_kv, head_dim)";
-    check_rank(q, "q", 4, q_layout);
-    check_rank(out, "out", 4, q_layout);
-    check_rank(kc, "k_cache", 4, cache_layout);
-    check_rank(vc, "v_cache", 4, cache_layout);
-    if (q.dtype != ScalarType::float16 && q.dtype != ScalarType::bfloat16)
-      throw bad(fmt::format("q: expected dtype float16 or bfloat16, got {}", to_string(q.dtype)));
-    check_same(q, "q", kc, "k_cache");
-    check_same(q, "q", vc, "v_cache");
-    check_same(q, "q", out, "out");
-    if (q.device < 0) throw bad(fmt::format("q: device {} is not a CUDA device ordinal", q.device));
-    const int64_t batch = q.shape[0], head_dim = q.shape[3], heads_q = q.shape[2], heads_kv = kc.shape[2];
-    if (head_dim > kMaxHeadDim || head_dim % 8 != 0 || head_dim == 0)
-      throw bad(fmt::format("q: head_dim {} is not supported (expected a multiple of 8, at most {})", head_dim,
-                            kMaxHeadDim));
-    if (heads_kv == 0 || heads_q % heads_kv != 0)
-      throw bad(fmt::format("k_cache: heads_kv {} must divide heads_q {} (GQA/MQA)", heads_kv, heads_q));
+    const auto [head_dim, heads_q, heads_kv] =
+        check_attention_tensors(q, {&kc, "k_cache"}, {&vc, "v_cache"}, out, 4, q_layout, cache_layout);
+    const int64_t batch = q.shape[0];
     if (kc.shape[3] != head_dim)
       throw bad(fmt::format("k_cache: head_dim {} differs from q's {}", kc.shape[3], head_dim));
     check_shape(vc, "v_cache", {kc.shape[0], kc.shape[1], heads_kv, head_dim}, "(the shape of k_cache)");

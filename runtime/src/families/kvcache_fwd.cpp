@@ -67,20 +67,9 @@ void register_status_word(const LoadedKernel& kernel, int device) {
 
 std::optional<std::string> unusable_reason(const PassProblem&, const Arch&) { return std::nullopt; }
 
+// The decode and taller query tiles over the key tiles, warps and ring depths validate() accepts.
 std::vector<KernelSpec> tuning_candidates(const KernelSpec& base) {
-  std::vector<KernelSpec> candidates;
-  for (int block_m : {16, 32, 64})
-    for (int block_n : {32, 64, 128})
-      for (int warps : {4, 8})
-        for (int stages : {2, 3, 4}) {
-          KernelSpec s = base;
-          s.block_m = block_m;
-          s.block_n = block_n;
-          s.num_warps = warps;
-          s.num_stages = stages;
-          if (!s.validate()) candidates.push_back(s);
-        }
-  return candidates;
+  return tile_grid_candidates(base, {16, 32, 64}, {32, 64, 128}, {4, 8}, {2, 3, 4});
 }
 
 // The packed rows of one KV head (queries x group) in as few m16 tiles as hold them, up to 64 per
