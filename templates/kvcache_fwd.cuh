@@ -2,32 +2,37 @@
 //   Algorithm: flash-decoding. A CTA owns kBlockM packed query rows of one KV head (row r is query
 //   r / group of query head kv_head * group + r % group, so the `group` query heads of a KV head
 //   share every K/V byte read) and one of num_splits contiguous shares of the key tiles its rows
-//   see. K/V tiles of kBlockN keys stream through a cp.async ring (kNumStages buffers, kNumStages
-//   - 1 loads in flight); keys are gathered row by row through the block table, so any page size
-//   works. The warps form kRowWarps x kKeyWarps: each owns kWarpRows rows and kWarpKeys keys of a
-//   tile and keeps its own online softmax; the key warps' (max, sum, O) are merged in shared memory
-//   at the end. With one split the CTA writes O and the LSE; with more it writes its normalised O
-//   and LSE to fp32 partials, and the combine entry merges them in split order (deterministic).
-//   append_kv copies this call's new keys and values into the cache at cache_seqlens first.
+//   see. K/V tiles of kBlockN keys stream through a ring of kNumStages buffers, two ways:
+//   - attention_tma (sm_90, head dims in 128-byte panels, pages of a whole tile or of 16+ rows that
+//     tile it): one extra warp issues TMA copies of whole tiles or pages into 128-byte-swizzled
+//     panels, the ring runs on mbarriers (kNumStages tiles in flight);
+//   - attention (any arch, any page size): the computing warps gather rows through the block table
+//     with cp.async into padded rows (kNumStages - 1 tiles in flight, a barrier per tile); sm_90's
+//     extra warp idles.
+//   The computing warps form kRowWarps x kKeyWarps: each owns kWarpRows rows and kWarpKeys keys of
+//   a tile and keeps its own online softmax; the key warps' (max, sum, O) are merged in shared
+//   memory at the end. With one split the CTA writes O and the LSE; with more it writes its
+//   normalised O and LSE to fp32 partials, and the combine entry merges them in split order
+//   (deterministic). append_kv copies this call's new keys and values into the cache at
+//   cache_seqlens first.
 //   Grids: attention (num_splits, heads_kv * ceil(seqlen_q * group / kBlockM), batch); append_kv
 //   (ceil(seqlen_new * heads_kv * kChunks / kThreads), batch); combine (ceil(heads_q * seqlen_q /
-//   kWarps), batch), a warp per row. Threads: kNumWarps * 32.
-//   Shared memory (bytes): max((kBlockM + 2 * kNumStages * kBlockN) * (kHeadDim + 8) * 2,
-//   kKeyWarps * kBlockM * (kHeadDim + 4) * 4 + 2 * kKeyWarps * kBlockM * 4).
+//   (kThreads / 32)), batch), a warp per row. Threads: (kNumWarps + 1) * 32 on sm_90, kNumWarps *
+//   32 on sm_80.
+//   Shared memory (bytes): max(2 * R + kBlockM * (kHeadDim + 8) * 2, kKeyWarps * kBlockM *
+//   (kHeadDim + 4) * 4 + 2 * kKeyWarps * kBlockM * 4) with R = kNumStages * kBlockN * (kHeadDim + 8)
+//   * 2 rounded up to 1024, plus 16 * kNumStages + 1024 on sm_90 (barriers, alignment).
 //   Faults the host cannot see without a synchronisation (a page id outside [0, num_pages), a
 //   cache_seqlens entry that is negative or leaves no room, a block table too short) are never
-//   read through: the loads are zero-filled, the batch's rows come out NaN, and the first fault is
+//   read through: those loads are skipped or zero-filled, the batch's rows come out NaN, and the first fault is
 //   recorded in flashjit_kvcache_status for Runtime::check_kvcache.
 //   Preconditions: kHeadDim % 16 == 0 and >= head_dim; head_dim % 8 == 0; 16-byte aligned bases
 //   and strides that are multiples of 8 elements (checked on the host).
 #pragma once
 
+#include "common/pipeline.cuh"
 #include "common/softmax.cuh"
 #include "common/tile_sm80.cuh"
-
-namespace flashjit::kernels {
-
-}  // namespace flashjit::kernels
 
 // The first fault of the calls since the last check: {code, batch, index, value}, code 0 = none
 // (codes: params.cuh). A module global (C linkage, so the runtime finds it by this name): no
@@ -47,15 +52,23 @@ __device__ __forceinline__ void report_kvcache_fault(int code, int batch, int in
   }
 }
 
+// Which ring layout a tile is read from: TMA's swizzled panels or cp.async's padded rows.
+template <bool kSwizzledPanels>
+struct TileLayout {
+  static constexpr bool kSwizzled = kSwizzledPanels;
+};
+
 template <class Config>
 struct KvCacheShape {
   using Element = typename Config::Element;
   static constexpr int kHeadDim = Config::kHeadDim;
   static constexpr int kBlockM = Config::kBlockM;  // packed query rows per CTA
   static constexpr int kBlockN = Config::kBlockN;  // keys per tile
-  static constexpr int kWarps = Config::kNumWarps;
+  static constexpr int kWarps = Config::kNumWarps;  // the warps that compute
   static constexpr int kStages = Config::kNumStages;
-  static constexpr int kThreads = kWarps * 32;
+  // sm_90: one more warp, which feeds the ring with TMA copies (attention_tma).
+  static constexpr bool kBulkLoads = Config::kArch >= 90;
+  static constexpr int kThreads = (kWarps + (kBulkLoads ? 1 : 0)) * 32;
   static constexpr int kRowWarps = Config::kRowWarps;
   static constexpr int kKeyWarps = kWarps / kRowWarps;
   static constexpr int kWarpRows = kBlockM / kRowWarps;
@@ -68,18 +81,28 @@ struct KvCacheShape {
   // 224 leave a few idle rather than wrap rows mid-warp).
   static constexpr int kLoadThreadsPerRow = kChunks <= 4 ? 4 : kChunks <= 8 ? 8 : kChunks <= 16 ? 16 : 32;
   static constexpr int kRowStride = kHeadDim + 8;
-  static constexpr int kTileBytes = kBlockN * kRowStride * 2;
+  static constexpr int kTileBytes = kBlockN * kRowStride * 2;  // a padded tile, as cp.async writes it
+  // TMA writes a tile as kHeadDim / 64 panels of kBlockN rows x 128 bytes, 128-byte swizzled.
+  static constexpr bool kTmaCapable = Config::kTmaCapable != 0;  // codegen's rule (attention_tma)
+  static constexpr int kPanelBytes = kBlockN * 128;
+  static constexpr int kTmaTileBytes = kBlockN * kHeadDim * 2;
+  // K's ring, V's ring (each 1024-byte aligned, for the swizzle), then Q.
+  static constexpr int kRingBytes = (kStages * kTileBytes + 1023) / 1024 * 1024;
+  static constexpr int kQBytes = kBlockM * kRowStride * 2;
+  static constexpr int kPipelineBytes = 2 * kRingBytes + kQBytes;
   // The key warps' merge: fp32 O rows padded by 4 floats, then (max, sum) per warp and row.
   static constexpr int kMergeRowStride = kHeadDim + 4;
-  static constexpr int kPipelineBytes = (kBlockM + 2 * kStages * kBlockN) * kRowStride * 2;
   static constexpr int kMergeBytes = kKeyWarps * kBlockM * kMergeRowStride * 4 + 2 * kKeyWarps * kBlockM * 4;
-  static constexpr int kSmemBytes = kPipelineBytes > kMergeBytes ? kPipelineBytes : kMergeBytes;
+  // sm_90: the ring's full and empty barriers past both (the merge never overwrites them), and
+  // 1024 bytes to align the base.
+  static constexpr int kBarrierOffset = kPipelineBytes > kMergeBytes ? kPipelineBytes : kMergeBytes;
+  static constexpr int kSmemBytes = kBarrierOffset + (kBulkLoads ? 2 * kStages * 8 + 1024 : 0);
 
   static_assert(kWarps % kRowWarps == 0 && kWarpRows % 16 == 0, "warps own whole m16 tiles of rows");
   static_assert(kWarpKeys % 16 == 0, "a warp's keys are whole k16 steps of P V");
   static_assert(kHeadDim % 16 == 0, "QK^T consumes head dims 16 at a time");
   static_assert(kStages >= 2, "a ring of at least two K/V buffers");
-  static_assert(kBlockN % (kThreads / kLoadThreadsPerRow) == 0, "tile loads in whole passes of rows");
+  static_assert(kBlockN % (kWarps * 32 / kLoadThreadsPerRow) == 0, "cp.async tile loads in whole passes of rows");
   static_assert(kSmemBytes == Config::kSmemBytes, "the shared-memory layout is the size codegen launches it with");
 };
 
@@ -154,8 +177,11 @@ __device__ void kvcache_append_kv_kernel(const AttentionKvCacheParams& p) {
   *reinterpret_cast<uint4*>(v_dst) = *reinterpret_cast<const uint4*>(v_src);
 }
 
-template <class Config>
-__device__ void kvcache_attention_kernel(const AttentionKvCacheParams& p) {
+// The attention entry's body; kViaTma: K and V come through the TMA maps (the attention_tma entry,
+// sm_90 only), otherwise through cp.async. Two kernels rather than a branch: each path gets its
+// own register allocation (together, head dim 256's taller tiles spilled).
+template <class Config, bool kViaTma>
+__device__ void kvcache_attention(const AttentionKvCacheParams& p) {
   using Shape = KvCacheShape<Config>;
   using Element = typename Shape::Element;
   constexpr int kBlockM = Shape::kBlockM, kBlockN = Shape::kBlockN, kStages = Shape::kStages;
@@ -163,11 +189,13 @@ __device__ void kvcache_attention_kernel(const AttentionKvCacheParams& p) {
   constexpr float kLog2e = 1.4426950408889634f;
   const AttentionFwdParams& f = p.fwd;
 
-  extern __shared__ __align__(16) unsigned char smem[];
+  extern __shared__ __align__(1024) unsigned char smem_base[];
   require_dynamic_smem(Config::kSmemBytes);
-  const unsigned sQ = shared_address(smem);                  // (kBlockM, kRowStride)
-  const unsigned sK = sQ + kBlockM * Shape::kRowStride * 2;  // (kStages, kBlockN, kRowStride)
-  const unsigned sV = sK + kStages * Shape::kTileBytes;      // (kStages, kBlockN, kRowStride)
+  unsigned char* smem = smem_base;
+  if constexpr (kViaTma) smem += (1024 - shared_address(smem_base) % 1024) % 1024;  // the swizzle's alignment
+  const unsigned sK = shared_address(smem);  // kStages tiles: padded (kBlockN, kRowStride) or TMA's panels
+  const unsigned sV = sK + Shape::kRingBytes;
+  const unsigned sQ = sV + Shape::kRingBytes;  // (kBlockM, kRowStride)
 
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
   const int split = blockIdx.x, batch = blockIdx.z;
@@ -189,10 +217,10 @@ __device__ void kvcache_attention_kernel(const AttentionKvCacheParams& p) {
   const int split_first = tile_first + split * tiles_per_split;
   const int num_tiles = max(0, min(tile_end, split_first + tiles_per_split) - split_first);
 
-  // Q: packed row r is query r / group of head kv_head * group + r % group.
+  // Q, by the computing warps: packed row r is query r / group of head kv_head * group + r % group.
   {
     const Element* gQ = static_cast<const Element*>(f.q) + batch * f.q_batch_stride;
-    for (int i = tid; i < kBlockM * Shape::kChunks; i += Shape::kThreads) {
+    for (int i = tid; i < kBlockM * Shape::kChunks && warp < Shape::kWarps; i += Shape::kWarps * 32) {
       const int r = i / Shape::kChunks, chunk = i % Shape::kChunks, row = m0 + r;
       const bool valid = row < packed_rows && chunk * 8 < f.head_dim;
       const Element* src = valid ? gQ + (row / group) * f.q_row_stride +
@@ -201,49 +229,6 @@ __device__ void kvcache_attention_kernel(const AttentionKvCacheParams& p) {
       cp_async_16(sQ + (r * Shape::kRowStride + chunk * 8) * 2, src, valid);
     }
   }
-  // K and V tile `t` of this split into ring buffer `buffer`, gathered through the block table. A
-  // thread loads one 16-byte column chunk of kLoadPasses rows; the page ids of its rows in the next
-  // tile are read right after a tile's loads are issued, so their latency passes during the compute
-  // instead of delaying the next tile's loads.
-  constexpr int kThreadsPerRow = Shape::kLoadThreadsPerRow, kRowsPerPass = Shape::kThreads / kThreadsPerRow;
-  constexpr int kLoadPasses = kBlockN / kRowsPerPass;
-  const int load_chunk = tid % kThreadsPerRow, load_row0 = tid / kThreadsPerRow;
-  const bool loads_column = load_chunk < Shape::kChunks && load_chunk * 8 < f.head_dim;
-  int pages[kLoadPasses];  // page ids of this thread's rows in the next tile to load
-  auto fetch_pages = [&](int t) {
-#pragma unroll
-    for (int pass = 0; pass < kLoadPasses; ++pass) {
-      const int pos = (split_first + t) * kBlockN + load_row0 + pass * kRowsPerPass;
-      pages[pass] = p.block_table == nullptr || pos >= seqlen_k || t >= num_tiles
-                        ? batch
-                        : p.block_table[batch * p.block_table_batch_stride + page_slot(p, pos)];
-    }
-  };
-  bool read_bad_page = false;
-  auto load_kv = [&](int t, int buffer) {
-    const int n0 = (split_first + t) * kBlockN;
-    const Element* gK = static_cast<const Element*>(f.k) + kv_head * f.k_head_stride + load_chunk * 8;
-    const Element* gV = static_cast<const Element*>(f.v) + kv_head * f.v_head_stride + load_chunk * 8;
-#pragma unroll
-    for (int pass = 0; pass < kLoadPasses; ++pass) {
-      const int r = load_row0 + pass * kRowsPerPass, pos = n0 + r;
-      const int page = pages[pass];
-      const bool page_valid = p.block_table == nullptr || (page >= 0 && page < p.num_pages);
-      if (pos < seqlen_k && !page_valid && !read_bad_page) {
-        read_bad_page = true;
-        report_kvcache_fault(kKvCachePageOutOfRange, batch, pos / p.page_size, page);
-      }
-      const bool valid = loads_column && pos < seqlen_k && page_valid;
-      const int row = pos - page_slot(p, pos) * p.page_size;  // recomputed: cheaper than a register per pass
-      const unsigned offset = (r * Shape::kRowStride + load_chunk * 8) * 2 + buffer * Shape::kTileBytes;
-      if (load_chunk < Shape::kChunks) {
-        cp_async_16(sK + offset, valid ? gK + page * p.k_page_stride + row * f.k_row_stride : gK, valid);
-        cp_async_16(sV + offset, valid ? gV + page * p.v_page_stride + row * f.v_row_stride : gV, valid);
-      }
-    }
-    fetch_pages(t + 1);
-  };
-
   RowStatistics<Shape> st;
   st.reset();
   float o[Shape::kMFrags][Shape::kOFrags][4];  // (kWarpRows, kHeadDim)
@@ -253,27 +238,8 @@ __device__ void kvcache_attention_kernel(const AttentionKvCacheParams& p) {
   const int row_warp = warp % Shape::kRowWarps, key_warp = warp / Shape::kRowWarps;
   const int warp_row0 = row_warp * Shape::kWarpRows, warp_key0 = key_warp * Shape::kWarpKeys;
 
-  cp_async_commit();  // Q
-  fetch_pages(0);
-#pragma unroll
-  for (int i = 0; i < kStages - 1; ++i) {
-    if (i < num_tiles) load_kv(i, i);
-    cp_async_commit();
-  }
-  int buffer = 0;
-  for (int t = 0; t < num_tiles; ++t) {
-    cp_async_wait<kStages - 2>();
-    __syncthreads();  // tile t landed; every warp is done with tile t - 1's buffer
-    const int ahead = t + kStages - 1;
-    if (ahead < num_tiles) load_kv(ahead, buffer == 0 ? kStages - 1 : buffer - 1);
-    cp_async_commit();
-
-    float s[Shape::kMFrags][Shape::kSFrags][4];  // (kWarpRows, kWarpKeys)
-    zero_fragments(s);
-    const unsigned tile_k = sK + buffer * Shape::kTileBytes + warp_key0 * Shape::kRowStride * 2;
-    const unsigned tile_v = sV + buffer * Shape::kTileBytes + warp_key0 * Shape::kRowStride * 2;
-    warp_gemm_ss<Element, Shape::kMFrags, Shape::kSFrags, Shape::kHeadDim / 16, false, false>(
-        s, sQ + warp_row0 * Shape::kRowStride * 2, Shape::kRowStride, tile_k, Shape::kRowStride, lane);
+  // Softcap, the mask and the online softmax on a warp's S of tile t (P left in s).
+  auto mask_and_softmax = [&](int t, float (&s)[Shape::kMFrags][Shape::kSFrags][4]) {
     if constexpr (Config::kHasSoftcap) {
 #pragma unroll
       for (int mi = 0; mi < Shape::kMFrags; ++mi)
@@ -296,10 +262,168 @@ __device__ void kvcache_attention_kernel(const AttentionKvCacheParams& p) {
           }
     }
     online_softmax<Shape>(st, o, s, scale_log2);
-    warp_accumulate_pv<Element, Shape::kWarpKeys / 16>(o, s, tile_v, Shape::kRowStride, lane);  // O += P V
-    buffer = buffer == kStages - 1 ? 0 : buffer + 1;
+  };
+  // A computing warp's share of tile t in ring buffer `buffer`, padded (cp.async) or in TMA's
+  // swizzled panels: S = Q K^T, the mask, the online softmax, O += P V.
+  auto consume_tile = [&](int t, int buffer, auto layout) {
+    float s[Shape::kMFrags][Shape::kSFrags][4];  // (kWarpRows, kWarpKeys)
+    zero_fragments(s);
+    const unsigned sQ_warp = sQ + warp_row0 * Shape::kRowStride * 2;
+    if constexpr (decltype(layout)::kSwizzled) {
+      // Row `row` of a panel is 128 bytes whose 16-byte chunks are permuted by row % 8.
+      const unsigned tile_k = sK + buffer * Shape::kTmaTileBytes, tile_v = sV + buffer * Shape::kTmaTileBytes;
+      auto at = [](unsigned tile, int row, int dim) {
+        return tile + (dim / 64) * Shape::kPanelBytes + row * 128 + ((((dim % 64) / 8) ^ (row % 8)) << 4);
+      };
+      warp_gemm_sb<Element, Shape::kMFrags, Shape::kSFrags, Shape::kHeadDim / 16>(
+          s, sQ_warp, Shape::kRowStride, [&](int key, int dim) { return at(tile_k, warp_key0 + key, dim); }, lane);
+      mask_and_softmax(t, s);
+      warp_accumulate_pv_at<Element, Shape::kWarpKeys / 16>(
+          o, s, [&](int key, int dim) { return at(tile_v, warp_key0 + key, dim); }, lane);
+    } else {
+      const unsigned tile_k = sK + buffer * Shape::kTileBytes + warp_key0 * Shape::kRowStride * 2;
+      const unsigned tile_v = sV + buffer * Shape::kTileBytes + warp_key0 * Shape::kRowStride * 2;
+      warp_gemm_ss<Element, Shape::kMFrags, Shape::kSFrags, Shape::kHeadDim / 16, false, false>(
+          s, sQ_warp, Shape::kRowStride, tile_k, Shape::kRowStride, lane);
+      mask_and_softmax(t, s);
+      warp_accumulate_pv<Element, Shape::kWarpKeys / 16>(o, s, tile_v, Shape::kRowStride, lane);
+    }
+  };
+  // A cache row that cannot be read (past the sequence, or on a bad page, which is reported once).
+  bool read_bad_page = false;
+  auto readable = [&](int pos, int page) {
+    const bool page_valid = p.block_table == nullptr || (page >= 0 && page < p.num_pages);
+    if (pos < seqlen_k && !page_valid && !read_bad_page) {
+      read_bad_page = true;
+      report_kvcache_fault(kKvCachePageOutOfRange, batch, pos / p.page_size, page);
+    }
+    return pos < seqlen_k && page_valid;
+  };
+  auto page_of = [&](int pos) {  // the page id of cache position pos (batch for a contiguous cache)
+    return p.block_table == nullptr || pos >= seqlen_k
+               ? batch
+               : p.block_table[batch * p.block_table_batch_stride + page_slot(p, pos)];
+  };
+
+  if constexpr (kViaTma) {
+    static_assert(Shape::kTmaCapable, "the attention_tma entry only calls this where codegen allows TMA");
+    // sm_90: the last warp feeds a ring of kStages buffers, each with a full barrier (one
+    // arrival carrying the tile's bytes) and an empty one (one arrival per computing warp). Lane
+    // c issues copy c of a tile: kv_tma_rows rows (a whole tile, or one page) of every panel of
+    // K and of V. Bulk copies of single rows (256 bytes) ran at 1.9 TB/s on the H200: the copy
+    // engine wants large boxes, hence TMA tiles and pages, and cp.async for small pages.
+    using Ring = PipelineRing<kStages, Shape::kBarrierOffset, Shape::kBarrierOffset + 8 * kStages>;
+    const Ring ring{sK};
+    if (tid == 0) ring.init(1, Shape::kWarps);
+    fence_barrier_init();
+    cp_async_commit();  // Q
+    cp_async_wait<0>();
+    __syncthreads();
+    if (warp == Shape::kWarps) {
+      const int rows = p.kv_tma_rows, copies = kBlockN / rows;
+      const unsigned copy_bytes = 2 * (Shape::kHeadDim / 64) * rows * 128;  // K and V, every panel
+      int page = lane < copies ? page_of(split_first * kBlockN + lane * rows) : 0;  // read a tile ahead
+      int buffer = 0;
+      for (int t = 0; t < num_tiles; ++t) {
+        ring.wait_empty(t);
+        const int pos = (split_first + t) * kBlockN + lane * rows;
+        const bool issues = lane < copies && readable(pos, page);
+        const unsigned full = ring.full_barrier(buffer);
+        const unsigned issuing = __ballot_sync(~0u, issues);
+        if (lane == 0) mbarrier_arrive_expect_tx(full, __popc(issuing) * copy_bytes);
+        __syncwarp();  // the bytes are announced before any copy can complete
+        if (issues) {
+          const int row = pos - page_slot(p, pos) * p.page_size;
+          const unsigned offset = buffer * Shape::kTmaTileBytes + lane * rows * 128;
+#pragma unroll
+          for (int panel = 0; panel < Shape::kHeadDim / 64; ++panel) {
+            tma_load_4d(sK + offset + panel * Shape::kPanelBytes, p.k_map, full, panel * 64, row, kv_head, page);
+            tma_load_4d(sV + offset + panel * Shape::kPanelBytes, p.v_map, full, panel * 64, row, kv_head, page);
+          }
+        }
+        if (lane < copies) page = page_of(pos + kBlockN);
+        buffer = buffer == kStages - 1 ? 0 : buffer + 1;
+      }
+    } else {
+      int buffer = 0;
+      for (int t = 0; t < num_tiles; ++t) {
+        ring.wait_full(t, buffer);
+        // Rows past the sequence hold whatever the cache or an earlier tile left (NaN would
+        // survive P = 0): the warp zeroes its V rows there (the sequence's last tile only).
+        const int n0 = (split_first + t) * kBlockN + warp_key0;
+        if (n0 + Shape::kWarpKeys > seqlen_k) {
+          for (int i = lane; i < Shape::kWarpKeys * Shape::kChunks; i += 32) {
+            const int key = i / Shape::kChunks, chunk = i % Shape::kChunks;
+            if (n0 + key >= seqlen_k)
+              *reinterpret_cast<uint4*>(smem + Shape::kRingBytes + buffer * Shape::kTmaTileBytes +
+                                        (chunk / 8) * Shape::kPanelBytes + (warp_key0 + key) * 128 +
+                                        (chunk % 8) * 16) = make_uint4(0, 0, 0, 0);
+          }
+          fence_proxy_async_shared();  // before any later TMA write of these bytes
+          __syncwarp();
+        }
+        consume_tile(t, buffer, TileLayout<true>{});
+        __syncwarp();  // the warp's reads of the buffer are done
+        if (lane == 0) mbarrier_arrive(ring.empty_barrier(buffer));
+        buffer = buffer == kStages - 1 ? 0 : buffer + 1;
+      }
+    }
+  } else if (warp < Shape::kWarps) {  // sm_90's load warp waits at the end
+    // The computing warps (all of them on sm_80): each thread loads one 16-byte column chunk of
+    // kLoadPasses rows of each tile with cp.async, kStages - 1 tiles ahead, zero-filling rows it
+    // cannot read (garbage could be NaN, and 0 * NaN would reach the output); the page ids of its
+    // rows in the next tile are read right after a tile's loads are issued, so their latency passes
+    // during the compute.
+    constexpr int kThreadsPerRow = Shape::kLoadThreadsPerRow, kRowsPerPass = Shape::kWarps * 32 / kThreadsPerRow;
+    constexpr int kLoadPasses = kBlockN / kRowsPerPass;
+    const int load_chunk = tid % kThreadsPerRow, load_row0 = tid / kThreadsPerRow;
+    const bool loads_column = load_chunk < Shape::kChunks && load_chunk * 8 < f.head_dim;
+    const Element* gK = static_cast<const Element*>(f.k) + kv_head * f.k_head_stride + load_chunk * 8;
+    const Element* gV = static_cast<const Element*>(f.v) + kv_head * f.v_head_stride + load_chunk * 8;
+    int pages[kLoadPasses];
+    auto fetch_pages = [&](int t) {
+#pragma unroll
+      for (int pass = 0; pass < kLoadPasses; ++pass)
+        pages[pass] = t < num_tiles ? page_of((split_first + t) * kBlockN + load_row0 + pass * kRowsPerPass) : batch;
+    };
+    auto load_kv = [&](int t, int buffer) {
+      const int n0 = (split_first + t) * kBlockN;
+#pragma unroll
+      for (int pass = 0; pass < kLoadPasses; ++pass) {
+        const int r = load_row0 + pass * kRowsPerPass, pos = n0 + r;
+        const bool valid = readable(pos, pages[pass]) && loads_column;
+        const int row = pos - page_slot(p, pos) * p.page_size;  // recomputed: cheaper than a register per pass
+        const unsigned offset = (r * Shape::kRowStride + load_chunk * 8) * 2 + buffer * Shape::kTileBytes;
+        if (load_chunk < Shape::kChunks) {
+          cp_async_16(sK + offset, valid ? gK + pages[pass] * p.k_page_stride + row * f.k_row_stride : gK, valid);
+          cp_async_16(sV + offset, valid ? gV + pages[pass] * p.v_page_stride + row * f.v_row_stride : gV, valid);
+        }
+      }
+      fetch_pages(t + 1);
+    };
+    auto sync_computing_warps = [] {  // sm_90's load warp takes no part
+      if constexpr (Shape::kBulkLoads) named_barrier_sync(1, Shape::kWarps * 32);
+      else __syncthreads();
+    };
+    cp_async_commit();  // Q
+    fetch_pages(0);
+#pragma unroll
+    for (int i = 0; i < kStages - 1; ++i) {
+      if (i < num_tiles) load_kv(i, i);
+      cp_async_commit();
+    }
+    int buffer = 0;
+    for (int t = 0; t < num_tiles; ++t) {
+      cp_async_wait<kStages - 2>();
+      sync_computing_warps();  // tile t landed; every warp is done with tile t - 1's buffer
+      const int ahead = t + kStages - 1;
+      if (ahead < num_tiles) load_kv(ahead, buffer == 0 ? kStages - 1 : buffer - 1);
+      cp_async_commit();
+      consume_tile(t, buffer, TileLayout<false>{});
+      buffer = buffer == kStages - 1 ? 0 : buffer + 1;
+    }
+    cp_async_wait<0>();
   }
-  cp_async_wait<0>();
   const bool faulty = __syncthreads_or(read_bad_page || extent.faulty);  // also: every warp is done with the ring
 
   // Merge the key warps: each stores its unnormalised O and (max, sum) per row, in natural-log
@@ -310,7 +434,7 @@ __device__ void kvcache_attention_kernel(const AttentionKvCacheParams& p) {
 #pragma unroll
   for (int mi = 0; mi < Shape::kMFrags; ++mi)
 #pragma unroll
-    for (int h = 0; h < 2; ++h) {
+    for (int h = 0; h < 2 && warp < Shape::kWarps; ++h) {
       const int r = warp_row0 + mi * 16 + lane / 4 + h * 8;
       float* row = mO + (key_warp * kBlockM + r) * Shape::kMergeRowStride;
 #pragma unroll
@@ -370,6 +494,18 @@ __device__ void kvcache_attention_kernel(const AttentionKvCacheParams& p) {
   }
 }
 
+template <class Config>
+__device__ void kvcache_attention_kernel(const AttentionKvCacheParams& p) {
+  kvcache_attention<Config, false>(p);
+}
+
+// Never launched where TMA cannot serve (the runtime's kv_tma_rows is 0 there): it traps.
+template <class Config>
+__device__ void kvcache_attention_tma_kernel(const AttentionKvCacheParams& p) {
+  if constexpr (KvCacheShape<Config>::kTmaCapable) kvcache_attention<Config, true>(p);
+  else __trap();
+}
+
 // combine: one warp per (head, query) row merges the num_splits partials in split order.
 template <class Config>
 __device__ void kvcache_combine_kernel(const AttentionKvCacheParams& p) {
@@ -377,7 +513,7 @@ __device__ void kvcache_combine_kernel(const AttentionKvCacheParams& p) {
   using Element = typename Shape::Element;
   const AttentionFwdParams& f = p.fwd;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, batch = blockIdx.y;
-  const int row = blockIdx.x * Shape::kWarps + warp;  // head * seqlen_q + query
+  const int row = blockIdx.x * (Shape::kThreads / 32) + warp;  // head * seqlen_q + query
   if (row >= f.num_heads_q * f.seqlen_q) return;
   const int head = row / f.seqlen_q, query = row % f.seqlen_q;
   const long long row_index = static_cast<long long>(batch) * f.num_heads_q * f.seqlen_q + row;

@@ -118,6 +118,12 @@ struct AttentionSm90BwdParams {
 // tokens before this call (null: capacity - seqlen_new), and k_new/v_new (batch, seqlen_new,
 // heads_kv, head_dim) are appended after them; attention covers both, bottom-right aligned.
 struct AttentionKvCacheParams {
+  // The attention_tma entry (sm_90) reads K and V through TMA maps (head_dim, rows, heads_kv,
+  // pages) with 64-value, 128-byte-swizzled boxes of kv_tma_rows rows: the key tile or, for
+  // smaller pages, the page (a contiguous cache is one page of `capacity` rows per sequence).
+  TmaDescriptor k_map;
+  TmaDescriptor v_map;
+  int kv_tma_rows;
   AttentionFwdParams fwd;
   const int* cache_seqlens;
   const int* block_table;  // null: contiguous

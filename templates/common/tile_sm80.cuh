@@ -80,10 +80,11 @@ __device__ __forceinline__ void warp_gemm_ss(float (&acc)[kMFrags][kNFrags][4], 
 
 // o (kMFrags m16 x kOFrags n8 tiles) += P V for one warp over kKeySteps k16 steps of keys, with P
 // converted from the warp's S accumulators (the C layout of two n8 tiles is the A layout of one
-// k16 step) and V stored k-major at sV (keys x head dims, `row_stride` elements per key).
-template <class Element, int kKeySteps, int kMFrags, int kOFrags, int kSFrags>
-__device__ __forceinline__ void warp_accumulate_pv(float (&o)[kMFrags][kOFrags][4], const float (&s)[kMFrags][kSFrags][4],
-                                                   unsigned sV, int row_stride, int lane) {
+// k16 step) and V read k-major through v_at(key, dim), the shared address of V[key][dim] (dim a
+// multiple of 8), so any layout of V's rows serves.
+template <class Element, int kKeySteps, int kMFrags, int kOFrags, int kSFrags, class VAddress>
+__device__ __forceinline__ void warp_accumulate_pv_at(float (&o)[kMFrags][kOFrags][4],
+                                                      const float (&s)[kMFrags][kSFrags][4], VAddress v_at, int lane) {
   static_assert(kSFrags >= 2 * kKeySteps, "P covers the keys");
 #pragma unroll
   for (int ks = 0; ks < kKeySteps; ++ks) {
@@ -99,11 +100,47 @@ __device__ __forceinline__ void warp_accumulate_pv(float (&o)[kMFrags][kOFrags][
     for (int nd2 = 0; nd2 < kOFrags / 2; ++nd2) {
       unsigned b[4];
       const int key = ks * 16 + lane % 8 + ((lane / 8) % 2) * 8;
-      ldmatrix_x4_trans(b, sV + (key * row_stride + (nd2 * 2 + lane / 16) * 8) * 2);
+      ldmatrix_x4_trans(b, v_at(key, (nd2 * 2 + lane / 16) * 8));
 #pragma unroll
       for (int mi = 0; mi < kMFrags; ++mi) {
         mma_16816<Element>(o[mi][2 * nd2], a[mi], b[0], b[1]);
         mma_16816<Element>(o[mi][2 * nd2 + 1], a[mi], b[2], b[3]);
+      }
+    }
+  }
+}
+
+// The same with V in a padded tile at sV, `row_stride` elements per key.
+template <class Element, int kKeySteps, int kMFrags, int kOFrags, int kSFrags>
+__device__ __forceinline__ void warp_accumulate_pv(float (&o)[kMFrags][kOFrags][4], const float (&s)[kMFrags][kSFrags][4],
+                                                   unsigned sV, int row_stride, int lane) {
+  warp_accumulate_pv_at<Element, kKeySteps>(
+      o, s, [&](int key, int dim) { return sV + (key * row_stride + dim) * 2; }, lane);
+}
+
+// acc (kMFrags m16 x kNFrags n8 tiles) += A B^T for one warp over kKSteps k16 steps: A m-major in a
+// padded shared tile (like Q), B n-major through b_at(n, k), the shared address of B^T[n][k] (k a
+// multiple of 8), so any layout of B's rows serves (like a swizzled TMA tile of K).
+template <class Element, int kMFrags, int kNFrags, int kKSteps, class BAddress>
+__device__ __forceinline__ void warp_gemm_sb(float (&acc)[kMFrags][kNFrags][4], unsigned sA, int a_stride, BAddress b_at,
+                                             int lane) {
+  static_assert(kNFrags % 2 == 0, "B is loaded two n8 tiles at a time");
+#pragma unroll
+  for (int ks = 0; ks < kKSteps; ++ks) {
+    unsigned a[kMFrags][4];
+#pragma unroll
+    for (int mi = 0; mi < kMFrags; ++mi) {
+      const int m = mi * 16 + lane % 16, k = ks * 16 + (lane / 16) * 8;
+      ldmatrix_x4(a[mi], sA + (m * a_stride + k) * 2);
+    }
+#pragma unroll
+    for (int ni2 = 0; ni2 < kNFrags / 2; ++ni2) {
+      unsigned b[4];
+      ldmatrix_x4(b, b_at(ni2 * 16 + lane % 8 + (lane / 16) * 8, ks * 16 + ((lane / 8) % 2) * 8));
+#pragma unroll
+      for (int mi = 0; mi < kMFrags; ++mi) {
+        mma_16816<Element>(acc[mi][2 * ni2], a[mi], b[0], b[1]);
+        mma_16816<Element>(acc[mi][2 * ni2 + 1], a[mi], b[2], b[3]);
       }
     }
   }

@@ -15,14 +15,24 @@ namespace {
 
 int row_warps(const KernelSpec& s) { return std::max(1, std::min(s.num_warps, s.block_m / 16)); }
 
-int pipeline_bytes(const KernelSpec& s) { return (s.block_m + 2 * s.num_stages * s.block_n) * (s.head_dim + 8) * 2; }
+// K's ring and V's ring, each rounded up to 1024 bytes (TMA's swizzle), then Q; rows padded by 8.
+int pipeline_bytes(const KernelSpec& s) {
+  const int ring = (s.num_stages * s.block_n * (s.head_dim + 8) * 2 + 1023) / 1024 * 1024;
+  return 2 * ring + s.block_m * (s.head_dim + 8) * 2;
+}
 
 int merge_bytes(const KernelSpec& s) {
   const int key_warps = s.num_warps / row_warps(s);
   return key_warps * s.block_m * (s.head_dim + 4) * 4 + 2 * key_warps * s.block_m * 4;
 }
 
-int smem_bytes(const KernelSpec& s) { return std::max(pipeline_bytes(s), merge_bytes(s)); }
+// sm_90 has one more warp, which feeds the ring with TMA copies (mbarriers, and a base aligned to
+// 1024 bytes); sm_80 loads with cp.async from the computing warps.
+bool bulk_loads(const KernelSpec& s) { return s.arch.sm >= 90; }
+
+int smem_bytes(const KernelSpec& s) {
+  return std::max(pipeline_bytes(s), merge_bytes(s)) + (bulk_loads(s) ? 2 * s.num_stages * 8 + 1024 : 0);
+}
 
 // fp32 accumulators per thread: O and S of the warp's rows.
 int accumulator_registers(const KernelSpec& s) {
@@ -38,8 +48,10 @@ std::optional<std::string> validate_tiles(const KernelSpec& s) {
     return fmt::format("block_m must be 16, 32, 64 or 128 for kvcache_fwd, got {}", s.block_m);
   if (s.block_n != 32 && s.block_n != 64 && s.block_n != 128)
     return fmt::format("block_n must be 32, 64 or 128 for kvcache_fwd, got {}", s.block_n);
-  if (s.num_stages < 2 || s.num_stages > 4)
-    return fmt::format("num_stages must be 2 to 4 for kvcache_fwd, got {}", s.num_stages);
+  const int most_stages = bulk_loads(s) ? 8 : 4;
+  if (s.num_stages < 2 || s.num_stages > most_stages)
+    return fmt::format("num_stages must be 2 to {} for kvcache_fwd on {}, got {}", most_stages, s.arch.name(),
+                       s.num_stages);
   const int key_warps = s.num_warps / row_warps(s);
   if (s.block_m % (16 * row_warps(s)) != 0 || (s.block_n / key_warps) % 16 != 0)
     return fmt::format("block_m {} x block_n {} does not split over {} warps into m16 rows and k16 keys",
@@ -69,10 +81,19 @@ void set_default_tiles(KernelSpec& s) {
     }
 }
 
-int threads(const KernelSpec& s) { return 32 * s.num_warps; }
+int threads(const KernelSpec& s) { return 32 * (s.num_warps + (bulk_loads(s) ? 1 : 0)); }
+
+// Whether the attention_tma entry serves: sm_90, head dims in whole 128-byte panels, and room in
+// the registers for the swizzled addressing (head dim 256's taller tiles spilled with it; they
+// keep cp.async).
+bool tma_capable(const KernelSpec& s) {
+  const int key_warps = s.num_warps / row_warps(s);
+  const int m_frags = s.block_m / row_warps(s) / 16;
+  return bulk_loads(s) && s.head_dim % 64 == 0 && m_frags * (s.head_dim / 8 + s.block_n / key_warps / 8) * 4 <= 136;
+}
 
 std::vector<KernelConstant> constants(const KernelSpec& s) {
-  return {{"kSmemBytes", smem_bytes(s)}, {"kRowWarps", row_warps(s)}};
+  return {{"kSmemBytes", smem_bytes(s)}, {"kRowWarps", row_warps(s)}, {"kTmaCapable", tma_capable(s) ? 1 : 0}};
 }
 
 }  // namespace
@@ -85,6 +106,8 @@ const FamilyRules kKvCacheFwdRules{
     /*computes_gradients=*/false,
     {{"append_kv", "flashjit::AttentionKvCacheParams", "flashjit::kernels::kvcache_append_kv_kernel"},
      {"attention", "flashjit::AttentionKvCacheParams", "flashjit::kernels::kvcache_attention_kernel", false,
+      "kSmemBytes"},
+     {"attention_tma", "flashjit::AttentionKvCacheParams", "flashjit::kernels::kvcache_attention_tma_kernel", true,
       "kSmemBytes"},
      {"combine", "flashjit::AttentionKvCacheParams", "flashjit::kernels::kvcache_combine_kernel"}},
     /*min_sm=*/80,

@@ -9,10 +9,12 @@
 #include <cmath>
 #include <mutex>
 #include <set>
+#include <tuple>
 
 #include <fmt/format.h>
 
 #include "../family.hpp"
+#include "../tma.hpp"
 
 namespace flashjit::detail {
 
@@ -69,7 +71,7 @@ std::optional<std::string> unusable_reason(const PassProblem&, const Arch&) { re
 
 // The decode and taller query tiles over the key tiles, warps and ring depths validate() accepts.
 std::vector<KernelSpec> tuning_candidates(const KernelSpec& base) {
-  return tile_grid_candidates(base, {16, 32, 64}, {32, 64, 128}, {4, 8}, {2, 3, 4});
+  return tile_grid_candidates(base, {16, 32, 64}, {32, 64, 128}, {4, 8}, {2, 3, 4, 6});
 }
 
 // The packed rows of one KV head (queries x group) in as few m16 tiles as hold them, up to 64 per
@@ -89,6 +91,27 @@ void fit_to_problem(KernelSpec& spec, const PassProblem& problem) {
       return;
     }
   }
+}
+
+// The rows of K and V one TMA copy takes, or 0 where the cache is read with cp.async: a kernel with
+// the attention_tma entry (kTmaCapable) whose head dim is the problem's, and pages that hold whole
+// key tiles or tile them in copies of at least 16 rows (smaller pages, and 24, 48, ..., gather by row: 8-row
+// copies ran at 2.6 TB/s on the H200, cp.async at 3.7).
+int kv_tma_rows(const FamilyCall& call, const KvCacheProblem& problem) {
+  const KernelSpec& spec = call.spec;
+  const AttentionKvCacheParams& a = problem.params;
+  const AttentionFwdParams& f = problem.forward.params;
+  if (call.layout().constant("kTmaCapable") == 0 || f.head_dim != spec.head_dim || a.capacity < 1) return 0;
+  int rows = 0;
+  if (!problem.is_paged || a.page_size % spec.block_n == 0) rows = spec.block_n;
+  else if (spec.block_n % a.page_size == 0 && a.page_size >= 16) rows = a.page_size;
+  if (rows == 0) return 0;
+  for (auto [name, data, row_stride, head_stride] : {std::tuple{"k_cache", f.k, f.k_row_stride, f.k_head_stride},
+                                                     std::tuple{"v_cache", f.v, f.v_row_stride, f.v_head_stride}})
+    if (tma_unusable_reason(name, data, row_stride, head_stride, name[0] == 'k' ? a.k_page_stride : a.v_page_stride,
+                            a.page_size, f.num_heads_kv, a.num_pages))
+      return 0;
+  return rows;
 }
 
 void run(const FamilyCall& call) {
@@ -118,6 +141,15 @@ void run(const FamilyCall& call) {
   const int key_tiles = static_cast<int>(blocks(std::max(1, f.seqlen_k), call.spec.block_n));
   params.num_splits = choose_kv_splits(ctas, resident, call.device.sm_count, key_tiles, f.num_splits);
 
+  params.kv_tma_rows = kv_tma_rows(call, problem);
+  if (params.kv_tma_rows > 0) {
+    const AttentionFwdParams& a = f.params;
+    params.k_map = make_attention_tma_map(a.k, f.dtype, a.head_dim, params.page_size, a.num_heads_kv, params.num_pages,
+                                          a.k_row_stride, a.k_head_stride, params.k_page_stride, params.kv_tma_rows);
+    params.v_map = make_attention_tma_map(a.v, f.dtype, a.head_dim, params.page_size, a.num_heads_kv, params.num_pages,
+                                          a.v_row_stride, a.v_head_stride, params.v_page_stride, params.kv_tma_rows);
+  }
+
   std::optional<StreamWorkspace> workspace;
   if (params.num_splits > 1) {
     const size_t rows = static_cast<size_t>(params.num_splits) * f.batch * f.heads_q * f.seqlen_q;
@@ -126,7 +158,7 @@ void run(const FamilyCall& call) {
     params.partial_o = reinterpret_cast<float*>(workspace->get());
     params.partial_lse = reinterpret_cast<float*>(workspace->get() + o_bytes);
   }
-  call.launch("attention", Grid{static_cast<unsigned>(params.num_splits), m_blocks * f.heads_kv, batch}, params);
+  call.launch(params.kv_tma_rows > 0 ? "attention_tma" : "attention", Grid{static_cast<unsigned>(params.num_splits), m_blocks * f.heads_kv, batch}, params);
   if (params.num_splits > 1) {
     const long long rows = static_cast<long long>(f.heads_q) * f.seqlen_q;
     call.launch("combine", Grid{blocks(rows, threads / 32), batch}, params);
