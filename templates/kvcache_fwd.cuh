@@ -378,8 +378,6 @@ __device__ void kvcache_attention(const AttentionKvCacheParams& p) {
     constexpr int kLoadPasses = kBlockN / kRowsPerPass;
     const int load_chunk = tid % kThreadsPerRow, load_row0 = tid / kThreadsPerRow;
     const bool loads_column = load_chunk < Shape::kChunks && load_chunk * 8 < f.head_dim;
-    const Element* gK = static_cast<const Element*>(f.k) + kv_head * f.k_head_stride + load_chunk * 8;
-    const Element* gV = static_cast<const Element*>(f.v) + kv_head * f.v_head_stride + load_chunk * 8;
     int pages[kLoadPasses];
     auto fetch_pages = [&](int t) {
 #pragma unroll
@@ -388,6 +386,9 @@ __device__ void kvcache_attention(const AttentionKvCacheParams& p) {
     };
     auto load_kv = [&](int t, int buffer) {
       const int n0 = (split_first + t) * kBlockN;
+      // Formed here, not held across the loop (two 64-bit registers; head dim 256 spilled).
+      const Element* gK = static_cast<const Element*>(f.k) + kv_head * f.k_head_stride + load_chunk * 8;
+      const Element* gV = static_cast<const Element*>(f.v) + kv_head * f.v_head_stride + load_chunk * 8;
 #pragma unroll
       for (int pass = 0; pass < kLoadPasses; ++pass) {
         const int r = load_row0 + pass * kRowsPerPass, pos = n0 + r;

@@ -84,12 +84,13 @@ void set_default_tiles(KernelSpec& s) {
 int threads(const KernelSpec& s) { return 32 * (s.num_warps + (bulk_loads(s) ? 1 : 0)); }
 
 // Whether the attention_tma entry serves: sm_90, head dims in whole 128-byte panels, and room in
-// the registers for the swizzled addressing (head dim 256's taller tiles spilled with it; they
-// keep cp.async).
+// the registers for the swizzled addressing: O plus S counted twice (scores, then P) at most 144
+// fp32 per thread (head dim 256 at 32 or 64 rows and 192 at 64 spilled beyond; they keep cp.async).
 bool tma_capable(const KernelSpec& s) {
   const int key_warps = s.num_warps / row_warps(s);
   const int m_frags = s.block_m / row_warps(s) / 16;
-  return bulk_loads(s) && s.head_dim % 64 == 0 && m_frags * (s.head_dim / 8 + s.block_n / key_warps / 8) * 4 <= 136;
+  return bulk_loads(s) && s.head_dim % 64 == 0 &&
+         m_frags * (s.head_dim / 8 + 2 * (s.block_n / key_warps / 8)) * 4 <= 144;
 }
 
 std::vector<KernelConstant> constants(const KernelSpec& s) {
