@@ -30,7 +30,6 @@ struct FamilyRules {
   int min_sm = 80;
   bool needs_arch_specific = false;   // sm_90a-only instructions
   std::vector<int> head_dims;         // kernel head dims this family is written for
-  int min_blocks_per_sm = 1;          // second __launch_bounds__ argument
 
   // Checks of the tile fields (block_m, block_n, warps, stages) beyond the generic ones.
   std::optional<std::string> (*validate_tiles)(const KernelSpec&);
@@ -44,6 +43,8 @@ struct FamilyRules {
   // Extra members of the rendered Config that are not integers (the wgmma wrappers of the spec's
   // shapes); null: none.
   std::string (*config_members)(const KernelSpec&) = nullptr;
+  // The CTAs per SM the registers must leave room for (__launch_bounds__' second argument); null: 1.
+  int (*min_blocks_per_sm)(const KernelSpec&) = nullptr;
 };
 
 // The family table, in the order of the Family enum (src/render.cpp).

@@ -71,7 +71,7 @@ Source render(const KernelSpec& spec) {
                  mask_constant(spec.mask), spec.has_softcap ? "true" : "false", spec.arch.sm, constants,
                  rules.config_members ? rules.config_members(spec) : std::string());
 
-  const int threads = rules.threads(spec);
+  const KernelLayout layout = kernel_layout(spec);
   for (const auto& entry : rules.entries) {
     const std::string symbol = entry_symbol(rules, entry);
     fmt::format_to(std::back_inserter(out),
@@ -79,7 +79,7 @@ Source render(const KernelSpec& spec) {
                    "{}({} {} params) {{\n"
                    "  {}<flashjit_generated::Config>(params);\n"
                    "}}\n",
-                   threads, rules.min_blocks_per_sm, symbol,
+                   layout.threads, layout.min_blocks_per_sm, symbol,
                    entry.grid_constant ? "const __grid_constant__" : "const", entry.params_type,
                    entry.device_function);
     source.entry_names.push_back(symbol);
@@ -95,6 +95,7 @@ KernelLayout kernel_layout(const KernelSpec& spec) {
   KernelLayout layout;
   layout.family = rules.name;
   layout.threads = rules.threads(spec);
+  layout.min_blocks_per_sm = rules.min_blocks_per_sm ? rules.min_blocks_per_sm(spec) : 1;
   layout.constants = rules.constants(spec);
   for (const auto& entry : rules.entries)
     layout.entries.push_back(
@@ -125,6 +126,8 @@ int KernelLayout::max_dynamic_smem_bytes() const {
 int threads_per_block(const KernelSpec& spec) { return family_rules(spec.family).threads(spec); }
 
 int dynamic_smem_bytes(const KernelSpec& spec) { return kernel_layout(spec).max_dynamic_smem_bytes(); }
+
+int max_smem_per_sm(const Arch& arch) { return max_smem_per_block(arch) + 1024; }  // the driver keeps 1 KB per CTA
 
 int max_smem_per_block(const Arch& arch) {
   switch (arch.sm) {

@@ -36,6 +36,8 @@ namespace flashjit::detail {
   X(cuLibraryGetGlobal, 12000)          \
   X(cuKernelSetAttribute, 12000)        \
   X(cuKernelGetAttribute, 12000)        \
+  X(cuKernelGetFunction, 12000)         \
+  X(cuOccupancyMaxActiveBlocksPerMultiprocessor, 6050) \
   X(cuLaunchKernelEx, 11060)            \
   X(cuMemAlloc, 3020)                   \
   X(cuMemFree, 3020)                    \

@@ -24,7 +24,7 @@ const RuntimeFamily& runtime_family(Family family) {
   throw Error(ErrorCode::internal, "runtime", fmt::format("family {} has no runtime module", to_string(family)));
 }
 
-void FamilyCall::launch_entry(std::string_view entry, Grid grid, void* params) const {
+void FamilyCall::launch_entry(std::string_view entry, Grid grid, void* params, StreamOrder order) const {
   const size_t index = kernel.layout.entry_index(entry);
   CUlaunchConfig config{};
   config.gridDimX = grid.x;
@@ -34,6 +34,13 @@ void FamilyCall::launch_entry(std::string_view entry, Grid grid, void* params) c
   config.blockDimY = config.blockDimZ = 1;
   config.sharedMemBytes = static_cast<unsigned>(kernel.layout.entries[index].dynamic_smem_bytes);
   config.hStream = stream;
+  CUlaunchAttribute overlap{};
+  if (order == StreamOrder::overlapping_tail && device.cc_major >= 9) {
+    overlap.id = CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
+    overlap.value.programmaticStreamSerializationAllowed = 1;
+    config.attrs = &overlap;
+    config.numAttrs = 1;
+  }
   void* arguments[] = {params};
   FLASHJIT_CU(cuLaunchKernelEx, &config, reinterpret_cast<CUfunction>(kernel.entries[index]), arguments, nullptr);
 }

@@ -42,6 +42,12 @@ struct PassProblem {
 struct Grid {
   unsigned x, y = 1, z = 1;
 };
+
+// How a launch follows the stream's previous kernel: after it completes, or (sm_90's programmatic
+// dependent launch) as soon as every CTA of it has signalled griddepcontrol.launch_dependents, so
+// the launch overlaps its tail; the entry must then execute griddepcontrol.wait before it reads
+// what the previous kernel wrote.
+enum class StreamOrder { after_completion, overlapping_tail };
 inline unsigned blocks(long long extent, int tile) { return static_cast<unsigned>((extent + tile - 1) / tile); }
 
 // One call of a family: its problem, the dispatched spec, the loaded kernel and where it runs.
@@ -60,13 +66,14 @@ struct FamilyCall {
   // Launches entry `entry` (its codegen name) on the call's stream, with the threads and dynamic
   // shared memory codegen computed for it.
   template <class Params>
-  void launch(std::string_view entry, Grid grid, const Params& params) const {
+  void launch(std::string_view entry, Grid grid, const Params& params,
+              StreamOrder order = StreamOrder::after_completion) const {
     Params copy = params;
-    launch_entry(entry, grid, &copy);
+    launch_entry(entry, grid, &copy, order);
   }
 
  private:
-  void launch_entry(std::string_view entry, Grid grid, void* params) const;
+  void launch_entry(std::string_view entry, Grid grid, void* params, StreamOrder order) const;
 };
 
 struct RuntimeFamily {

@@ -38,6 +38,7 @@ const LoadedKernel& ModuleCache::get(const KernelSpec& spec, const DevicePropert
     auto fresh = std::make_shared<LoadedKernel>();
     fresh->compiled = compiled;
     fresh->layout = kernel_layout(spec);
+    fresh->resident_ctas_per_sm = std::vector<std::array<std::atomic<int>, 64>>(fresh->layout.entries.size());
     FLASHJIT_CU(cuLibraryLoadData, &fresh->library, compiled->cubin.data(), nullptr, nullptr, 0,
                 nullptr, nullptr, 0);
     for (const auto& name : compiled->entry_names) {
@@ -55,9 +56,22 @@ const LoadedKernel& ModuleCache::get(const KernelSpec& spec, const DevicePropert
     check_shared_memory(*kernel->compiled, dynamic_smem, device);
     CUdevice cu_device;
     FLASHJIT_CU(cuDeviceGet, &cu_device, device.ordinal);
-    for (CUkernel entry : kernel->entries)
-      FLASHJIT_CU(cuKernelSetAttribute, CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                  dynamic_smem, entry, cu_device);
+    for (size_t i = 0; i < kernel->entries.size(); ++i) {
+      FLASHJIT_CU(cuKernelSetAttribute, CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, dynamic_smem,
+                  kernel->entries[i], cu_device);
+      // Left to itself the driver sizes shared memory for one resident CTA and gives the rest to
+      // L1: kvcache_fwd's decode tile, built for two, ran one per SM on the H200 (ncu). Kernels
+      // built for several CTAs per SM ask for all the shared memory.
+      if (kernel->layout.min_blocks_per_sm > 1 && kernel->layout.entries[i].dynamic_smem_bytes > 0)
+        FLASHJIT_CU(cuKernelSetAttribute, CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT,
+                    CU_SHAREDMEM_CARVEOUT_MAX_SHARED, kernel->entries[i], cu_device);
+      CUfunction function = nullptr;
+      FLASHJIT_CU(cuKernelGetFunction, &function, kernel->entries[i]);
+      int resident = 0;
+      FLASHJIT_CU(cuOccupancyMaxActiveBlocksPerMultiprocessor, &resident, function, kernel->layout.threads,
+                  static_cast<size_t>(kernel->layout.entries[i].dynamic_smem_bytes));
+      kernel->resident_ctas_per_sm[i][device.ordinal & 63].store(resident, std::memory_order_relaxed);
+    }
     kernel->configured_devices.fetch_or(bit, std::memory_order_release);
   }
   return *kernel;

@@ -3,9 +3,11 @@
 // call, so they hash the spec's fields, never the source.
 #pragma once
 
+#include <array>
 #include <atomic>
 #include <memory>
 #include <mutex>
+#include <string_view>
 #include <unordered_map>
 #include <vector>
 
@@ -22,6 +24,13 @@ struct LoadedKernel {
   KernelLayout layout;                 // threads, entries' shared memory, the rendered constants
   std::vector<CUkernel> entries;       // in layout.entries' order
   std::atomic<uint64_t> configured_devices{0};  // bit d: attributes set for device d
+  // [entry][device & 63]: the CTAs of that entry one SM of the device holds at once (the driver's
+  // occupancy for its threads and shared memory), read when the attributes are set.
+  std::vector<std::array<std::atomic<int>, 64>> resident_ctas_per_sm;
+
+  int resident_ctas(std::string_view entry, int device) const {
+    return resident_ctas_per_sm[layout.entry_index(entry)][device & 63].load(std::memory_order_relaxed);
+  }
 
   ~LoadedKernel();
 };

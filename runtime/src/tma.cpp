@@ -13,7 +13,7 @@ static_assert(sizeof(TmaDescriptor) == sizeof(CUtensorMap), "TmaDescriptor mirro
 
 TmaDescriptor make_attention_tma_map(const void* data, DType dtype, int head_dim, int seqlen, int heads, int batch,
                                      long long row_stride, long long head_stride, long long batch_stride,
-                                     int box_rows) {
+                                     int box_rows, bool read_once) {
   constexpr cuuint64_t kElementBytes = 2;
   const cuuint64_t dims[4] = {cuuint64_t(head_dim), cuuint64_t(seqlen), cuuint64_t(heads), cuuint64_t(batch)};
   // Strides of dims 1..3 in bytes; a dim of extent 1 may have any stride, but TMA wants multiples of
@@ -30,7 +30,9 @@ TmaDescriptor make_attention_tma_map(const void* data, DType dtype, int head_dim
   FLASHJIT_CU(cuTensorMapEncodeTiled, &map,
               dtype == DType::bf16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16, 4,
               const_cast<void*>(data), dims, strides, box, element_strides, CU_TENSOR_MAP_INTERLEAVE_NONE,
-              CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+              CU_TENSOR_MAP_SWIZZLE_128B,
+              read_once ? CU_TENSOR_MAP_L2_PROMOTION_NONE : CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+              CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
   TmaDescriptor descriptor;
   std::memcpy(&descriptor, &map, sizeof map);
   return descriptor;

@@ -133,6 +133,16 @@ __device__ __forceinline__ void named_barrier_arrive(int id, int threads) {
 }
 
 // ---------------------------------------------------------------------------------------------
+// Programmatic dependent launch (the runtime's StreamOrder::overlapping_tail): the stream's next
+// kernel may start once every CTA of this one has signalled; there it waits for this grid to
+// complete and its writes to be visible. Without such a launch the wait returns at once.
+
+__device__ __forceinline__ void allow_dependent_launch() {
+  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+}
+__device__ __forceinline__ void wait_for_prerequisite_grids() { asm volatile("griddepcontrol.wait;\n" ::: "memory"); }
+
+// ---------------------------------------------------------------------------------------------
 // Register reallocation between warpgroups (producer gives registers to the consumers).
 
 template <int kRegisters>

@@ -183,7 +183,6 @@ const FamilyRules kFa2BwdRules{
     /*min_sm=*/80,
     /*needs_arch_specific=*/false,
     /*head_dims=*/{32, 64, 96, 128, 160, 192, 224, 256},
-    /*min_blocks_per_sm=*/1,
     validate_tiles,
     set_default_tiles,
     threads,

@@ -93,6 +93,14 @@ bool tma_capable(const KernelSpec& s) {
          m_frags * (s.head_dim / 8 + 2 * (s.block_n / key_warps / 8)) * 4 <= 144;
 }
 
+// Two CTAs per SM where shared memory holds two and the accumulators leave room (the decode tile up
+// to head dim 128 on Hopper), so the registers are held to what two leave: sm_90's five warps at
+// 169 registers ran one CTA per SM. 32 rows at head dim 128 (80 accumulators) spilled at that cap.
+int min_blocks_per_sm(const KernelSpec& s) {
+  const int per_cta = smem_bytes(s) + max_smem_per_sm(s.arch) - max_smem_per_block(s.arch);
+  return 2 * per_cta <= max_smem_per_sm(s.arch) && accumulator_registers(s) <= 72 ? 2 : 1;
+}
+
 std::vector<KernelConstant> constants(const KernelSpec& s) {
   return {{"kSmemBytes", smem_bytes(s)}, {"kRowWarps", row_warps(s)}, {"kTmaCapable", tma_capable(s) ? 1 : 0}};
 }
@@ -114,11 +122,12 @@ const FamilyRules kKvCacheFwdRules{
     /*min_sm=*/80,
     /*needs_arch_specific=*/false,
     /*head_dims=*/{32, 64, 96, 128, 160, 192, 224, 256},
-    /*min_blocks_per_sm=*/1,
     validate_tiles,
     set_default_tiles,
     threads,
     constants,
+    /*config_members=*/nullptr,
+    min_blocks_per_sm,
 };
 
 }  // namespace flashjit::codegen_detail

@@ -110,7 +110,6 @@ const FamilyRules kSm90FwdRules{
     /*min_sm=*/90,
     /*needs_arch_specific=*/true,
     /*head_dims=*/{64, 96, 128, 192, 256},
-    /*min_blocks_per_sm=*/1,
     validate_tiles,
     set_default_tiles,
     threads,

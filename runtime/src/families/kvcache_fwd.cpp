@@ -18,22 +18,28 @@
 
 namespace flashjit::detail {
 
-int choose_kv_splits(long long ctas, int resident_ctas_per_sm, int sm_count, int key_tiles, int requested) {
+int choose_kv_splits(long long ctas, int resident_ctas_per_sm, int sm_count, int key_tiles, long long tile_bytes,
+                     int requested) {
   if (requested > 0) return std::clamp(requested, 1, std::max(1, key_tiles));
-  // Reading the cache at the memory's speed takes every SM's resident slots. A split count s runs
-  // ceil(ctas * s / slots) waves of CTAs that each stream key_tiles / s tiles plus a fixed cost of
-  // about two tiles (the pipeline's fill, the merge and the partials' write): the count with the
-  // shortest estimate wins, ties going to fewer splits. Fitted on the H200 (bench/results/
-  // decode_splits_h200.json): batch 16 x 16k keys wants 2 (the 33 that fill the slots exactly ran
-  // 18% slower), batch 1 x 4k wants 32.
-  constexpr double kFixedTilesPerCta = 2.0;
+  // A split count s is timed, in units of the time one CTA takes per tile when memory is not the
+  // bound, as the longer of: the memory streaming every tile, and ceil(ctas * s / slots) waves of
+  // CTAs that each take ceil(key_tiles / s) tiles (a 4-norm, not the max: near the crossover the
+  // two add up in part); plus, for s > 1, the partials' combine. Fitted
+  // on the H200 (bench/results/decode_splits_h200.json): a CTA takes 0.55 us per tile of 32 KB
+  // (its ring's depth over the memory's latency) and HBM streams 4.3 TB/s, so 2.4 MB pass per tile
+  // time; combining costs about 8 tile times and a quarter per split.
+  constexpr double kMemoryBytesPerTileTime = 2.4e6;
+  constexpr double kCombineTileTimes = 8.0, kCombineTileTimesPerSplit = 0.25;
   const long long slots = std::max(1ll, static_cast<long long>(resident_ctas_per_sm) * sm_count);
+  const double stream_time = static_cast<double>(ctas) * key_tiles * tile_bytes / kMemoryBytesPerTileTime;
   const int most = std::clamp(key_tiles / 2, 1, kMaxKvSplits);
   int best = 1;
   double best_time = 1e300;
   for (int splits = 1; splits <= most; ++splits) {
     const long long waves = (ctas * splits + slots - 1) / slots;
-    const double time = static_cast<double>(waves) * (static_cast<double>(key_tiles) / splits + kFixedTilesPerCta);
+    const double cta_time = static_cast<double>(waves) * ((key_tiles + splits - 1) / splits);
+    const double combine = splits > 1 ? kCombineTileTimes + kCombineTileTimesPerSplit * splits : 0.0;
+    const double time = std::pow(std::pow(stream_time, 4) + std::pow(cta_time, 4), 0.25) + combine;
     if (time < best_time * 0.999) {
       best = splits;
       best_time = time;
@@ -136,18 +142,21 @@ void run(const FamilyCall& call) {
   if (f.is_empty()) return;
 
   const long long ctas = static_cast<long long>(m_blocks) * f.heads_kv * f.batch;
-  const int smem = static_cast<int>(call.layout().entries[call.layout().entry_index("attention")].dynamic_smem_bytes);
-  const int resident = std::max(1, std::min(call.device.smem_per_sm / (smem + 1024), 2048 / threads));
-  const int key_tiles = static_cast<int>(blocks(std::max(1, f.seqlen_k), call.spec.block_n));
-  params.num_splits = choose_kv_splits(ctas, resident, call.device.sm_count, key_tiles, f.num_splits);
-
   params.kv_tma_rows = kv_tma_rows(call, problem);
+  const char* attention = params.kv_tma_rows > 0 ? "attention_tma" : "attention";
+  const int resident = std::max(1, call.kernel.resident_ctas(attention, f.device));
+  const int key_tiles = static_cast<int>(blocks(std::max(1, f.seqlen_k), call.spec.block_n));
+  const long long tile_bytes = 2ll * call.spec.block_n * f.head_dim * 2;  // K and V, 16-bit elements
+  params.num_splits = choose_kv_splits(ctas, resident, call.device.sm_count, key_tiles, tile_bytes, f.num_splits);
+
   if (params.kv_tma_rows > 0) {
     const AttentionFwdParams& a = f.params;
     params.k_map = make_attention_tma_map(a.k, f.dtype, a.head_dim, params.page_size, a.num_heads_kv, params.num_pages,
-                                          a.k_row_stride, a.k_head_stride, params.k_page_stride, params.kv_tma_rows);
+                                          a.k_row_stride, a.k_head_stride, params.k_page_stride, params.kv_tma_rows,
+                                          /*read_once=*/true);
     params.v_map = make_attention_tma_map(a.v, f.dtype, a.head_dim, params.page_size, a.num_heads_kv, params.num_pages,
-                                          a.v_row_stride, a.v_head_stride, params.v_page_stride, params.kv_tma_rows);
+                                          a.v_row_stride, a.v_head_stride, params.v_page_stride, params.kv_tma_rows,
+                                          /*read_once=*/true);
   }
 
   std::optional<StreamWorkspace> workspace;
@@ -158,10 +167,10 @@ void run(const FamilyCall& call) {
     params.partial_o = reinterpret_cast<float*>(workspace->get());
     params.partial_lse = reinterpret_cast<float*>(workspace->get() + o_bytes);
   }
-  call.launch(params.kv_tma_rows > 0 ? "attention_tma" : "attention", Grid{static_cast<unsigned>(params.num_splits), m_blocks * f.heads_kv, batch}, params);
+  call.launch(attention, Grid{static_cast<unsigned>(params.num_splits), m_blocks * f.heads_kv, batch}, params);
   if (params.num_splits > 1) {
     const long long rows = static_cast<long long>(f.heads_q) * f.seqlen_q;
-    call.launch("combine", Grid{blocks(rows, threads / 32), batch}, params);
+    call.launch("combine", Grid{blocks(rows, threads / 32), batch}, params, StreamOrder::overlapping_tail);
   }
 }
 

@@ -52,6 +52,7 @@ struct KernelEntry {
 // Everything the host needs to launch a spec's kernels, from the same rules that rendered them.
 struct KernelLayout {
   int threads = 0;  // per block, every entry
+  int min_blocks_per_sm = 1;  // the CTAs per SM its registers leave room for (__launch_bounds__)
   std::vector<KernelEntry> entries;  // in Source::entry_names order
   std::vector<KernelConstant> constants;
 
@@ -73,5 +74,7 @@ int dynamic_smem_bytes(const KernelSpec& spec);
 
 // The most shared memory one block may use on an arch (after raising its dynamic limit).
 int max_smem_per_block(const Arch& arch);
+// Shared memory per SM: a block's maximum plus the 1 KB the driver reserves for each resident CTA.
+int max_smem_per_sm(const Arch& arch);
 
 }  // namespace flashjit
