@@ -24,14 +24,15 @@ int choose_kv_splits(long long ctas, int resident_ctas_per_sm, int sm_count, int
   // A split count s is timed, in units of the time one CTA takes per tile when memory is not the
   // bound, as the longer of: the memory streaming every tile, and ceil(ctas * s / slots) waves of
   // CTAs that each take ceil(key_tiles / s) tiles (a 4-norm, not the max: near the crossover the
-  // two add up in part); plus, for s > 1, the partials' combine. Fitted
-  // on the H200 (bench/results/decode_splits_h200.json): a CTA takes 0.55 us per tile of 32 KB
-  // (its ring's depth over the memory's latency) and HBM streams 4.3 TB/s, so 2.4 MB pass per tile
-  // time; combining costs about 8 tile times and a quarter per split.
+  // two add up in part); plus, for s > 1, the partials' combine. Fitted on the H200 (bench/results/
+  // decode_splits_h200_two_ctas.json): a CTA takes 0.55 us per tile of 32 KB (its ring's depth over
+  // the memory's latency) and HBM streams 4.3 TB/s, so 2.4 MB pass per tile time; combining costs
+  // about 8 tile times and a quarter per split.
   constexpr double kMemoryBytesPerTileTime = 2.4e6;
   constexpr double kCombineTileTimes = 8.0, kCombineTileTimesPerSplit = 0.25;
   const long long slots = std::max(1ll, static_cast<long long>(resident_ctas_per_sm) * sm_count);
   const double stream_time = static_cast<double>(ctas) * key_tiles * tile_bytes / kMemoryBytesPerTileTime;
+  const double stream_time_4 = stream_time * stream_time * stream_time * stream_time;
   const int most = std::clamp(key_tiles / 2, 1, kMaxKvSplits);
   int best = 1;
   double best_time = 1e300;
@@ -39,7 +40,7 @@ int choose_kv_splits(long long ctas, int resident_ctas_per_sm, int sm_count, int
     const long long waves = (ctas * splits + slots - 1) / slots;
     const double cta_time = static_cast<double>(waves) * ((key_tiles + splits - 1) / splits);
     const double combine = splits > 1 ? kCombineTileTimes + kCombineTileTimesPerSplit * splits : 0.0;
-    const double time = std::pow(std::pow(stream_time, 4) + std::pow(cta_time, 4), 0.25) + combine;
+    const double time = std::sqrt(std::sqrt(stream_time_4 + cta_time * cta_time * cta_time * cta_time)) + combine;
     if (time < best_time * 0.999) {
       best = splits;
       best_time = time;
