@@ -514,8 +514,8 @@ __device__ void kvcache_attention_tma_kernel(const AttentionKvCacheParams& p) {
 // take the splits' LSEs 32 at a time and reduce them across the warp; each lane then sums 4 dims of
 // O over a chunk of 32 splits, kLoadsInFlight partial rows' loads issued before any is used (a
 // loop of dependent loads took 8.8 us for 33 splits on the H200). On sm_90 it is launched while
-// the attention entry finishes (StreamOrder::overlapping_tail) and waits for it here. Shuffles and loops run in a fixed
-// order, so the result does not depend on timing.
+// the attention entry finishes (StreamOrder::overlapping_tail) and waits for it here. Shuffles and
+// loops run in a fixed order, so the result does not depend on timing.
 template <class Config>
 __device__ void kvcache_combine_kernel(const AttentionKvCacheParams& p) {
   using Shape = KvCacheShape<Config>;
