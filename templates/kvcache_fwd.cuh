@@ -151,6 +151,10 @@ template <class Config>
 __device__ void kvcache_append_kv_kernel(const AttentionKvCacheParams& p) {
   using Shape = KvCacheShape<Config>;
   using Element = typename Shape::Element;
+  if constexpr (Config::kArch >= 90) {
+    wait_for_prerequisite_grids();  // k_new and v_new may come from the kernel before
+    allow_dependent_launch();       // the attention entry's launch and prologue overlap these copies
+  }
   const int batch = blockIdx.y;
   const long long item = static_cast<long long>(blockIdx.x) * Shape::kThreads + threadIdx.x;
   const int chunks = p.fwd.head_dim / 8;
@@ -198,6 +202,16 @@ __device__ void kvcache_attention(const AttentionKvCacheParams& p) {
   const unsigned sQ = sV + Shape::kRingBytes;  // (kBlockM, kRowStride)
 
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+  if constexpr (Config::kArch >= 90) {
+    // Launched while the stream's previous kernel finishes (StreamOrder::overlapping_tail): up to
+    // here nothing is read that it may write; the TMA maps are kernel parameters.
+    if constexpr (kViaTma)
+      if (tid == 0) {
+        prefetch_tma_map(p.k_map);
+        prefetch_tma_map(p.v_map);
+      }
+    wait_for_prerequisite_grids();
+  }
   const int split = blockIdx.x, batch = blockIdx.z;
   const int group = f.num_heads_q / f.num_heads_kv;
   const int packed_rows = f.seqlen_q * group;
@@ -428,7 +442,11 @@ __device__ void kvcache_attention(const AttentionKvCacheParams& p) {
     cp_async_wait<0>();
   }
   const bool faulty = __syncthreads_or(read_bad_page || extent.faulty);  // also: every warp is done with the ring
-  if constexpr (Config::kArch >= 90) allow_dependent_launch();  // combine's launch overlaps the epilogue
+  // With splits, the combine's launch overlaps the epilogue. Without, the next kernel may be this
+  // entry again, whose CTAs would take the free slots early and crowd some SMs (batch 16 x 4k ran
+  // 4% slower), so the grid signals only by completing.
+  if constexpr (Config::kArch >= 90)
+    if (p.num_splits > 1) allow_dependent_launch();
 
   // Merge the key warps: each stores its unnormalised O and (max, sum) per row, in natural-log
   // units of the scaled scores.
@@ -513,15 +531,19 @@ __device__ void kvcache_attention_tma_kernel(const AttentionKvCacheParams& p) {
 // combine: one warp per (head, query) row merges the num_splits partials in split order. The lanes
 // take the splits' LSEs 32 at a time and reduce them across the warp; each lane then sums 4 dims of
 // O over a chunk of 32 splits, kLoadsInFlight partial rows' loads issued before any is used (a
-// loop of dependent loads took 8.8 us for 33 splits on the H200). On sm_90 it is launched while
-// the attention entry finishes (StreamOrder::overlapping_tail) and waits for it here. Shuffles and
-// loops run in a fixed order, so the result does not depend on timing.
+// loop of dependent loads took 8.8 us for 33 splits on the H200). The first kLoadsInFlight
+// partials do not depend on the LSEs, so they are loaded beside them. On sm_90 it is launched
+// while the attention entry finishes (StreamOrder::overlapping_tail) and waits for it here.
+// Shuffles and loops run in a fixed order, so the result does not depend on timing.
 template <class Config>
 __device__ void kvcache_combine_kernel(const AttentionKvCacheParams& p) {
   using Shape = KvCacheShape<Config>;
   using Element = typename Shape::Element;
   constexpr int kLoadsInFlight = 16;
-  if constexpr (Config::kArch >= 90) wait_for_prerequisite_grids();  // the attention entry's partials
+  if constexpr (Config::kArch >= 90) {
+    wait_for_prerequisite_grids();  // the attention entry's partials
+    allow_dependent_launch();       // the next call's launch and prologue overlap the merge
+  }
   const AttentionFwdParams& f = p.fwd;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, batch = blockIdx.y;
   const int row = blockIdx.x * (Shape::kThreads / 32) + warp;  // head * seqlen_q + query
@@ -531,6 +553,16 @@ __device__ void kvcache_combine_kernel(const AttentionKvCacheParams& p) {
   const long long split_rows = static_cast<long long>(f.batch) * f.num_heads_q * f.seqlen_q;
   const int splits = p.num_splits;
   auto partial_lse = [&](int split) { return p.partial_lse[split * split_rows + row_index]; };
+  // Splits first .. first + count - 1 of dims [dim, dim + 4) (count <= kLoadsInFlight).
+  auto load_partials = [&](int first, int count, int dim, float4 (&part)[kLoadsInFlight]) {
+#pragma unroll
+    for (int u = 0; u < kLoadsInFlight; ++u)
+      part[u] = u < count && dim < f.head_dim ? *reinterpret_cast<const float4*>(
+                                                    p.partial_o + ((first + u) * split_rows + row_index) * Shape::kHeadDim + dim)
+                                              : make_float4(0.f, 0.f, 0.f, 0.f);
+  };
+  float4 part[kLoadsInFlight];
+  load_partials(0, min(splits, kLoadsInFlight), lane * 4, part);
 
   float row_max = -positive_infinity();
   bool nan_here = false;
@@ -549,18 +581,14 @@ __device__ void kvcache_combine_kernel(const AttentionKvCacheParams& p) {
   const float lse = any_nan ? nan : sum > 0.f ? row_max + logf(sum) : positive_infinity();
 
   Element* gO = static_cast<Element*>(f.o) + batch * f.o_batch_stride + query * f.o_row_stride + head * f.o_head_stride;
-  for (int dim = lane * 4; dim < f.head_dim; dim += 128) {
+  for (int pass = 0; pass * 128 < f.head_dim; ++pass) {  // every lane takes part (the shuffles name all 32)
+    const int dim = pass * 128 + lane * 4;
     float acc[4] = {0.f, 0.f, 0.f, 0.f};
     for (int chunk = 0; chunk < splits && sum > 0.f; chunk += 32) {
       const int count = min(32, splits - chunk);
       const float weight = lane < count ? __expf(partial_lse(chunk + lane) - lse) : 0.f;
       for (int j0 = 0; j0 < count; j0 += kLoadsInFlight) {
-        float4 part[kLoadsInFlight];
-#pragma unroll
-        for (int u = 0; u < kLoadsInFlight; ++u)
-          part[u] = j0 + u < count ? *reinterpret_cast<const float4*>(
-                                         p.partial_o + ((chunk + j0 + u) * split_rows + row_index) * Shape::kHeadDim + dim)
-                                   : make_float4(0.f, 0.f, 0.f, 0.f);
+        if (pass != 0 || chunk + j0 != 0) load_partials(chunk + j0, min(kLoadsInFlight, count - j0), dim, part);
 #pragma unroll
         for (int u = 0; u < kLoadsInFlight; ++u) {
           const float w = __shfl_sync(~0u, weight, (j0 + u) % 32);
@@ -572,7 +600,8 @@ __device__ void kvcache_combine_kernel(const AttentionKvCacheParams& p) {
       }
     }
     if (any_nan) acc[0] = acc[1] = acc[2] = acc[3] = nan;
-    *reinterpret_cast<uint2*>(gO + dim) = make_uint2(pack2<Element>(acc[0], acc[1]), pack2<Element>(acc[2], acc[3]));
+    if (dim < f.head_dim)
+      *reinterpret_cast<uint2*>(gO + dim) = make_uint2(pack2<Element>(acc[0], acc[1]), pack2<Element>(acc[2], acc[3]));
   }
   if (lane == 0 && f.lse != nullptr) f.lse[batch * f.lse_batch_stride + head * f.lse_head_stride + query] = lse;
 }

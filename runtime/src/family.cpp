@@ -35,7 +35,9 @@ void FamilyCall::launch_entry(std::string_view entry, Grid grid, void* params, S
   config.sharedMemBytes = static_cast<unsigned>(kernel.layout.entries[index].dynamic_smem_bytes);
   config.hStream = stream;
   CUlaunchAttribute overlap{};
-  if (order == StreamOrder::overlapping_tail && device.cc_major >= 9) {
+  // Only kernels built for sm_90 execute griddepcontrol.wait; an sm_80 build on a Hopper device
+  // must not start early.
+  if (order == StreamOrder::overlapping_tail && device.cc_major >= 9 && spec.arch.sm >= 90) {
     overlap.id = CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
     overlap.value.programmaticStreamSerializationAllowed = 1;
     config.attrs = &overlap;

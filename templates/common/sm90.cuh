@@ -52,6 +52,11 @@ __device__ __forceinline__ void tma_load_4d(unsigned smem, const TmaDescriptor& 
       : "memory");
 }
 
+// Fetches a TMA map (a kernel parameter) into the descriptor cache ahead of its first copy.
+__device__ __forceinline__ void prefetch_tma_map(const TmaDescriptor& map) {
+  asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<unsigned long long>(&map)) : "memory");
+}
+
 // A 4-D tile from shared memory out to global memory (the map clips what lies past the tensor's
 // extents), in this thread's current bulk async-group.
 __device__ __forceinline__ void tma_store_4d(const TmaDescriptor& map, unsigned smem, int c0, int c1, int c2, int c3) {

@@ -126,22 +126,26 @@ TEST_CASE("kvcache: bad arguments name the argument and what was expected", "[ap
   }
 }
 
-TEST_CASE("kvcache: splits fill the device unless the combine costs more", "[dispatch]") {
+TEST_CASE("kvcache: splits spread a few CTAs over the SMs, no further", "[dispatch]") {
   using detail::choose_kv_splits;
   // H200, the decode tile at head dim 128: 2 CTAs per SM, 132 SMs; 64-key tiles of 32 KB (K and V).
-  CHECK(choose_kv_splits(8, 2, 132, 64, 32768, 0) == 11);      // batch 1, 8 KV heads, 4k keys
-  CHECK(choose_kv_splits(8, 2, 132, 1024, 32768, 0) == 18);    // batch 1, 64k keys: not the 33 that fill the slots
-  CHECK(choose_kv_splits(128, 2, 132, 16, 32768, 0) == 1);     // batch 16, 1k keys: 128 CTAs keep HBM busy
-  CHECK(choose_kv_splits(128, 2, 132, 1024, 32768, 0) == 2);   // batch 16, 64k keys
-  CHECK(choose_kv_splits(512, 2, 132, 64, 32768, 0) == 1);     // batch 64: enough CTAs already
-  CHECK(choose_kv_splits(8, 2, 132, 1, 32768, 0) == 1);        // one tile: nothing to split
-  CHECK(choose_kv_splits(8, 2, 132, 64, 32768, 7) == 7);       // forced
-  CHECK(choose_kv_splits(8, 2, 132, 3, 32768, 50) == 3);       // forced, at most one tile per split
-  for (int tiles : {1, 2, 7, 64, 1000, 100000})
+  CHECK(choose_kv_splits(8, 2, 132, 16, 32768, true, 0) == 16);      // batch 1, 8 KV heads, 1k keys: a tile per CTA
+  CHECK(choose_kv_splits(8, 2, 132, 1024, 32768, true, 0) == 16);    // batch 1, 64k keys: 128 CTAs, not the 264 slots
+  CHECK(choose_kv_splits(16, 2, 132, 1024, 32768, true, 0) == 8);    // batch 2
+  CHECK(choose_kv_splits(128, 2, 132, 16, 32768, true, 0) == 1);     // batch 16, 1k keys: 128 CTAs keep HBM busy
+  CHECK(choose_kv_splits(128, 2, 132, 1024, 32768, true, 0) == 1);   // batch 16, 64k keys: as many CTAs as SMs
+  CHECK(choose_kv_splits(512, 2, 132, 64, 32768, true, 0) == 1);     // batch 64: enough CTAs already
+  CHECK(choose_kv_splits(8, 2, 132, 1, 32768, true, 0) == 1);        // one tile: nothing to split
+  CHECK(choose_kv_splits(128, 2, 132, 256, 32768, false, 0) == 2);   // batch 16, 16k keys in pages of 16: slower CTAs
+  CHECK(choose_kv_splits(8, 2, 132, 64, 32768, true, 7) == 7);       // forced
+  CHECK(choose_kv_splits(8, 2, 132, 3, 32768, true, 50) == 3);       // forced, at most one tile per split
+  for (int tiles : {1, 2, 7, 20, 64, 1000, 100000})
     for (long long ctas : {1ll, 8ll, 100ll, 10000ll}) {
-      const int splits = choose_kv_splits(ctas, 2, 132, tiles, 32768, 0);
+      const int splits = choose_kv_splits(ctas, 2, 132, tiles, 32768, true, 0);
       CHECK(splits >= 1);
-      CHECK(splits <= std::max(1, std::min(tiles / 2, detail::kMaxKvSplits)));
+      CHECK(splits <= std::min(tiles, detail::kMaxKvSplits));
+      const int share = (tiles + splits - 1) / splits;
+      CHECK((splits - 1) * share < tiles);  // every split gets a tile
     }
 }
 

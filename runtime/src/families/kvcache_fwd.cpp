@@ -19,30 +19,40 @@
 namespace flashjit::detail {
 
 int choose_kv_splits(long long ctas, int resident_ctas_per_sm, int sm_count, int key_tiles, long long tile_bytes,
-                     int requested) {
+                     bool whole_tile_copies, int requested) {
   if (requested > 0) return std::clamp(requested, 1, std::max(1, key_tiles));
-  // A split count s is timed, in units of the time one CTA takes per tile when memory is not the
-  // bound, as the longer of: the memory streaming every tile, and ceil(ctas * s / slots) waves of
-  // CTAs that each take ceil(key_tiles / s) tiles (a 4-norm, not the max: near the crossover the
-  // two add up in part); plus, for s > 1, the partials' combine. Fitted on the H200 (bench/results/
-  // decode_splits_h200_two_ctas.json): a CTA takes 0.55 us per tile of 32 KB (its ring's depth over
-  // the memory's latency) and HBM streams 4.3 TB/s, so 2.4 MB pass per tile time; combining costs
-  // about 8 tile times and a quarter per split.
-  constexpr double kMemoryBytesPerTileTime = 2.4e6;
-  constexpr double kCombineTileTimes = 8.0, kCombineTileTimesPerSplit = 0.25;
+  // A split count is timed as its waves of CTAs (resident slots at a time), each wave as long as
+  // one CTA's share of tiles takes at the rate the wave's CTAs get, plus a fixed cost per wave (a
+  // CTA's prologue and epilogue) and, with more than one split, the combine. Fitted on the H200
+  // (bench/results/decode_splits_h200_*.json): a CTA alone streams about 60 GB/s when each TMA copy
+  // is a whole tile (its ring's depth over the memory's latency), so 32 CTAs reach 1.96 TB/s and 128
+  // reach 4.0, and about 37 GB/s through copies of a page (16 rows) or cp.async gathers; the memory
+  // gives 4.5 TB/s, 3% less once more CTAs stream than there are SMs (batch 16 x 16k: 128 CTAs 4.49
+  // TB/s, 256 4.37); a wave costs about 1.5 us besides its bytes, the combine about 3.
+  const double kCtaBytesPerSecond = whole_tile_copies ? 60e9 : 37e9;
+  constexpr double kMemoryBytesPerSecond = 4.5e12, kCrowdedShare = 0.97;
+  constexpr double kWaveSeconds = 1.5e-6, kCombineSeconds = 3e-6;
   const long long slots = std::max(1ll, static_cast<long long>(resident_ctas_per_sm) * sm_count);
-  const double stream_time = static_cast<double>(ctas) * key_tiles * tile_bytes / kMemoryBytesPerTileTime;
-  const double stream_time_4 = stream_time * stream_time * stream_time * stream_time;
-  const int most = std::clamp(key_tiles / 2, 1, kMaxKvSplits);
+  // What each of `running` CTAs streams: the lesser of a CTA's rate and its part of the memory's,
+  // joined by a 4-norm (near the crossover both limit it in part).
+  auto cta_rate = [&](long long running) {
+    const double alone = 1.0 / (running * kCtaBytesPerSecond);
+    const double memory = 1.0 / (kMemoryBytesPerSecond * (running > sm_count ? kCrowdedShare : 1.0));
+    return 1.0 / std::sqrt(std::sqrt(alone * alone * alone * alone + memory * memory * memory * memory)) / running;
+  };
   int best = 1;
   double best_time = 1e300;
-  for (int splits = 1; splits <= most; ++splits) {
-    const long long waves = (ctas * splits + slots - 1) / slots;
-    const double cta_time = static_cast<double>(waves) * ((key_tiles + splits - 1) / splits);
-    const double combine = splits > 1 ? kCombineTileTimes + kCombineTileTimesPerSplit * splits : 0.0;
-    const double time = std::sqrt(std::sqrt(stream_time_4 + cta_time * cta_time * cta_time * cta_time)) + combine;
+  for (int splits = 1; splits <= std::min(std::max(1, key_tiles), kMaxKvSplits); ++splits) {
+    // The kernel gives each split ceil(key_tiles / splits) tiles: only the splits that get any run.
+    const int share = (key_tiles + splits - 1) / splits;
+    const int used = (key_tiles + share - 1) / share;
+    const long long ctas_used = ctas * used, full_waves = ctas_used / slots, rest = ctas_used % slots;
+    const double cta_bytes = static_cast<double>(share) * tile_bytes;
+    double time = full_waves * (cta_bytes / cta_rate(std::min(ctas_used, slots)) + kWaveSeconds);
+    if (rest > 0) time += cta_bytes / cta_rate(rest) + kWaveSeconds;
+    if (used > 1) time += kCombineSeconds;
     if (time < best_time * 0.999) {
-      best = splits;
+      best = used;
       best_time = time;
     }
   }
@@ -138,7 +148,7 @@ void run(const FamilyCall& call) {
 
   if (problem.seqlen_new > 0) {
     const long long chunks = static_cast<long long>(problem.seqlen_new) * f.heads_kv * (f.head_dim / 8);
-    call.launch("append_kv", Grid{blocks(chunks, threads), batch}, params);
+    call.launch("append_kv", Grid{blocks(chunks, threads), batch}, params, StreamOrder::overlapping_tail);
   }
   if (f.is_empty()) return;
 
@@ -148,7 +158,9 @@ void run(const FamilyCall& call) {
   const int resident = std::max(1, call.kernel.resident_ctas(attention, f.device));
   const int key_tiles = static_cast<int>(blocks(std::max(1, f.seqlen_k), call.spec.block_n));
   const long long tile_bytes = 2ll * call.spec.block_n * f.head_dim * 2;  // K and V, 16-bit elements
-  params.num_splits = choose_kv_splits(ctas, resident, call.device.sm_count, key_tiles, tile_bytes, f.num_splits);
+  const bool whole_tile_copies = params.kv_tma_rows == call.spec.block_n;
+  params.num_splits =
+      choose_kv_splits(ctas, resident, call.device.sm_count, key_tiles, tile_bytes, whole_tile_copies, f.num_splits);
 
   if (params.kv_tma_rows > 0) {
     const AttentionFwdParams& a = f.params;
@@ -168,7 +180,8 @@ void run(const FamilyCall& call) {
     params.partial_o = reinterpret_cast<float*>(workspace->get());
     params.partial_lse = reinterpret_cast<float*>(workspace->get() + o_bytes);
   }
-  call.launch(attention, Grid{static_cast<unsigned>(params.num_splits), m_blocks * f.heads_kv, batch}, params);
+  call.launch(attention, Grid{static_cast<unsigned>(params.num_splits), m_blocks * f.heads_kv, batch}, params,
+              StreamOrder::overlapping_tail);
   if (params.num_splits > 1) {
     const long long rows = static_cast<long long>(f.heads_q) * f.seqlen_q;
     call.launch("combine", Grid{blocks(rows, threads / 32), batch}, params, StreamOrder::overlapping_tail);
