@@ -43,12 +43,14 @@ Error usage(const std::string& where, const std::string& message) {
 std::vector<TuneShape> expand(int batch, int sq, int sk, int hq, int hkv, int d, const Options& o) {
   std::vector<TuneShape> out;
   for (const auto& pass : o.passes) {
-    if (pass != "fwd" && pass != "bwd") throw usage("--pass", fmt::format("'{}' is not fwd or bwd", pass));
+    if (pass != "fwd" && pass != "bwd" && pass != "kvcache")
+      throw usage("--pass", fmt::format("'{}' is not fwd, bwd or kvcache", pass));
     for (const auto& dtype : o.dtypes)
       for (const auto& c : o.causal) {
         if (c != "on" && c != "off") throw usage("--causal", fmt::format("'{}' is not on or off", c));
         TuneShape s;
         s.backward = pass == "bwd";
+        s.kvcache = pass == "kvcache";
         s.dtype = parse_dtype(dtype);
         s.batch = batch, s.seqlen_q = sq, s.seqlen_k = sk, s.heads_q = hq, s.heads_kv = hkv, s.head_dim = d;
         s.causal = c == "on";
@@ -62,7 +64,7 @@ std::vector<TuneShape> expand(int batch, int sq, int sk, int hq, int hkv, int d,
 }
 
 // A JSON array of {"batch", "seqlen_q", "seqlen_k", "heads_q", "heads_kv", "head_dim"} objects, each
-// optionally with "causal" (bool), "dtype", "pass" ("fwd"/"bwd") and "layout" ("bshd"/"bhsd")
+// optionally with "causal" (bool), "dtype", "pass" ("fwd"/"bwd"/"kvcache") and "layout" ("bshd"/"bhsd")
 // overriding the command line's.
 std::vector<TuneShape> read_shapes_file(const std::string& path, const Options& o) {
   const detail::FileRead file = detail::read_regular_file(path, 64u << 20, /*follow_symlinks=*/true);
@@ -146,6 +148,10 @@ std::vector<TuneShape> gather_shapes(const Options& o) {
   return shapes;
 }
 
+detail::Pass pass_of(const TuneShape& s) {
+  return s.kvcache ? detail::Pass::kvcache : s.backward ? detail::Pass::backward : detail::Pass::forward;
+}
+
 // Validates a shape as the runtime would (without touching a GPU) and returns its problem.
 detail::ForwardProblem problem_of(const TuneShape& s) {
   alignas(16) static unsigned char stand_in[16];  // validation only reads addresses
@@ -161,8 +167,9 @@ detail::ForwardProblem problem_of(const TuneShape& s) {
   AttentionOptions options;
   options.causal = s.causal;
   try {
-    detail::ForwardProblem p = detail::make_forward_problem(q, k, k, q, nullptr, nullptr, options);
-    detail::tuning_plan(detail::PassProblem{detail::Pass::forward, p}, Arch::parse("sm_80"));  // a head dim over 256
+    detail::ForwardProblem p = s.kvcache ? detail::make_kvcache_problem(q, KvCache{k, k}, q, nullptr, options).forward
+                                         : detail::make_forward_problem(q, k, k, q, nullptr, nullptr, options);
+    detail::tuning_plan(detail::PassProblem{pass_of(s), p}, Arch::parse("sm_80"));  // a head dim over 256
     return p;
   } catch (const Error& e) {
     throw usage("shape", fmt::format("{}: {}", s.describe(), e.message()));
@@ -194,7 +201,7 @@ int dry_run(const Options& o, const std::vector<TuneShape>& shapes) {
   for (const auto& s : shapes) {
     const detail::ForwardProblem p = problem_of(s);
     const detail::TuningPlan plan =
-        detail::tuning_plan(detail::PassProblem{s.backward ? detail::Pass::backward : detail::Pass::forward, p}, arch);
+        detail::tuning_plan(detail::PassProblem{pass_of(s), p}, arch);
     const ProblemKey& key = plan.key;
     const std::vector<KernelSpec>& candidates = plan.candidates;
     if (o.json_output) {
@@ -272,6 +279,7 @@ int main(int argc, char** argv) {
       "Examples:\n"
       "  flashjit-tune --shape 2,8192,8192,32,8,128 --causal on --output tuning.json\n"
       "  flashjit-tune --grid --causal off,on --pass fwd,bwd --output tuning.json\n"
+      "  flashjit-tune --shape 64,1,16384,32,8,128 --pass kvcache --output tuning.json   decode\n"
       "  flashjit-tune --shapes model_shapes.json > tuning.json\n"
       "  flashjit-tune --grid --dry-run --arch sm_80     list the candidates, no GPU needed\n"
       "Use the result with FLASHJIT_TUNING_DB=tuning.json, Runtime::load_tuning_db, or\n"
@@ -282,7 +290,8 @@ int main(int argc, char** argv) {
   app.add_flag("--grid", o.grid, "The forward grid of DESIGN.md (16k tokens x 2048 hidden, D 64/128/256)");
   app.add_option("--causal", o.causal, "off, on, or off,on")->delimiter(',');
   app.add_option("--dtype", o.dtypes, "bf16, fp16, or both")->delimiter(',');
-  app.add_option("--pass", o.passes, "fwd, bwd, or fwd,bwd")->delimiter(',');
+  app.add_option("--pass", o.passes, "fwd, bwd, kvcache (forward_kvcache over a contiguous cache of SK tokens), or a list")
+      ->delimiter(',');
   app.add_option("--layout", o.layout, "bshd (sequence-major, flash-attn's order; the default) or bhsd (head-major, SDPA's)");
   app.add_option("--output", o.output, "Merge the results into this tuning database (atomic); default: stdout");
   app.add_flag("--dry-run", o.dry_run, "List each shape's candidate specs; no GPU needed");

@@ -152,6 +152,8 @@ ProblemKey problem_key(const ForwardProblem& problem, Family key_family) {
   key.batch_heads_bucket = ProblemKey::bucket(int64_t(problem.batch) * problem.heads_q);
   // Varlen's packed rows are sequence-major; otherwise the order of q's head and row strides.
   key.head_major = !problem.is_varlen && problem.heads_q > 1 && problem.params.q_head_stride > problem.params.q_row_stride;
+  if (key_family == Family::kvcache_fwd)
+    key.query_rows_bucket = ProblemKey::query_rows(int64_t(problem.seqlen_q) * (problem.heads_q / std::max(1, problem.heads_kv)));
   return key;
 }
 

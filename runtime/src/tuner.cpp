@@ -29,7 +29,8 @@ namespace flashjit {
 using namespace detail;
 
 std::string TuneShape::describe() const {
-  return fmt::format("{} {} b{} sq{} sk{} hq{} hkv{} d{}{}{}", backward ? "bwd" : "fwd", to_string(dtype), batch,
+  return fmt::format("{} {} b{} sq{} sk{} hq{} hkv{} d{}{}{}", kvcache ? "kvcache" : backward ? "bwd" : "fwd",
+                     to_string(dtype), batch,
                      seqlen_q, seqlen_k, heads_q, heads_kv, head_dim, causal ? " causal" : "", head_major ? " bhsd" : "");
 }
 
@@ -127,13 +128,20 @@ TuneResult tune(Runtime& runtime, const TuneShape& shape, const TuneOptions& o) 
   const TensorView first_lse = lse_view(first.lse);
   const ForwardProblem forward = make_forward_problem(q_view(first.q), kv_view(first.k), kv_view(first.v),
                                                       q_view(first.out), nullptr, nullptr, base);
+  if (shape.kvcache && shape.backward)
+    throw Error(ErrorCode::invalid_argument, "tune", "a shape tunes the backward or the KV-cache pass, not both");
   std::optional<BackwardProblem> backward;
+  std::optional<KvCacheProblem> kvcache;
+  // The KV-cache pass attends over the whole contiguous cache (no cache_seqlens, nothing appended).
+  auto cache_of = [&](const ProblemBuffers& b) { return KvCache{kv_view(b.k), kv_view(b.v)}; };
+  if (shape.kvcache) kvcache = make_kvcache_problem(q_view(first.q), cache_of(first), q_view(first.out), &first_lse, base);
   if (shape.backward)
     backward = make_backward_problem(q_view(first.q), kv_view(first.k), kv_view(first.v), q_view(first.out),
                                      q_view(first.dout), &first_lse, q_view(first.dq), kv_view(first.dk),
                                      kv_view(first.dv), nullptr, base);
-  const PassProblem problem = backward ? PassProblem{Pass::backward, backward->forward, &*backward}
-                                       : PassProblem{Pass::forward, forward};
+  const PassProblem problem = backward  ? PassProblem{Pass::backward, backward->forward, &*backward}
+                              : kvcache ? PassProblem{Pass::kvcache, kvcache->forward, nullptr, &*kvcache}
+                                        : PassProblem{Pass::forward, forward};
   const TuningPlan plan = tuning_plan(problem, device.arch());
 
   // One call of the pass being tuned, on buffer set `set`.
@@ -143,6 +151,8 @@ TuneResult tune(Runtime& runtime, const TuneShape& shape, const TuneOptions& o) 
     if (shape.backward)
       runtime.backward(q_view(b.q), kv_view(b.k), kv_view(b.v), q_view(b.out), q_view(b.dout), &lse, q_view(b.dq),
                        kv_view(b.dk), kv_view(b.dv), options);
+    else if (shape.kvcache)
+      runtime.forward_kvcache(q_view(b.q), cache_of(b), q_view(b.out), &lse, options);
     else
       runtime.forward(q_view(b.q), kv_view(b.k), kv_view(b.v), q_view(b.out), &lse, options);
   };
@@ -263,8 +273,9 @@ TuneResult tune(Runtime& runtime, const TuneShape& shape, const TuneOptions& o) 
     throw Error(ErrorCode::unsupported, "tune", fmt::format("no candidate of {} ran on {}", shape.describe(), device.name));
   std::sort(timed.begin(), timed.end());
 
-  // Verify the finalists: the forward against the reference kernel, the backward against the
-  // heuristic spec's deterministic path (a different dQ kernel). A finalist that disagrees is dropped.
+  // Verify the finalists: the forward and the KV-cache pass against the reference kernel, the
+  // backward against the heuristic spec's deterministic path (a different dQ kernel). A finalist
+  // that disagrees is dropped.
   auto download = [&](const DeviceMemory& m, size_t elems) {
     std::vector<uint16_t> host(elems);
     FLASHJIT_CU(cuMemcpyDtoH, host.data(), reinterpret_cast<CUdeviceptr>(m.get()), elems * 2);
@@ -283,9 +294,15 @@ TuneResult tune(Runtime& runtime, const TuneShape& shape, const TuneOptions& o) 
     return all;
   };
   AttentionOptions check = base;
-  if (shape.backward) check.deterministic = true;
-  else check.backend = Backend::reference;
-  run(check, 0);
+  if (shape.backward) {
+    check.deterministic = true;
+    run(check, 0);
+  } else {  // the KV-cache pass over a whole cache is the dense forward (both bottom-right causal)
+    check.backend = Backend::reference;
+    ProblemBuffers& b = *buffers[0];
+    const TensorView lse = lse_view(b.lse);
+    runtime.forward(q_view(b.q), kv_view(b.k), kv_view(b.v), q_view(b.out), &lse, check);
+  }
   const auto expected = outputs();
   const double tolerance = shape.backward ? 2e-2 : 1e-2;
   std::vector<std::pair<double, size_t>> finalists;

@@ -62,15 +62,23 @@ int ProblemKey::bucket(int64_t n) {
   return static_cast<int>(b);
 }
 
+int ProblemKey::query_rows(int64_t n) {
+  int b = 16;
+  while (b < n && b < 128) b *= 2;
+  return b;
+}
+
 std::string ProblemKey::describe() const {
-  return fmt::format("{} {} d{}{}{} s<={} bh<={}{}", to_string(family), to_string(dtype), head_dim,
+  return fmt::format("{} {} d{}{}{} s<={} bh<={}{}{}", to_string(family), to_string(dtype), head_dim,
                      mask == MaskKind::none ? "" : fmt::format(" {}", to_string(mask)), softcap ? " softcap" : "",
-                     seqlen_bucket, batch_heads_bucket, head_major ? " bhsd" : "");
+                     seqlen_bucket, batch_heads_bucket,
+                     query_rows_bucket > 0 ? fmt::format(" rows<={}", query_rows_bucket) : "", head_major ? " bhsd" : "");
 }
 
 bool ProblemKey::operator==(const ProblemKey& o) const {
   return family == o.family && dtype == o.dtype && head_dim == o.head_dim && mask == o.mask && softcap == o.softcap &&
-         seqlen_bucket == o.seqlen_bucket && batch_heads_bucket == o.batch_heads_bucket && head_major == o.head_major;
+         seqlen_bucket == o.seqlen_bucket && batch_heads_bucket == o.batch_heads_bucket && head_major == o.head_major &&
+         query_rows_bucket == o.query_rows_bucket;
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -182,18 +190,21 @@ DeviceStamp read_stamp(const Reader& r) {
 }
 
 json problem_json(const ProblemKey& p) {
-  return json{{"family", to_string(p.family)},   {"dtype", to_string(p.dtype)},
-              {"head_dim", p.head_dim},          {"mask", to_string(p.mask)},
-              {"softcap", p.softcap},            {"seqlen_bucket", p.seqlen_bucket},
-              {"batch_heads_bucket", p.batch_heads_bucket}, {"layout", p.head_major ? "bhsd" : "bshd"}};
+  json j{{"family", to_string(p.family)},   {"dtype", to_string(p.dtype)},
+         {"head_dim", p.head_dim},          {"mask", to_string(p.mask)},
+         {"softcap", p.softcap},            {"seqlen_bucket", p.seqlen_bucket},
+         {"batch_heads_bucket", p.batch_heads_bucket}, {"layout", p.head_major ? "bhsd" : "bshd"}};
+  if (p.query_rows_bucket > 0) j["query_rows_bucket"] = p.query_rows_bucket;
+  return j;
 }
 
 ProblemKey read_problem(const Reader& r) {
-  r.expect_fields({"family", "dtype", "head_dim", "mask", "softcap", "seqlen_bucket", "batch_heads_bucket"}, {"layout"});
+  r.expect_fields({"family", "dtype", "head_dim", "mask", "softcap", "seqlen_bucket", "batch_heads_bucket"},
+                  {"layout", "query_rows_bucket"});
   ProblemKey p;
   p.family = r.parsed("family", parse_family);
   if (p.family == Family::reference_fwd)
-    throw r.fail(fmt::format("{}: {} is not tuned (fa2_fwd, fa2_bwd, sm90_fwd)", r.path("family"),
+    throw r.fail(fmt::format("{}: {} is not tuned (fa2_fwd, fa2_bwd, sm90_fwd, kvcache_fwd)", r.path("family"),
                              to_string(p.family)));
   p.dtype = r.parsed("dtype", parse_dtype);
   p.head_dim = static_cast<int>(r.integer("head_dim", 1, 256));
@@ -211,6 +222,16 @@ ProblemKey read_problem(const Reader& r) {
     if (layout != "bshd" && layout != "bhsd")
       throw r.fail(fmt::format("{} must be \"bshd\" or \"bhsd\", got \"{}\"", r.path("layout"), layout));
     p.head_major = layout == "bhsd";
+  }
+  const bool kvcache = p.family == Family::kvcache_fwd;
+  if (kvcache != r.has("query_rows_bucket"))
+    throw r.fail(fmt::format("{}: {} entries {} query_rows_bucket", r.path("query_rows_bucket"), to_string(p.family),
+                             kvcache ? "need a" : "have no"));
+  if (kvcache) {
+    const int64_t rows = r.integer("query_rows_bucket", 16, 128);
+    if (ProblemKey::query_rows(rows) != rows)
+      throw r.fail(fmt::format("{} must be 16, 32, 64 or 128, got {}", r.path("query_rows_bucket"), rows));
+    p.query_rows_bucket = static_cast<int>(rows);
   }
   return p;
 }

@@ -2,12 +2,14 @@
 // sizes 1, 16, 64, 256), ragged cache_seqlens (0, 1, page boundaries, 64k), GQA ratios 1/4/8/32,
 // seqlen_q 1/2/4/16 and chunked prefill, causal, window and softcap, forced and chosen splits,
 // in-place append read back, faults reported (page ids, lengths), and a captured CUDA graph
-// replayed with other lengths and block tables.
+// replayed with other lengths and block tables; and flashjit::tune on a decode shape.
 #include <catch2/catch.hpp>
 
 #include <algorithm>
 #include <numeric>
+#include <optional>
 
+#include "flashjit/tuning.hpp"
 #include "support/attention_case.hpp"
 
 using namespace flashjit;
@@ -27,13 +29,14 @@ struct KvSetup {
   int num_splits = 0;
   bool pass_seqlens = true;     // false: no cache_seqlens (every sequence fills the cache)
   DType dtype = DType::bf16;
+  std::optional<KernelSpec> kernel;  // forced (options.kernel), else dispatch's
 
   std::string describe() const {
     std::ostringstream s;
     s << "batch " << batch << " seqlen_q " << seqlen_q << " heads " << heads_q << "/" << heads_kv << " d " << head_dim
       << " page_size " << page_size << " capacity " << capacity << " new " << seqlen_new << " splits " << num_splits
       << (causal ? " causal" : "") << " window (" << window_left << ", " << window_right << ") softcap " << softcap
-      << (dtype == DType::bf16 ? " bf16" : " fp16") << " cache_lens";
+      << (dtype == DType::bf16 ? " bf16" : " fp16") << (kernel ? " kernel " + kernel->name() : "") << " cache_lens";
     for (int l : cache_lens) s << " " << l;
     return s.str();
   }
@@ -196,6 +199,7 @@ class KvCase {
     o.window_right = s_.window_right;
     o.softcap = s_.softcap;
     o.num_splits = s_.num_splits;
+    o.kernel = s_.kernel;
     return o;
   }
 
@@ -521,4 +525,39 @@ TEST_CASE("kvcache: a decode step captured in a CUDA graph replays with new leng
   FLASHJIT_CU(cuGraphExecDestroy, exec);
   FLASHJIT_CU(cuGraphDestroy, graph);
   FLASHJIT_CU(cuStreamDestroy, stream);
+}
+
+TEST_CASE("kvcache: flashjit::tune picks a decode spec that is correct and no slower than the heuristic's",
+          "[kvcache][tune]") {
+  TuneShape shape;
+  shape.kvcache = true;
+  shape.batch = 2;
+  shape.seqlen_q = 1;
+  shape.seqlen_k = 3000;
+  shape.heads_q = 16;
+  shape.heads_kv = 4;
+  shape.head_dim = 64;
+  TuneOptions options;
+  options.iters = 5;
+  options.finalists = 2;
+  const TuneResult r = tune(test_runtime(), shape, options);
+  INFO(shape.describe() << ": " << r.entry.spec.name() << " " << r.entry.median_ms << " ms, heuristic "
+                        << r.heuristic_ms << " ms");
+  CHECK(r.timed >= 2);
+  CHECK(r.entry.spec.family == Family::kvcache_fwd);
+  CHECK(r.entry.problem.family == Family::kvcache_fwd);
+  CHECK(r.entry.problem.query_rows_bucket == 16);  // one query of a group of 4
+  REQUIRE(r.heuristic_ms > 0);
+  CHECK(r.entry.median_ms <= r.heuristic_ms);
+  // The winner on the tuned shape, against float64 (the tuner's own check compares it with the
+  // reference kernel only within its tolerance).
+  KvSetup s;
+  s.batch = shape.batch;
+  s.heads_q = shape.heads_q;
+  s.heads_kv = shape.heads_kv;
+  s.head_dim = shape.head_dim;
+  s.cache_lens.assign(s.batch, shape.seqlen_k);
+  s.pass_seqlens = false;
+  s.kernel = r.entry.spec;
+  check_case(s, 900);
 }

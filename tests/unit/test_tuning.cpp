@@ -191,6 +191,56 @@ TEST_CASE("problem keys carry the layout: head-major q is keyed apart from seque
                     Catch::Contains("entries[0].problem.layout must be \"bshd\" or \"bhsd\", got \"bsdh\""));
 }
 
+TEST_CASE("kvcache_fwd keys carry the packed query rows; its entries must have them, others must not", "[tuning]") {
+  const std::pair<int64_t, int> rows[] = {{1, 16}, {16, 16}, {17, 32}, {64, 64}, {100, 128}, {5000, 128}};
+  for (auto [n, bucket] : rows) CHECK(ProblemKey::query_rows(n) == bucket);
+  alignas(16) static unsigned char arena[16];
+  auto view = [](int batch, int seqlen, int heads) {
+    return TensorView::contiguous(arena, ScalarType::bfloat16, {batch, seqlen, heads, 128});
+  };
+  // Decode (one query of a group of 4) and speculative verification (8 queries of it) over the
+  // same cache: keyed apart, and the fa2_fwd key of the same problem has no rows.
+  const detail::ForwardProblem decode =
+      detail::make_kvcache_problem(view(4, 1, 32), KvCache{view(4, 16384, 8), view(4, 16384, 8)}, view(4, 1, 32),
+                                   nullptr, {})
+          .forward;
+  const detail::ForwardProblem verify =
+      detail::make_kvcache_problem(view(4, 8, 32), KvCache{view(4, 16384, 8), view(4, 16384, 8)}, view(4, 8, 32),
+                                   nullptr, {})
+          .forward;
+  const ProblemKey decode_key = detail::problem_key(decode, Family::kvcache_fwd);
+  CHECK(decode_key.query_rows_bucket == 16);
+  CHECK(detail::problem_key(verify, Family::kvcache_fwd).query_rows_bucket == 32);
+  CHECK_FALSE(decode_key == detail::problem_key(verify, Family::kvcache_fwd));
+  CHECK(decode_key.describe() == "kvcache_fwd bf16 d128 s<=16384 bh<=128 rows<=16");
+  CHECK(detail::problem_key(decode, Family::fa2_fwd).query_rows_bucket == 0);
+
+  TunedEntry e = numbered_entry(0);
+  e.problem = decode_key;
+  e.spec = default_spec(Family::kvcache_fwd, Arch::parse("sm_90a"), DType::bf16, 128, MaskKind::none);
+  TuningDb db;
+  db.upsert(e);
+  db.upsert(numbered_entry(0));
+  const std::string text = db.dump();
+  const TuningDb back = TuningDb::parse(text, "memory");
+  REQUIRE(back.entries().size() == 2);
+  CHECK(back.entries()[0].problem == decode_key);
+  CHECK(back.dump() == text);
+  nlohmann::json j = nlohmann::json::parse(text);
+  CHECK(j["entries"][0]["problem"]["query_rows_bucket"] == 16);
+  CHECK_FALSE(j["entries"][1]["problem"].contains("query_rows_bucket"));
+  nlohmann::json bad = j;
+  bad["entries"][0]["problem"].erase("query_rows_bucket");
+  CHECK_THROWS_WITH(TuningDb::parse(bad.dump(), "db.json"),
+                    Catch::Contains("entries[0].problem.query_rows_bucket: kvcache_fwd entries need a query_rows_bucket"));
+  bad = j;
+  bad["entries"][0]["problem"]["query_rows_bucket"] = 48;
+  CHECK_THROWS_WITH(TuningDb::parse(bad.dump(), "db.json"), Catch::Contains("must be 16, 32, 64 or 128, got 48"));
+  bad = j;
+  bad["entries"][1]["problem"]["query_rows_bucket"] = 16;
+  CHECK_THROWS_WITH(TuningDb::parse(bad.dump(), "db.json"), Catch::Contains("entries have no query_rows_bucket"));
+}
+
 TEST_CASE("tuning db: round trip and strict parsing", "[tuning]") {
   TuningDb db;
   for (int i = 0; i < 3; ++i) db.upsert(numbered_entry(i));
@@ -231,7 +281,7 @@ TEST_CASE("tuning db: round trip and strict parsing", "[tuning]") {
   expect_error(mutated([](auto& c) { c["entries"][0]["spec"]["mask"] = "none"; }), "does not serve the problem");
   expect_error(mutated([](auto& c) { c["entries"][2]["median_ms"] = -1; }), "entries[2].median_ms must be a finite number");
   expect_error(mutated([](auto& c) { c["entries"][0]["problem"]["family"] = "reference_fwd"; }),
-               "entries[0].problem.family: reference_fwd is not tuned (fa2_fwd, fa2_bwd, sm90_fwd)");
+               "entries[0].problem.family: reference_fwd is not tuned (fa2_fwd, fa2_bwd, sm90_fwd, kvcache_fwd)");
 }
 
 TEST_CASE("the bundled tuning database parses and every entry is usable", "[tuning]") {
@@ -360,6 +410,13 @@ TEST_CASE("flashjit-tune: dry run lists candidates; bad input exits 2 and writes
   t = run_tool({FLASHJIT_TUNE_TOOL, "--shape", "2,4096,4096,16,8,128", "--layout", "bhsd", "--dry-run", "--json"});
   REQUIRE(t.status == 0);
   CHECK(nlohmann::json::parse(t.output)[0]["problem"] == "sm90_fwd bf16 d128 s<=4096 bh<=64 bhsd");
+  // --pass kvcache: decode's candidates, keyed by the packed query rows.
+  t = run_tool({FLASHJIT_TUNE_TOOL, "--shape", "64,1,16384,32,8,128", "--pass", "kvcache", "--dry-run", "--json"});
+  REQUIRE(t.status == 0);
+  const auto decode = nlohmann::json::parse(t.output)[0];
+  CHECK(decode["problem"] == "kvcache_fwd bf16 d128 s<=16384 bh<=2048 rows<=16");
+  CHECK(decode["candidates"].size() >= 8);
+  for (const auto& name : decode["candidates"]) CHECK_THAT(name.get<std::string>(), Catch::StartsWith("kvcache_fwd_"));
 
   auto expect_usage = [&](std::vector<std::string> args, const std::string& why) {
     args.insert(args.begin(), FLASHJIT_TUNE_TOOL);

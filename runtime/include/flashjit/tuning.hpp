@@ -59,8 +59,13 @@ struct ProblemKey {
   // JSON "layout": "bhsd" or "bshd" (absent: bshd, as databases before it). Dispatch falls back to
   // the other layout's entry where its own has none.
   bool head_major = false;
+  // kvcache_fwd only (0 for the other families): bucket of the packed query rows one KV head's
+  // tile holds (seqlen_q x the group of query heads), what decides its block_m. JSON
+  // "query_rows_bucket", present for kvcache_fwd entries and only there.
+  int query_rows_bucket = 0;
 
   static int bucket(int64_t n);  // the smallest power of two >= n, at least 64 (1 -> 64, 100 -> 128)
+  static int query_rows(int64_t n);  // the smallest power of two >= n from 16 to 128 (1 -> 16, 500 -> 128)
   std::string describe() const;  // "fa2_fwd bf16 d128 causal s<=4096 bh<=64", then " bhsd" if head-major
   bool operator==(const ProblemKey& o) const;
 };
@@ -137,6 +142,9 @@ const TuningDb& bundled_tuning_db();
 
 struct TuneShape {
   bool backward = false;  // tune fa2_bwd (forward + the gradients' kernels) instead of fa2_fwd
+  // tune kvcache_fwd instead: seqlen_q new queries against a contiguous cache of seqlen_k tokens
+  // (forward_kvcache; decode is seqlen_q 1)
+  bool kvcache = false;
   DType dtype = DType::bf16;
   int batch = 1, seqlen_q = 4096, seqlen_k = 4096, heads_q = 16, heads_kv = 16, head_dim = 128;
   bool causal = false;
