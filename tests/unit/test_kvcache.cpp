@@ -137,6 +137,7 @@ TEST_CASE("kvcache: splits spread a few CTAs over the SMs, no further", "[dispat
   CHECK(choose_kv_splits(512, 2, 132, 64, 32768, true, 0) == 1);     // batch 64: enough CTAs already
   CHECK(choose_kv_splits(8, 2, 132, 1, 32768, true, 0) == 1);        // one tile: nothing to split
   CHECK(choose_kv_splits(128, 2, 132, 256, 32768, false, 0) == 2);   // batch 16, 16k keys in pages of 16: slower CTAs
+  CHECK(choose_kv_splits(8, 2, 132, 64, 32768, false, 0) == 16);     // batch 1, 4k keys in pages of 16: not 32
   CHECK(choose_kv_splits(8, 2, 132, 64, 32768, true, 7) == 7);       // forced
   CHECK(choose_kv_splits(8, 2, 132, 3, 32768, true, 50) == 3);       // forced, at most one tile per split
   for (int tiles : {1, 2, 7, 20, 64, 1000, 100000})

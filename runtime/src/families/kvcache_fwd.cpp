@@ -28,10 +28,12 @@ int choose_kv_splits(long long ctas, int resident_ctas_per_sm, int sm_count, int
   // is a whole tile (its ring's depth over the memory's latency), so 32 CTAs reach 1.96 TB/s and 128
   // reach 4.0, and about 37 GB/s through copies of a page (16 rows) or cp.async gathers; the memory
   // gives 4.5 TB/s, 3% less once more CTAs stream than there are SMs (batch 16 x 16k: 128 CTAs 4.49
-  // TB/s, 256 4.37); a wave costs about 1.5 us besides its bytes, the combine about 3.
+  // TB/s, 256 4.37); a wave costs about 1.5 us besides its bytes, the combine about 2.5 and 0.5 more
+  // per 16 splits (a round of partial loads; pages of 16 at batch 1 x 4k: 16 splits 1.48 TB/s, 32
+  // 1.35).
   const double kCtaBytesPerSecond = whole_tile_copies ? 60e9 : 37e9;
   constexpr double kMemoryBytesPerSecond = 4.5e12, kCrowdedShare = 0.97;
-  constexpr double kWaveSeconds = 1.5e-6, kCombineSeconds = 3e-6;
+  constexpr double kWaveSeconds = 1.5e-6, kCombineSeconds = 2.5e-6, kCombineSecondsPerSplit = 0.03e-6;
   const long long slots = std::max(1ll, static_cast<long long>(resident_ctas_per_sm) * sm_count);
   // What each of `running` CTAs streams: the lesser of a CTA's rate and its part of the memory's,
   // joined by a 4-norm (near the crossover both limit it in part).
@@ -50,7 +52,7 @@ int choose_kv_splits(long long ctas, int resident_ctas_per_sm, int sm_count, int
     const double cta_bytes = static_cast<double>(share) * tile_bytes;
     double time = full_waves * (cta_bytes / cta_rate(std::min(ctas_used, slots)) + kWaveSeconds);
     if (rest > 0) time += cta_bytes / cta_rate(rest) + kWaveSeconds;
-    if (used > 1) time += kCombineSeconds;
+    if (used > 1) time += kCombineSeconds + kCombineSecondsPerSplit * used;
     if (time < best_time * 0.999) {
       best = used;
       best_time = time;
