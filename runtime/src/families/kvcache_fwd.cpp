@@ -1,8 +1,9 @@
 // kvcache_fwd at run time: forward_kvcache's entry sequence. append_kv writes the new tokens into
 // the cache; attention runs (splits, KV heads x query tiles, batch) CTAs; combine merges the
-// splits' fp32 partials, from a stream-ordered workspace, when there is more than one. Nothing is
-// read back from the device, so a call can be captured in a CUDA graph and replayed with other
-// cache_seqlens and block tables.
+// splits' fp32 partials, from a stream-ordered workspace, when there is more than one. On sm_90
+// each entry is launched over the previous kernel's tail and waits for it before its first read.
+// Nothing is read back from the device, so a call can be captured in a CUDA graph and replayed with
+// other cache_seqlens and block tables.
 #include "kvcache_fwd.hpp"
 
 #include <algorithm>
