@@ -2,7 +2,8 @@
 # One device call: GPU tests and timings over a build tree made on the development machine and
 # carried along (the device has no -dev packages; binaries built here run there).
 #   bench/device_run.sh [build-dir] [what...]
-#   what: warm | tests | sanitize | python | host | sweep | grid | peers | fwdbwd | tune | profile
+#   what: warm | tests | sanitize | sanitize-kvcache | python | host | sweep | grid | peers | fwdbwd |
+#   tune | profile | decode | decode-splits
 #   (default: tests);
 #   FLASHJIT_BENCH_ARGS adds arguments to the flashjit-bench steps, PEERS_ARGS to the peers step,
 #   FWDBWD_ARGS to fwdbwd.
@@ -46,6 +47,26 @@ for step in $what; do
       san memcheck "backward: one head and an odd row count*"
       san racecheck "backward: one head and an odd row count*"
       san synccheck "backward: one head and an odd row count*" ;;
+    sanitize-kvcache)
+      # memcheck, racecheck and synccheck over forward_kvcache's quick set (TMA ring, cluster merge).
+      for tool in memcheck racecheck synccheck; do
+        bounded compute-sanitizer --tool $tool --error-exitcode 1 "$build/tests/flashjit_gpu_tests" "[kvcache][quick]" 2>&1 |
+            tee -a "$out/sanitize_kvcache_$tool.log" | tail -3
+        [[ ${PIPESTATUS[0]} -eq 0 ]] || status=1
+      done ;;
+    decode)
+      # The decode table beside SDPA cuDNN/FLASH (bench/decode.py): sequence-major caches with the
+      # paged rows, then head-major ones.
+      export FLASHJIT_LIBRARY=$build/runtime/libflashjit.so PYTHONUNBUFFERED=1
+      bounded python3 bench/decode.py --layout bshd --output "$out/decode_bshd.json" 2>&1 >/dev/null | tail -20
+      [[ ${PIPESTATUS[0]} -eq 0 ]] || status=1
+      bounded python3 bench/decode.py --layout bhsd --no-paged --output "$out/decode_bhsd.json" 2>&1 >/dev/null | tail -20
+      [[ ${PIPESTATUS[0]} -eq 0 ]] || status=1 ;;
+    decode-splits)
+      # Decode speed against forced split counts (bench/decode_splits.py; DECODE_SPLITS_ARGS).
+      export FLASHJIT_LIBRARY=$build/runtime/libflashjit.so PYTHONUNBUFFERED=1
+      bounded python3 bench/decode_splits.py ${DECODE_SPLITS_ARGS:-} --output "$out/decode_splits.json" 2>&1 | tail -20
+      [[ ${PIPESTATUS[0]} -eq 0 ]] || status=1 ;;
     tests)
       # GPU_TEST_FILTER: a Catch2 test spec (e.g. "[backward]") to run a subset.
       GPU_TEST_REPORT=$out/pipeline_costs.jsonl bounded "$build/tests/flashjit_gpu_tests" ${GPU_TEST_FILTER:+"$GPU_TEST_FILTER"} \

@@ -11,16 +11,20 @@
 //     extra warp idles.
 //   The computing warps form kRowWarps x kKeyWarps: each owns kWarpRows rows and kWarpKeys keys of
 //   a tile and keeps its own online softmax; the key warps' (max, sum, O) are merged in shared
-//   memory at the end. With one split the CTA writes O and the LSE; with more it writes its
-//   normalised O and LSE to fp32 partials, and the combine entry merges them in split order
-//   (deterministic). append_kv copies this call's new keys and values into the cache at
-//   cache_seqlens first.
-//   Grids: attention (num_splits, heads_kv * ceil(seqlen_q * group / kBlockM), batch); append_kv
+//   memory at the end. With one split the CTA writes O and the LSE. With more, on sm_90 the splits
+//   of a row are one thread-block cluster (up to 16 CTAs): each leaves its normalised O and LSE in
+//   its shared memory and the cluster merges them through distributed shared memory (no second
+//   kernel: at batch 1 the combine's launch was a third of a 1k-token step). Elsewhere, or with
+//   more splits than a cluster holds, each writes fp32 partials and the combine entry merges them.
+//   Both merge in split order (deterministic). append_kv copies this call's new keys and values
+//   into the cache at cache_seqlens first.
+//   Grids: attention (num_splits, heads_kv * ceil(seqlen_q * group / kBlockM), batch), clusters of
+//   (num_splits, 1, 1) when merging in the cluster; append_kv
 //   (ceil(seqlen_new * heads_kv * kChunks / kThreads), batch); combine (ceil(heads_q * seqlen_q /
 //   (kThreads / 32)), batch), a warp per row. Threads: (kNumWarps + 1) * 32 on sm_90, kNumWarps *
 //   32 on sm_80.
 //   Shared memory (bytes): max(2 * R + kBlockM * (kHeadDim + 8) * 2, kKeyWarps * kBlockM *
-//   (kHeadDim + 4) * 4 + 2 * kKeyWarps * kBlockM * 4) with R = kNumStages * kBlockN * (kHeadDim + 8)
+//   (kHeadDim + 4) * 4 + (2 * kKeyWarps + 1) * kBlockM * 4) with R = kNumStages * kBlockN * (kHeadDim + 8)
 //   * 2 rounded up to 1024, plus 16 * kNumStages + 1024 on sm_90 (barriers, alignment).
 //   Faults the host cannot see without a synchronisation (a page id outside [0, num_pages), a
 //   cache_seqlens entry that is negative or leaves no room, a block table too short) are never
@@ -90,9 +94,11 @@ struct KvCacheShape {
   static constexpr int kRingBytes = (kStages * kTileBytes + 1023) / 1024 * 1024;
   static constexpr int kQBytes = kBlockM * kRowStride * 2;
   static constexpr int kPipelineBytes = 2 * kRingBytes + kQBytes;
-  // The key warps' merge: fp32 O rows padded by 4 floats, then (max, sum) per warp and row.
+  // The key warps' merge: fp32 O rows padded by 4 floats, then (max, sum) per warp and row, then
+  // the CTA's LSE per row for a cluster's merge (its O goes over the first key warp's rows).
   static constexpr int kMergeRowStride = kHeadDim + 4;
-  static constexpr int kMergeBytes = kKeyWarps * kBlockM * kMergeRowStride * 4 + 2 * kKeyWarps * kBlockM * 4;
+  static constexpr int kMergeBytes = kKeyWarps * kBlockM * kMergeRowStride * 4 + (2 * kKeyWarps + 1) * kBlockM * 4;
+  static constexpr int kMaxClusterSplits = Config::kMaxClusterSplits;  // 0 below sm_90
   // sm_90: the ring's full and empty barriers past both (the merge never overwrites them), and
   // 1024 bytes to align the base.
   static constexpr int kBarrierOffset = kPipelineBytes > kMergeBytes ? kPipelineBytes : kMergeBytes;
@@ -179,6 +185,73 @@ __device__ void kvcache_append_kv_kernel(const AttentionKvCacheParams& p) {
                    slot.row * p.fwd.v_row_stride + head * p.fwd.v_head_stride + chunk * 8;
   *reinterpret_cast<uint4*>(k_dst) = *reinterpret_cast<const uint4*>(k_src);
   *reinterpret_cast<uint4*>(v_dst) = *reinterpret_cast<const uint4*>(v_src);
+}
+
+// Four dims [dim, dim + 4) of O's row (query, head) and, with dim 0, its LSE: the final result.
+template <class Element>
+__device__ __forceinline__ void store_output_quad(const AttentionFwdParams& f, int batch, int head, int query, int dim,
+                                                  const float (&acc)[4], float lse) {
+  if (dim < f.head_dim) {
+    Element* gO = static_cast<Element*>(f.o) + batch * f.o_batch_stride + query * f.o_row_stride +
+                  head * f.o_head_stride + dim;
+    *reinterpret_cast<uint2*>(gO) = make_uint2(pack2<Element>(acc[0], acc[1]), pack2<Element>(acc[2], acc[3]));
+  }
+  if (dim == 0 && f.lse != nullptr) f.lse[batch * f.lse_batch_stride + head * f.lse_head_stride + query] = lse;
+}
+
+// The cluster's merge (sm_90): the splits of a tile's rows are the CTAs of one cluster (rank =
+// split), each of which left its normalised O rows (fp32, stride kMergeRowStride) at sO and its LSE
+// per row at sLse. After a cluster barrier, CTA c takes every num_splits-th (row, 4 dims) item of
+// the tile, merges it from every split's shared memory in split order (the LSEs' loads all issued
+// before any is used, then the O quads') and stores O and the LSE. The second barrier keeps each
+// CTA's shared memory until its peers have read it. NaN in any split (a fault) makes the row NaN.
+template <class Shape>
+__device__ void merge_splits_in_cluster(const AttentionKvCacheParams& p, unsigned sO, unsigned sLse, int batch,
+                                        int kv_head, int m0) {
+  constexpr int kQuads = Shape::kHeadDim / 4, kMaxSplits = Shape::kMaxClusterSplits;
+  const AttentionFwdParams& f = p.fwd;
+  const int splits = p.num_splits, group = f.num_heads_q / f.num_heads_kv, packed_rows = f.seqlen_q * group;
+  const float nan = __int_as_float(0x7fffffff);
+  cluster_sync();
+  for (int i = cluster_cta_rank() + splits * threadIdx.x; i < Shape::kBlockM * kQuads; i += splits * Shape::kThreads) {
+    const int r = i / kQuads, dim = (i % kQuads) * 4, row = m0 + r;
+    if (row >= packed_rows) continue;
+    float lse[kMaxSplits];
+#pragma unroll
+    for (int s = 0; s < kMaxSplits; ++s)
+      lse[s] = s < splits ? load_cluster_f32(cluster_shared_address(sLse + r * 4, s)) : -positive_infinity();
+    bool any_nan = false;
+    float row_max = -positive_infinity();
+#pragma unroll
+    for (int s = 0; s < kMaxSplits; ++s) {
+      any_nan = any_nan || lse[s] != lse[s];
+      row_max = fmaxf(row_max, lse[s]);
+    }
+    float sum = 0.f;
+    if (row_max != -positive_infinity())
+#pragma unroll
+      for (int s = 0; s < kMaxSplits; ++s) sum += __expf(lse[s] - row_max);
+    const float row_lse = any_nan ? nan : sum > 0.f ? row_max + logf(sum) : positive_infinity();
+    float acc[4] = {0.f, 0.f, 0.f, 0.f};
+    if (sum > 0.f) {
+      float4 part[kMaxSplits];
+      const unsigned own = sO + (r * Shape::kMergeRowStride + dim) * 4;
+#pragma unroll
+      for (int s = 0; s < kMaxSplits; ++s)
+        part[s] = s < splits ? load_cluster_f32x4(cluster_shared_address(own, s)) : make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll
+      for (int s = 0; s < kMaxSplits; ++s) {
+        const float w = s < splits ? __expf(lse[s] - row_lse) : 0.f;
+        acc[0] += w * part[s].x;
+        acc[1] += w * part[s].y;
+        acc[2] += w * part[s].z;
+        acc[3] += w * part[s].w;
+      }
+    }
+    if (any_nan) acc[0] = acc[1] = acc[2] = acc[3] = nan;
+    store_output_quad<typename Shape::Element>(f, batch, kv_head * group + row % group, row / group, dim, acc, row_lse);
+  }
+  cluster_sync();
 }
 
 // The attention entry's body; kViaTma: K and V come through the TMA maps (the attention_tma entry,
@@ -442,17 +515,20 @@ __device__ void kvcache_attention(const AttentionKvCacheParams& p) {
     cp_async_wait<0>();
   }
   const bool faulty = __syncthreads_or(read_bad_page || extent.faulty);  // also: every warp is done with the ring
-  // With splits, the combine's launch overlaps the epilogue. Without, the next kernel may be this
-  // entry again, whose CTAs would take the free slots early and crowd some SMs (batch 16 x 4k ran
-  // 4% slower), so the grid signals only by completing.
+  const bool partial = p.num_splits > 1;
+  const bool merge_in_cluster = Config::kArch >= 90 && partial && p.merge_in_cluster;
+  // With the combine, its launch overlaps the epilogue. Without, the next kernel may be this entry
+  // again, whose CTAs would take the free slots early and crowd some SMs (batch 16 x 4k ran 4%
+  // slower), so the grid signals only by completing.
   if constexpr (Config::kArch >= 90)
-    if (p.num_splits > 1) allow_dependent_launch();
+    if (partial && !merge_in_cluster) allow_dependent_launch();
 
   // Merge the key warps: each stores its unnormalised O and (max, sum) per row, in natural-log
   // units of the scaled scores.
   float* mO = reinterpret_cast<float*>(smem);  // (kKeyWarps, kBlockM, kMergeRowStride)
   float* mMax = mO + Shape::kKeyWarps * kBlockM * Shape::kMergeRowStride;  // (kKeyWarps, kBlockM)
   float* mSum = mMax + Shape::kKeyWarps * kBlockM;
+  float* mLse = mSum + Shape::kKeyWarps * kBlockM;  // (kBlockM): the CTA's, for the cluster's merge
 #pragma unroll
   for (int mi = 0; mi < Shape::kMFrags; ++mi)
 #pragma unroll
@@ -471,7 +547,6 @@ __device__ void kvcache_attention(const AttentionKvCacheParams& p) {
     }
   __syncthreads();
 
-  const bool partial = p.num_splits > 1;
   const float nan = __int_as_float(0x7fffffff);
   constexpr int kQuads = Shape::kHeadDim / 4;  // each step: 4 dims of one row
   for (int i = tid; i < kBlockM * kQuads; i += Shape::kThreads) {
@@ -498,22 +573,22 @@ __device__ void kvcache_attention(const AttentionKvCacheParams& p) {
     float lse = sum > 0.f ? row_max + logf(sum) : (partial ? -positive_infinity() : positive_infinity());
     for (int e = 0; e < 4; ++e) acc[e] = faulty ? nan : acc[e] * inv_sum;
     if (faulty) lse = nan;
-    const int query = row / group, head = kv_head * group + row % group;
-    const long long row_index = (static_cast<long long>(batch) * f.num_heads_q + head) * f.seqlen_q + query;
-    if (partial) {
+    if (merge_in_cluster) {
+      // Over the first key warp's O: this thread alone read (r, dim .. dim + 3) of every key warp.
+      *reinterpret_cast<float4*>(mO + r * Shape::kMergeRowStride + dim) = make_float4(acc[0], acc[1], acc[2], acc[3]);
+      if (dim == 0) mLse[r] = lse;
+    } else if (partial) {
+      const long long row_index = (static_cast<long long>(batch) * f.num_heads_q + kv_head * group + row % group) *
+                                      f.seqlen_q + row / group;
       const long long partial_row = static_cast<long long>(split) * f.batch * f.num_heads_q * f.seqlen_q + row_index;
       *reinterpret_cast<float4*>(p.partial_o + partial_row * Shape::kHeadDim + dim) = make_float4(acc[0], acc[1], acc[2], acc[3]);
       if (dim == 0) p.partial_lse[partial_row] = lse;
     } else {
-      if (dim < f.head_dim) {
-        Element* gO = static_cast<Element*>(f.o) + batch * f.o_batch_stride + query * f.o_row_stride +
-                      head * f.o_head_stride + dim;
-        const unsigned lo = pack2<Element>(acc[0], acc[1]), hi = pack2<Element>(acc[2], acc[3]);
-        *reinterpret_cast<uint2*>(gO) = make_uint2(lo, hi);
-      }
-      if (dim == 0 && f.lse != nullptr) f.lse[batch * f.lse_batch_stride + head * f.lse_head_stride + query] = lse;
+      store_output_quad<Element>(f, batch, kv_head * group + row % group, row / group, dim, acc, lse);
     }
   }
+  if constexpr (Config::kArch >= 90)
+    if (merge_in_cluster) merge_splits_in_cluster<Shape>(p, shared_address(mO), shared_address(mLse), batch, kv_head, m0);
 }
 
 template <class Config>

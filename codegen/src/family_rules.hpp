@@ -19,6 +19,9 @@ struct EntryPoint {
   bool grid_constant = false;        // parameter declared __grid_constant__ (holds TMA maps)
   // The Config constant (one of the rules' constants) holding its dynamic shared memory; "": none.
   std::string_view smem_constant = {};
+  // The Config constant holding the most CTAs along x one thread-block cluster of it may hold (the
+  // runtime may launch it in clusters of up to that many); "": never launched in clusters.
+  std::string_view cluster_constant = {};
 };
 
 struct FamilyRules {

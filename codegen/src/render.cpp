@@ -99,7 +99,8 @@ KernelLayout kernel_layout(const KernelSpec& spec) {
   layout.constants = rules.constants(spec);
   for (const auto& entry : rules.entries)
     layout.entries.push_back(
-        {entry.name, entry_symbol(rules, entry), entry.smem_constant.empty() ? 0 : layout.constant(entry.smem_constant)});
+        {entry.name, entry_symbol(rules, entry), entry.smem_constant.empty() ? 0 : layout.constant(entry.smem_constant),
+         entry.cluster_constant.empty() ? 0 : layout.constant(entry.cluster_constant)});
   return layout;
 }
 

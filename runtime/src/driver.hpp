@@ -38,6 +38,7 @@ namespace flashjit::detail {
   X(cuKernelGetAttribute, 12000)        \
   X(cuKernelGetFunction, 12000)         \
   X(cuOccupancyMaxActiveBlocksPerMultiprocessor, 6050) \
+  X(cuOccupancyMaxActiveClusters, 11070) \
   X(cuLaunchKernelEx, 11060)            \
   X(cuMemAlloc, 3020)                   \
   X(cuMemFree, 3020)                    \
@@ -56,6 +57,7 @@ namespace flashjit::detail {
   X(cuStreamBeginCapture, 10010)        \
   X(cuStreamEndCapture, 10000)          \
   X(cuGraphInstantiateWithFlags, 11040) \
+  X(cuGraphGetNodes, 10000)             \
   X(cuGraphLaunch, 10000)               \
   X(cuGraphExecDestroy, 10000)          \
   X(cuGraphDestroy, 10000)              \

@@ -34,14 +34,21 @@ void FamilyCall::launch_entry(std::string_view entry, Grid grid, void* params, S
   config.blockDimY = config.blockDimZ = 1;
   config.sharedMemBytes = static_cast<unsigned>(kernel.layout.entries[index].dynamic_smem_bytes);
   config.hStream = stream;
-  CUlaunchAttribute overlap{};
+  CUlaunchAttribute attributes[2]{};
+  config.attrs = attributes;
   // Only kernels built for sm_90 execute griddepcontrol.wait; an sm_80 build on a Hopper device
   // must not start early.
   if (order == StreamOrder::overlapping_tail && device.cc_major >= 9 && spec.arch.sm >= 90) {
+    CUlaunchAttribute& overlap = attributes[config.numAttrs++];
     overlap.id = CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
     overlap.value.programmaticStreamSerializationAllowed = 1;
-    config.attrs = &overlap;
-    config.numAttrs = 1;
+  }
+  if (grid.cluster_x > 1) {
+    config.sharedMemBytes = static_cast<unsigned>(cluster_launch_smem_bytes(kernel.layout.entries[index], device));
+    CUlaunchAttribute& cluster = attributes[config.numAttrs++];
+    cluster.id = CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION;
+    cluster.value.clusterDim.x = grid.cluster_x;
+    cluster.value.clusterDim.y = cluster.value.clusterDim.z = 1;
   }
   void* arguments[] = {params};
   FLASHJIT_CU(cuLaunchKernelEx, &config, reinterpret_cast<CUfunction>(kernel.entries[index]), arguments, nullptr);

@@ -39,8 +39,11 @@ struct PassProblem {
   }
 };
 
+// CTAs in x, y, z; cluster_x > 1 launches them in thread-block clusters of that many along x, one
+// CTA per SM (sm_90; x a multiple of it, and a size LoadedKernel::clusters_at_once counts).
 struct Grid {
   unsigned x, y = 1, z = 1;
+  unsigned cluster_x = 1;
 };
 
 // How a launch follows the stream's previous kernel: after it completes, or (sm_90's programmatic

@@ -3,6 +3,7 @@
 #include <fmt/format.h>
 
 #include "flashjit/codegen/render.hpp"
+#include "env.hpp"
 #include "flashjit/error.hpp"
 
 namespace flashjit::detail {
@@ -25,6 +26,47 @@ void check_shared_memory(const CompiledKernel& kernel, int dynamic_smem_bytes,
                             device.ordinal, device.name, device.max_smem_per_block_optin));
 }
 
+int cluster_launch_smem_bytes(const KernelEntry& entry, const DeviceProperties& device) {
+  return std::max(entry.dynamic_smem_bytes, device.smem_per_sm / 2 + 1024);  // 1 KB: what the SM reserves per CTA
+}
+
+namespace {
+
+// For each cluster size s up to what codegen allows the entry (sizes over 8 are non-portable: the
+// entry is allowed them first), the clusters of s CTAs the device holds at once, launched one CTA
+// per SM (cluster_launch_smem_bytes); 0 where the entry or the device has no clusters.
+void count_clusters(CUkernel entry, CUfunction function, const KernelLayout& layout, size_t index,
+                    const KernelSpec& spec, const DeviceProperties& device, CUdevice cu_device,
+                    std::array<std::atomic<int>, kMaxClusterCtas + 1>& clusters_at_once) {
+  const int most = std::min(kMaxClusterCtas, layout.entries[index].max_cluster_ctas);
+  if (most < 2 || device.cc_major < 9 || spec.arch.sm < 90) return;
+  if (most > 8)
+    FLASHJIT_CU(cuKernelSetAttribute, CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED, 1, entry, cu_device);
+  for (int size = 2; size <= most; ++size) {
+    CUlaunchAttribute cluster{};
+    cluster.id = CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION;
+    cluster.value.clusterDim.x = static_cast<unsigned>(size);
+    cluster.value.clusterDim.y = cluster.value.clusterDim.z = 1;
+    CUlaunchConfig config{};
+    config.gridDimX = static_cast<unsigned>(size);
+    config.gridDimY = config.gridDimZ = 1;
+    config.blockDimX = static_cast<unsigned>(layout.threads);
+    config.blockDimY = config.blockDimZ = 1;
+    config.sharedMemBytes = static_cast<unsigned>(cluster_launch_smem_bytes(layout.entries[index], device));
+    config.attrs = &cluster;
+    config.numAttrs = 1;
+    int clusters = 0;
+    // A size the device cannot hold at all is an error here rather than a count of 0.
+    if (driver().cuOccupancyMaxActiveClusters(&clusters, function, &config) != CUDA_SUCCESS) clusters = 0;
+    clusters_at_once[size].store(clusters, std::memory_order_relaxed);
+    if (environment().verbose)
+      fmt::print(stderr, "flashjit: {} {} on device {}: {} clusters of {} CTAs at once\n", spec.name(),
+                 layout.entries[index].name, device.ordinal, clusters, size);
+  }
+}
+
+}  // namespace
+
 const LoadedKernel& ModuleCache::get(const KernelSpec& spec, const DeviceProperties& device) {
   std::shared_ptr<LoadedKernel> kernel;
   {
@@ -39,6 +81,8 @@ const LoadedKernel& ModuleCache::get(const KernelSpec& spec, const DevicePropert
     fresh->compiled = compiled;
     fresh->layout = kernel_layout(spec);
     fresh->resident_ctas_per_sm = std::vector<std::array<std::atomic<int>, 64>>(fresh->layout.entries.size());
+    fresh->clusters_per_device =
+        std::vector<std::array<std::array<std::atomic<int>, kMaxClusterCtas + 1>, 64>>(fresh->layout.entries.size());
     FLASHJIT_CU(cuLibraryLoadData, &fresh->library, compiled->cubin.data(), nullptr, nullptr, 0,
                 nullptr, nullptr, 0);
     for (const auto& name : compiled->entry_names) {
@@ -57,7 +101,11 @@ const LoadedKernel& ModuleCache::get(const KernelSpec& spec, const DevicePropert
     CUdevice cu_device;
     FLASHJIT_CU(cuDeviceGet, &cu_device, device.ordinal);
     for (size_t i = 0; i < kernel->entries.size(); ++i) {
-      FLASHJIT_CU(cuKernelSetAttribute, CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, dynamic_smem,
+      // Entries launched in clusters may ask for more (cluster_launch_smem_bytes).
+      const int smem_limit = kernel->layout.entries[i].max_cluster_ctas > 1
+                                 ? std::max(dynamic_smem, cluster_launch_smem_bytes(kernel->layout.entries[i], device))
+                                 : dynamic_smem;
+      FLASHJIT_CU(cuKernelSetAttribute, CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem_limit,
                   kernel->entries[i], cu_device);
       // Left to itself the driver sizes shared memory for one resident CTA and gives the rest to
       // L1: kvcache_fwd's decode tile, built for two, ran one per SM on the H200 (ncu). Kernels
@@ -71,6 +119,8 @@ const LoadedKernel& ModuleCache::get(const KernelSpec& spec, const DevicePropert
       FLASHJIT_CU(cuOccupancyMaxActiveBlocksPerMultiprocessor, &resident, function, kernel->layout.threads,
                   static_cast<size_t>(kernel->layout.entries[i].dynamic_smem_bytes));
       kernel->resident_ctas_per_sm[i][device.ordinal & 63].store(resident, std::memory_order_relaxed);
+      count_clusters(kernel->entries[i], function, kernel->layout, i, spec, device, cu_device,
+                     kernel->clusters_per_device[i][device.ordinal & 63]);
     }
     kernel->configured_devices.fetch_or(bit, std::memory_order_release);
   }

@@ -18,6 +18,15 @@
 
 namespace flashjit::detail {
 
+// The most CTAs of one thread-block cluster (Hopper's non-portable limit).
+constexpr int kMaxClusterCtas = 16;
+
+// The dynamic shared memory a launch of `entry` in clusters asks for: enough that one CTA fills an
+// SM. The cluster scheduler otherwise packs a cluster's CTAs two to an SM of one GPC, and a decode
+// split streams through its SM's share of the L2: 16 splits at batch 1 x 64k read 3.45 TB/s packed,
+// the same as 8 (H200, bench/results/decode_splits_h200_cluster_packed.json).
+int cluster_launch_smem_bytes(const KernelEntry& entry, const DeviceProperties& device);
+
 struct LoadedKernel {
   std::shared_ptr<const CompiledKernel> compiled;
   CUlibrary library = nullptr;
@@ -27,9 +36,17 @@ struct LoadedKernel {
   // [entry][device & 63]: the CTAs of that entry one SM of the device holds at once (the driver's
   // occupancy for its threads and shared memory), read when the attributes are set.
   std::vector<std::array<std::atomic<int>, 64>> resident_ctas_per_sm;
+  // [entry][device & 63][s]: the thread-block clusters of s CTAs along x, one CTA per SM, the device
+  // holds of that entry at once, for s up to its layout's max_cluster_ctas (0 elsewhere), read
+  // likewise.
+  std::vector<std::array<std::array<std::atomic<int>, kMaxClusterCtas + 1>, 64>> clusters_per_device;
 
   int resident_ctas(std::string_view entry, int device) const {
     return resident_ctas_per_sm[layout.entry_index(entry)][device & 63].load(std::memory_order_relaxed);
+  }
+  int clusters_at_once(std::string_view entry, int device, int cluster_ctas) const {
+    if (cluster_ctas < 1 || cluster_ctas > kMaxClusterCtas) return 0;
+    return clusters_per_device[layout.entry_index(entry)][device & 63][cluster_ctas].load(std::memory_order_relaxed);
   }
 
   ~LoadedKernel();

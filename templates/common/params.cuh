@@ -142,8 +142,11 @@ struct AttentionKvCacheParams {
   int seqlen_new;
   // Key-range splits (flash-decoding). With more than one, split c of a row writes its normalised O
   // and LSE to partial_o (num_splits, batch, heads_q, seqlen_q, kernel head_dim) and partial_lse
-  // (num_splits, batch, heads_q, seqlen_q), fp32, and the combine entry merges them.
+  // (num_splits, batch, heads_q, seqlen_q), fp32, and the combine entry merges them; or, with
+  // merge_in_cluster (sm_90), the splits of a row are one thread-block cluster and merge through
+  // each other's shared memory (no partials, no combine).
   int num_splits;
+  int merge_in_cluster;
   float* partial_o;
   float* partial_lse;
 };

@@ -148,6 +148,41 @@ __device__ __forceinline__ void allow_dependent_launch() {
 __device__ __forceinline__ void wait_for_prerequisite_grids() { asm volatile("griddepcontrol.wait;\n" ::: "memory"); }
 
 // ---------------------------------------------------------------------------------------------
+// Thread-block clusters (a launch with the runtime's Grid::cluster_x > 1): the CTAs of a cluster
+// read each other's shared memory between cluster-wide barriers. Without a cluster launch every CTA
+// is a cluster of one.
+
+__device__ __forceinline__ unsigned cluster_cta_rank() {
+  unsigned rank;
+  asm volatile("mov.u32 %0, %%cluster_ctarank;\n" : "=r"(rank));
+  return rank;
+}
+// Every thread of every CTA of the cluster arrives; shared-memory writes before it are visible to
+// the cluster's reads after it.
+__device__ __forceinline__ void cluster_sync() {
+  asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;\n" ::: "memory");
+}
+// Shared-memory address `smem` (this CTA's, as from shared_address()) in CTA `rank` of the cluster.
+__device__ __forceinline__ unsigned cluster_shared_address(unsigned smem, unsigned rank) {
+  unsigned address;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(address) : "r"(smem), "r"(rank));
+  return address;
+}
+__device__ __forceinline__ float load_cluster_f32(unsigned address) {
+  float value;
+  asm volatile("ld.shared::cluster.f32 %0, [%1];\n" : "=f"(value) : "r"(address) : "memory");
+  return value;
+}
+__device__ __forceinline__ float4 load_cluster_f32x4(unsigned address) {
+  float4 v;
+  asm volatile("ld.shared::cluster.v4.f32 {%0, %1, %2, %3}, [%4];\n"
+               : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w)
+               : "r"(address)
+               : "memory");
+  return v;
+}
+
+// ---------------------------------------------------------------------------------------------
 // Register reallocation between warpgroups (producer gives registers to the consumers).
 
 template <int kRegisters>

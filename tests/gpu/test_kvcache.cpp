@@ -403,7 +403,9 @@ TEST_CASE("kvcache: chunked prefill against a paged cache", "[kvcache][quick]") 
 }
 
 TEST_CASE("kvcache: splits merge in a fixed order", "[kvcache][quick]") {
-  for (int splits : {7, 77}) {  // 77: the combine's lanes take the splits in chunks of 32
+  // On sm_90, 7 and 16 merge inside a cluster (16: the non-portable size); 77 takes the combine,
+  // whose lanes take the splits in chunks of 32.
+  for (int splits : {7, 16, 77}) {
     KvSetup s;
     s.batch = 2;
     s.heads_q = 8;
@@ -417,6 +419,49 @@ TEST_CASE("kvcache: splits merge in a fixed order", "[kvcache][quick]") {
     const auto first = c.output_bits();
     c.run();
     CHECK(c.output_bits() == first);  // bitwise on a rerun
+  }
+}
+
+// Which merge a split call ran, seen in what a capture of it records: on sm_90 up to 16 splits merge
+// inside their cluster (the attention kernel alone), more take the workspace and the combine (an
+// allocation, the attention, the combine, the free); elsewhere every split count does.
+TEST_CASE("kvcache: on sm_90 a row's splits merge inside their cluster, with no second kernel", "[kvcache][quick]") {
+  const bool hopper = device_properties(0).arch().name() == "sm_90a";
+  if (!hopper) WARN("no sm_90 device: every split count takes the combine");
+  for (int splits : {2, 16, 17}) {
+    KvSetup s;
+    s.batch = 2;
+    s.heads_q = 16;
+    s.heads_kv = 2;
+    s.cache_lens = std::vector<int>{3000, 2500};
+    s.page_size = 64;
+    s.num_splits = splits;
+    KvCase c(s, 1100 + splits);
+    c.run();  // compiles and loads the kernel before the capture
+    c.check_outputs();
+    CUstream stream = nullptr;
+    FLASHJIT_CU(cuStreamCreate, &stream, CU_STREAM_NON_BLOCKING);
+    AttentionOptions options = c.options();
+    options.stream = stream;
+    const auto v = c.views();
+    CUgraph graph = nullptr;
+    FLASHJIT_CU(cuStreamBeginCapture, stream, CU_STREAM_CAPTURE_MODE_GLOBAL);
+    test_runtime().forward_kvcache(v.q, v.cache, v.out, &v.lse, options);
+    FLASHJIT_CU(cuStreamEndCapture, stream, &graph);
+    size_t nodes = 0;
+    FLASHJIT_CU(cuGraphGetNodes, graph, nullptr, &nodes);
+    INFO(splits << " splits");
+    CHECK(nodes == (hopper && splits <= 16 ? 1u : 4u));
+    CUgraphExec exec = nullptr;
+    FLASHJIT_CU(cuGraphInstantiateWithFlags, &exec, graph, 0);
+    c.out_buffer().poison();
+    c.lse_buffer().poison();
+    FLASHJIT_CU(cuGraphLaunch, exec, stream);
+    FLASHJIT_CU(cuStreamSynchronize, stream);
+    c.check_outputs();
+    FLASHJIT_CU(cuGraphExecDestroy, exec);
+    FLASHJIT_CU(cuGraphDestroy, graph);
+    FLASHJIT_CU(cuStreamDestroy, stream);
   }
 }
 

@@ -128,21 +128,42 @@ TEST_CASE("kvcache: bad arguments name the argument and what was expected", "[ap
 
 TEST_CASE("kvcache: splits spread a few CTAs over the SMs, no further", "[dispatch]") {
   using detail::choose_kv_splits;
-  // H200, the decode tile at head dim 128: 2 CTAs per SM, 132 SMs; 64-key tiles of 32 KB (K and V).
-  CHECK(choose_kv_splits(8, 2, 132, 16, 32768, true, 0) == 16);      // batch 1, 8 KV heads, 1k keys: a tile per CTA
-  CHECK(choose_kv_splits(8, 2, 132, 1024, 32768, true, 0) == 16);    // batch 1, 64k keys: 128 CTAs, not the 264 slots
-  CHECK(choose_kv_splits(16, 2, 132, 1024, 32768, true, 0) == 8);    // batch 2
-  CHECK(choose_kv_splits(128, 2, 132, 16, 32768, true, 0) == 1);     // batch 16, 1k keys: 128 CTAs keep HBM busy
-  CHECK(choose_kv_splits(128, 2, 132, 1024, 32768, true, 0) == 1);   // batch 16, 64k keys: as many CTAs as SMs
-  CHECK(choose_kv_splits(512, 2, 132, 64, 32768, true, 0) == 1);     // batch 64: enough CTAs already
-  CHECK(choose_kv_splits(8, 2, 132, 1, 32768, true, 0) == 1);        // one tile: nothing to split
-  CHECK(choose_kv_splits(128, 2, 132, 256, 32768, false, 0) == 2);   // batch 16, 16k keys in pages of 16: slower CTAs
-  CHECK(choose_kv_splits(8, 2, 132, 64, 32768, false, 0) == 16);     // batch 1, 4k keys in pages of 16: not 32
-  CHECK(choose_kv_splits(8, 2, 132, 64, 32768, true, 7) == 7);       // forced
-  CHECK(choose_kv_splits(8, 2, 132, 3, 32768, true, 50) == 3);       // forced, at most one tile per split
+  // H200, the decode tile at head dim 128: 2 CTAs per SM, 132 SMs; 64-key tiles of 32 KB (K and V);
+  // no merge inside clusters (an sm_80 build).
+  const detail::KvSplitSlots h200{132, 2, {}};
+  CHECK(choose_kv_splits(8, h200, 16, 32768, true, 0).count == 16);      // batch 1, 8 KV heads, 1k keys: a tile per CTA
+  CHECK(choose_kv_splits(8, h200, 1024, 32768, true, 0).count == 16);    // batch 1, 64k keys: 128 CTAs, not the 264 slots
+  CHECK(choose_kv_splits(16, h200, 1024, 32768, true, 0).count == 8);    // batch 2
+  CHECK(choose_kv_splits(128, h200, 16, 32768, true, 0).count == 1);     // batch 16, 1k keys: 128 CTAs keep HBM busy
+  CHECK(choose_kv_splits(128, h200, 1024, 32768, true, 0).count == 1);   // batch 16, 64k keys: as many CTAs as SMs
+  CHECK(choose_kv_splits(512, h200, 64, 32768, true, 0).count == 1);     // batch 64: enough CTAs already
+  CHECK(choose_kv_splits(8, h200, 1, 32768, true, 0).count == 1);        // one tile: nothing to split
+  CHECK(choose_kv_splits(128, h200, 256, 32768, false, 0).count == 2);   // batch 16, 16k keys in pages of 16: slower CTAs
+  CHECK(choose_kv_splits(8, h200, 64, 32768, false, 0).count == 16);     // batch 1, 4k keys in pages of 16: not 32
+  CHECK(choose_kv_splits(8, h200, 64, 32768, true, 7).count == 7);       // forced
+  CHECK(choose_kv_splits(8, h200, 3, 32768, true, 50).count == 3);       // forced, at most one tile per split
+  // The H200 building the decode tile for sm_90a: clusters of s splits, one CTA per SM, merge
+  // inside (the clusters it holds at once of each size, FLASHJIT_VERBOSE on the H200).
+  detail::KvSplitSlots h200_clusters = h200;
+  const int clusters_at_once[] = {0, 0, 66, 39, 30, 22, 17, 15, 15, 9, 7, 7, 7, 7, 7, 7, 7};
+  for (int s = 2; s <= detail::kMaxClusterCtas; ++s) h200_clusters.cluster_ctas[s] = s * clusters_at_once[s];
+  auto picks = [&](long long ctas, int tiles, bool whole_tiles, int requested, int count, bool in_cluster) {
+    const detail::KvSplits splits = choose_kv_splits(ctas, h200_clusters, tiles, 32768, whole_tiles, requested);
+    INFO(ctas << " CTAs, " << tiles << " tiles, requested " << requested);
+    CHECK(splits.count == count);
+    CHECK(splits.in_cluster == in_cluster);
+  };
+  picks(8, 16, true, 0, 8, true);       // batch 1 x 1k: 8 splits in clusters (605 GB/s; 16 and the combine 545)
+  picks(8, 64, true, 0, 8, true);       // batch 1 x 4k
+  picks(8, 1024, true, 0, 16, false);   // batch 1 x 64k: 8 clusters of 16 take two waves (7 at once): the combine
+  picks(16, 256, true, 0, 6, true);     // batch 2 x 16k: 16 clusters of 6 in one wave (17 at once)
+  picks(128, 16, true, 0, 1, false);    // batch 16 x 1k: no split
+  picks(8, 1024, true, 16, 16, false);  // forced 16 at batch 1: the combine, for the same reason
+  picks(4, 47, true, 16, 16, true);     // forced 16 over 4 clusters: inside them
+  picks(8, 64, true, 1, 1, false);      // forced 1: nothing to merge
   for (int tiles : {1, 2, 7, 20, 64, 1000, 100000})
     for (long long ctas : {1ll, 8ll, 100ll, 10000ll}) {
-      const int splits = choose_kv_splits(ctas, 2, 132, tiles, 32768, true, 0);
+      const int splits = choose_kv_splits(ctas, h200, tiles, 32768, true, 0).count;
       CHECK(splits >= 1);
       CHECK(splits <= std::min(tiles, detail::kMaxKvSplits));
       const int share = (tiles + splits - 1) / splits;

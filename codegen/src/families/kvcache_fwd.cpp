@@ -21,9 +21,11 @@ int pipeline_bytes(const KernelSpec& s) {
   return 2 * ring + s.block_m * (s.head_dim + 8) * 2;
 }
 
+// The key warps' fp32 O rows (padded by 4) and (max, sum) per row, then the CTA's LSE per row (a
+// cluster's merge reads it there).
 int merge_bytes(const KernelSpec& s) {
   const int key_warps = s.num_warps / row_warps(s);
-  return key_warps * s.block_m * (s.head_dim + 4) * 4 + 2 * key_warps * s.block_m * 4;
+  return key_warps * s.block_m * (s.head_dim + 4) * 4 + (2 * key_warps + 1) * s.block_m * 4;
 }
 
 // sm_90 has one more warp, which feeds the ring with TMA copies (mbarriers, and a base aligned to
@@ -101,8 +103,15 @@ int min_blocks_per_sm(const KernelSpec& s) {
   return 2 * per_cta <= max_smem_per_sm(s.arch) && accumulator_registers(s) <= 72 ? 2 : 1;
 }
 
+// sm_90 merges up to 16 splits of a row in one thread-block cluster (the non-portable cluster
+// size; the runtime asks the driver whether this kernel's clusters of that many fit).
+int max_cluster_splits(const KernelSpec& s) { return s.arch.sm >= 90 ? 16 : 0; }
+
 std::vector<KernelConstant> constants(const KernelSpec& s) {
-  return {{"kSmemBytes", smem_bytes(s)}, {"kRowWarps", row_warps(s)}, {"kTmaCapable", tma_capable(s) ? 1 : 0}};
+  return {{"kSmemBytes", smem_bytes(s)},
+          {"kRowWarps", row_warps(s)},
+          {"kTmaCapable", tma_capable(s) ? 1 : 0},
+          {"kMaxClusterSplits", max_cluster_splits(s)}};
 }
 
 }  // namespace
@@ -115,9 +124,9 @@ const FamilyRules kKvCacheFwdRules{
     /*computes_gradients=*/false,
     {{"append_kv", "flashjit::AttentionKvCacheParams", "flashjit::kernels::kvcache_append_kv_kernel"},
      {"attention", "flashjit::AttentionKvCacheParams", "flashjit::kernels::kvcache_attention_kernel", false,
-      "kSmemBytes"},
+      "kSmemBytes", "kMaxClusterSplits"},
      {"attention_tma", "flashjit::AttentionKvCacheParams", "flashjit::kernels::kvcache_attention_tma_kernel", true,
-      "kSmemBytes"},
+      "kSmemBytes", "kMaxClusterSplits"},
      {"combine", "flashjit::AttentionKvCacheParams", "flashjit::kernels::kvcache_combine_kernel"}},
     /*min_sm=*/80,
     /*needs_arch_specific=*/false,

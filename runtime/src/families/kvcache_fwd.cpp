@@ -1,7 +1,8 @@
 // kvcache_fwd at run time: forward_kvcache's entry sequence. append_kv writes the new tokens into
-// the cache; attention runs (splits, KV heads x query tiles, batch) CTAs; combine merges the
-// splits' fp32 partials, from a stream-ordered workspace, when there is more than one. On sm_90
-// each entry is launched over the previous kernel's tail and waits for it before its first read.
+// the cache; attention runs (splits, KV heads x query tiles, batch) CTAs. With several splits, on
+// sm_90 a row's splits are one thread-block cluster that merges them itself (up to the largest
+// cluster the device holds of the kernel); otherwise combine merges the splits' fp32 partials, from
+// a stream-ordered workspace. On sm_90 each entry is launched over the previous kernel's tail and waits for it before its first read.
 // Nothing is read back from the device, so a call can be captured in a CUDA graph and replayed with
 // other cache_seqlens and block tables.
 #include "kvcache_fwd.hpp"
@@ -19,23 +20,25 @@
 
 namespace flashjit::detail {
 
-int choose_kv_splits(long long ctas, int resident_ctas_per_sm, int sm_count, int key_tiles, long long tile_bytes,
-                     bool whole_tile_copies, int requested) {
-  if (requested > 0) return std::clamp(requested, 1, std::max(1, key_tiles));
-  // A split count is timed as its waves of CTAs (resident slots at a time), each wave as long as
-  // one CTA's share of tiles takes at the rate the wave's CTAs get, plus a fixed cost per wave (a
-  // CTA's prologue and epilogue) and, with more than one split, the combine. Fitted on the H200
+KvSplits choose_kv_splits(long long ctas, const KvSplitSlots& slots, int key_tiles, long long tile_bytes,
+                          bool whole_tile_copies, int requested) {
+  // A split count is timed as its waves of CTAs (the slots it runs in at a time), each wave as long
+  // as one CTA's share of tiles takes at the rate the wave's CTAs get, plus a fixed cost per wave (a
+  // CTA's prologue and epilogue) and, with more than one split, the merge. Fitted on the H200
   // (bench/results/decode_splits_h200_*.json): a CTA alone streams about 60 GB/s when each TMA copy
   // is a whole tile (its ring's depth over the memory's latency), so 32 CTAs reach 1.96 TB/s and 128
   // reach 4.0, and about 37 GB/s through copies of a page (16 rows) or cp.async gathers; the memory
   // gives 4.5 TB/s, 3% less once more CTAs stream than there are SMs (batch 16 x 16k: 128 CTAs 4.49
   // TB/s, 256 4.37); a wave costs about 1.5 us besides its bytes, the combine about 2.5 and 0.5 more
   // per 16 splits (a round of partial loads; pages of 16 at batch 1 x 4k: 16 splits 1.48 TB/s, 32
-  // 1.35).
+  // 1.35), a merge inside the cluster about 0.3, its CTAs in the cluster slots, one per SM (batch 1
+  // x 1k: 8 splits in clusters 605 GB/s, 16 with the combine 545).
   const double kCtaBytesPerSecond = whole_tile_copies ? 60e9 : 37e9;
   constexpr double kMemoryBytesPerSecond = 4.5e12, kCrowdedShare = 0.97;
   constexpr double kWaveSeconds = 1.5e-6, kCombineSeconds = 2.5e-6, kCombineSecondsPerSplit = 0.03e-6;
-  const long long slots = std::max(1ll, static_cast<long long>(resident_ctas_per_sm) * sm_count);
+  constexpr double kClusterMergeSeconds = 0.3e-6;
+  const int sm_count = slots.sm_count;
+  const long long resident_slots = std::max(1ll, static_cast<long long>(slots.resident_ctas_per_sm) * sm_count);
   // What each of `running` CTAs streams: the lesser of a CTA's rate and its part of the memory's,
   // joined by a 4-norm (near the crossover both limit it in part).
   auto cta_rate = [&](long long running) {
@@ -43,19 +46,33 @@ int choose_kv_splits(long long ctas, int resident_ctas_per_sm, int sm_count, int
     const double memory = 1.0 / (kMemoryBytesPerSecond * (running > sm_count ? kCrowdedShare : 1.0));
     return 1.0 / std::sqrt(std::sqrt(alone * alone * alone * alone + memory * memory * memory * memory)) / running;
   };
-  int best = 1;
+  // The kernel gives each of `splits` ceil(key_tiles / splits) tiles: only the splits that get any run.
+  auto time_of = [&](int splits, bool in_cluster) {
+    const int share = (key_tiles + splits - 1) / splits;
+    const long long at_once = in_cluster ? slots.cluster_ctas[splits] : resident_slots;
+    const long long ctas_used = ctas * splits, full_waves = ctas_used / at_once, rest = ctas_used % at_once;
+    const double cta_bytes = static_cast<double>(share) * tile_bytes;
+    double time = full_waves * (cta_bytes / cta_rate(std::min(ctas_used, at_once)) + kWaveSeconds);
+    if (rest > 0) time += cta_bytes / cta_rate(rest) + kWaveSeconds;
+    if (splits > 1) time += in_cluster ? kClusterMergeSeconds : kCombineSeconds + kCombineSecondsPerSplit * splits;
+    return time;
+  };
+  // The faster merge of `splits`: inside clusters where the kernel can, else the combine.
+  auto best_merge = [&](int splits) {
+    const bool clusters = splits > 1 && splits <= kMaxClusterCtas && slots.cluster_ctas[splits] > 0;
+    const double combined = time_of(splits, false);
+    if (clusters && time_of(splits, true) <= combined) return std::pair{KvSplits{splits, true}, time_of(splits, true)};
+    return std::pair{KvSplits{splits, false}, combined};
+  };
+  if (requested > 0) return best_merge(std::clamp(requested, 1, std::max(1, key_tiles))).first;
+  KvSplits best;
   double best_time = 1e300;
   for (int splits = 1; splits <= std::min(std::max(1, key_tiles), kMaxKvSplits); ++splits) {
-    // The kernel gives each split ceil(key_tiles / splits) tiles: only the splits that get any run.
     const int share = (key_tiles + splits - 1) / splits;
-    const int used = (key_tiles + share - 1) / share;
-    const long long ctas_used = ctas * used, full_waves = ctas_used / slots, rest = ctas_used % slots;
-    const double cta_bytes = static_cast<double>(share) * tile_bytes;
-    double time = full_waves * (cta_bytes / cta_rate(std::min(ctas_used, slots)) + kWaveSeconds);
-    if (rest > 0) time += cta_bytes / cta_rate(rest) + kWaveSeconds;
-    if (used > 1) time += kCombineSeconds + kCombineSecondsPerSplit * used;
+    if ((key_tiles + share - 1) / share != splits) continue;  // the same tiles as a smaller count
+    const auto [choice, time] = best_merge(splits);
     if (time < best_time * 0.999) {
-      best = used;
+      best = choice;
       best_time = time;
     }
   }
@@ -162,8 +179,11 @@ void run(const FamilyCall& call) {
   const int key_tiles = static_cast<int>(blocks(std::max(1, f.seqlen_k), call.spec.block_n));
   const long long tile_bytes = 2ll * call.spec.block_n * f.head_dim * 2;  // K and V, 16-bit elements
   const bool whole_tile_copies = params.kv_tma_rows == call.spec.block_n;
-  params.num_splits =
-      choose_kv_splits(ctas, resident, call.device.sm_count, key_tiles, tile_bytes, whole_tile_copies, f.num_splits);
+  KvSplitSlots slots{call.device.sm_count, resident, {}};
+  for (int s = 2; s <= kMaxClusterCtas; ++s) slots.cluster_ctas[s] = s * call.kernel.clusters_at_once(attention, f.device, s);
+  const KvSplits splits = choose_kv_splits(ctas, slots, key_tiles, tile_bytes, whole_tile_copies, f.num_splits);
+  params.num_splits = splits.count;
+  params.merge_in_cluster = splits.in_cluster;
 
   if (params.kv_tma_rows > 0) {
     const AttentionFwdParams& a = f.params;
@@ -176,16 +196,18 @@ void run(const FamilyCall& call) {
   }
 
   std::optional<StreamWorkspace> workspace;
-  if (params.num_splits > 1) {
+  const bool combine = params.num_splits > 1 && !params.merge_in_cluster;
+  if (combine) {
     const size_t rows = static_cast<size_t>(params.num_splits) * f.batch * f.heads_q * f.seqlen_q;
     const size_t o_bytes = (rows * call.spec.head_dim * sizeof(float) + 255) / 256 * 256;
     workspace.emplace(f.device, call.stream, o_bytes + rows * sizeof(float));
     params.partial_o = reinterpret_cast<float*>(workspace->get());
     params.partial_lse = reinterpret_cast<float*>(workspace->get() + o_bytes);
   }
-  call.launch(attention, Grid{static_cast<unsigned>(params.num_splits), m_blocks * f.heads_kv, batch}, params,
+  const unsigned split_ctas = static_cast<unsigned>(params.num_splits);
+  call.launch(attention, Grid{split_ctas, m_blocks * f.heads_kv, batch, params.merge_in_cluster ? split_ctas : 1u}, params,
               StreamOrder::overlapping_tail);
-  if (params.num_splits > 1) {
+  if (combine) {
     const long long rows = static_cast<long long>(f.heads_q) * f.seqlen_q;
     call.launch("combine", Grid{blocks(rows, threads / 32), batch}, params, StreamOrder::overlapping_tail);
   }

@@ -47,6 +47,7 @@ struct KernelEntry {
   std::string_view name;   // what the runtime launches it by: "forward", "dkdv_atomic_dq", ...
   std::string symbol;      // its extern "C" name: flashjit_<family>_<name>
   int dynamic_smem_bytes;  // what it is launched with
+  int max_cluster_ctas = 0;  // the most CTAs along x of a thread-block cluster it may be launched in (0, 1: none)
 };
 
 // Everything the host needs to launch a spec's kernels, from the same rules that rendered them.
