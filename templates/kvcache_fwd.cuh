@@ -518,10 +518,12 @@ __device__ void kvcache_attention(const AttentionKvCacheParams& p) {
   const bool partial = p.num_splits > 1;
   const bool merge_in_cluster = Config::kArch >= 90 && partial && p.merge_in_cluster;
   // With the combine, its launch overlaps the epilogue. Without, the next kernel may be this entry
-  // again, whose CTAs would take the free slots early and crowd some SMs (batch 16 x 4k ran 4%
-  // slower), so the grid signals only by completing.
+  // again, whose CTAs, launched here, would take the free slots early and crowd some SMs (batch 16
+  // x 4k ran 4% slower): the CTA signals as its last step instead (below), when the grid's other
+  // CTAs have mostly left their SMs.
+  const bool combine_follows = partial && !merge_in_cluster;
   if constexpr (Config::kArch >= 90)
-    if (partial && !merge_in_cluster) allow_dependent_launch();
+    if (combine_follows) allow_dependent_launch();
 
   // Merge the key warps: each stores its unnormalised O and (max, sum) per row, in natural-log
   // units of the scaled scores.
@@ -587,8 +589,10 @@ __device__ void kvcache_attention(const AttentionKvCacheParams& p) {
       store_output_quad<Element>(f, batch, kv_head * group + row % group, row / group, dim, acc, lse);
     }
   }
-  if constexpr (Config::kArch >= 90)
+  if constexpr (Config::kArch >= 90) {
     if (merge_in_cluster) merge_splits_in_cluster<Shape>(p, shared_address(mO), shared_address(mLse), batch, kv_head, m0);
+    if (!combine_follows) allow_dependent_launch();
+  }
 }
 
 template <class Config>
