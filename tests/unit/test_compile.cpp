@@ -30,10 +30,13 @@ std::vector<KernelSpec> sweep_specs(const Arch& arch) {
       for (DType t : {DType::fp16, DType::bf16}) specs.push_back(default_spec(f, arch, t, d, MaskKind::window, true));
     }
   // forward_kvcache's dispatch widens the default (decode) tile for longer queries: its taller
-  // tiles too, with the most code (window and softcap).
+  // tiles too, with each mask and with a window and a softcap (the most code is not always the
+  // most registers: head dim 256 at 64 x 64 spilled with a window and without a softcap).
   for (int d : {32, 64, 96, 128, 160, 192, 224, 256})
-    for (const KernelSpec& s : heuristic_kvcache_specs(arch, DType::bf16, d, MaskKind::window, true))
-      if (std::find(specs.begin(), specs.end(), s) == specs.end()) specs.push_back(s);
+    for (MaskKind mask : {MaskKind::none, MaskKind::causal, MaskKind::window})
+      for (bool softcap : {false, true})
+        for (const KernelSpec& s : heuristic_kvcache_specs(arch, DType::bf16, d, mask, softcap))
+          if (std::find(specs.begin(), specs.end(), s) == specs.end()) specs.push_back(s);
   return specs;
 }
 

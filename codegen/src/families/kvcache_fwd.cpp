@@ -58,10 +58,11 @@ std::optional<std::string> validate_tiles(const KernelSpec& s) {
   if (s.block_m % (16 * row_warps(s)) != 0 || (s.block_n / key_warps) % 16 != 0)
     return fmt::format("block_m {} x block_n {} does not split over {} warps into m16 rows and k16 keys",
                        s.block_m, s.block_n, s.num_warps);
-  if (accumulator_registers(s) > 160)
+  // 160 spilled in the cp.async entry (head dim 256 at 64 x 64 with a window, 255 registers).
+  if (accumulator_registers(s) > 152)
     return fmt::format("{} fp32 accumulators per thread (block_m {}, block_n {}, {} warps, head_dim {}) "
-                       "cannot fit in 255 registers", accumulator_registers(s), s.block_m, s.block_n,
-                       s.num_warps, s.head_dim);
+                       "leave too few of 255 registers (at most 152)", accumulator_registers(s), s.block_m,
+                       s.block_n, s.num_warps, s.head_dim);
   if (smem_bytes(s) > max_smem_per_block(s.arch))
     return fmt::format("needs {} bytes of shared memory per block, {} allows {}", smem_bytes(s),
                        s.arch.name(), max_smem_per_block(s.arch));
