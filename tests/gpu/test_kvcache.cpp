@@ -350,6 +350,28 @@ TEST_CASE("kvcache: masks, softcap, head dims and fp16", "[kvcache]") {
     }
 }
 
+// Head dim 256 with 33-64 packed rows: the widest tile dispatch fits (64 rows x 32 keys since 64 x
+// 64 spilled), through the cp.async entry, with each mask.
+TEST_CASE("kvcache: head dim 256 at 64 packed rows", "[kvcache]") {
+  int seed = 350;
+  for (MaskKind mask : {MaskKind::none, MaskKind::causal, MaskKind::window}) {
+    KvSetup s;
+    s.head_dim = 256;
+    s.batch = 2;
+    s.seqlen_q = 8;
+    s.heads_q = 16;
+    s.heads_kv = 2;  // 8 queries x a group of 8: 64 packed rows
+    s.cache_lens = std::vector<int>{900, 77};
+    s.page_size = mask == MaskKind::causal ? 16 : 0;
+    s.causal = mask == MaskKind::causal;
+    if (mask == MaskKind::window) {
+      s.window_left = 100;
+      s.window_right = 0;
+    }
+    check_case(s, seed++);
+  }
+}
+
 TEST_CASE("kvcache: append new tokens in place, then attend over them", "[kvcache][quick]") {
   int seed = 400;
   for (int page_size : {0, 1, 16, 64})
