@@ -44,9 +44,12 @@ struct LoadedKernel {
   int resident_ctas(std::string_view entry, int device) const {
     return resident_ctas_per_sm[layout.entry_index(entry)][device & 63].load(std::memory_order_relaxed);
   }
-  int clusters_at_once(std::string_view entry, int device, int cluster_ctas) const {
-    if (cluster_ctas < 1 || cluster_ctas > kMaxClusterCtas) return 0;
-    return clusters_per_device[layout.entry_index(entry)][device & 63][cluster_ctas].load(std::memory_order_relaxed);
+  // [s]: the clusters of s CTAs (one per SM) the device holds of `entry` at once.
+  std::array<int, kMaxClusterCtas + 1> clusters_at_once(std::string_view entry, int device) const {
+    const auto& counts = clusters_per_device[layout.entry_index(entry)][device & 63];
+    std::array<int, kMaxClusterCtas + 1> at_once{};
+    for (int s = 0; s <= kMaxClusterCtas; ++s) at_once[s] = counts[s].load(std::memory_order_relaxed);
+    return at_once;
   }
 
   ~LoadedKernel();

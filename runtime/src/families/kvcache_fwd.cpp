@@ -59,9 +59,11 @@ KvSplits choose_kv_splits(long long ctas, const KvSplitSlots& slots, int key_til
   };
   // The faster merge of `splits`: inside clusters where the kernel can, else the combine.
   auto best_merge = [&](int splits) {
-    const bool clusters = splits > 1 && splits <= kMaxClusterCtas && slots.cluster_ctas[splits] > 0;
     const double combined = time_of(splits, false);
-    if (clusters && time_of(splits, true) <= combined) return std::pair{KvSplits{splits, true}, time_of(splits, true)};
+    if (splits > 1 && splits <= kMaxClusterCtas && slots.cluster_ctas[splits] > 0) {
+      const double in_cluster = time_of(splits, true);
+      if (in_cluster <= combined) return std::pair{KvSplits{splits, true}, in_cluster};
+    }
     return std::pair{KvSplits{splits, false}, combined};
   };
   if (requested > 0) return best_merge(std::clamp(requested, 1, std::max(1, key_tiles))).first;
@@ -179,8 +181,8 @@ void run(const FamilyCall& call) {
   const int key_tiles = static_cast<int>(blocks(std::max(1, f.seqlen_k), call.spec.block_n));
   const long long tile_bytes = 2ll * call.spec.block_n * f.head_dim * 2;  // K and V, 16-bit elements
   const bool whole_tile_copies = params.kv_tma_rows == call.spec.block_n;
-  KvSplitSlots slots{call.device.sm_count, resident, {}};
-  for (int s = 2; s <= kMaxClusterCtas; ++s) slots.cluster_ctas[s] = s * call.kernel.clusters_at_once(attention, f.device, s);
+  KvSplitSlots slots{call.device.sm_count, resident, call.kernel.clusters_at_once(attention, f.device)};
+  for (int s = 0; s <= kMaxClusterCtas; ++s) slots.cluster_ctas[s] *= s;  // clusters -> CTAs
   const KvSplits splits = choose_kv_splits(ctas, slots, key_tiles, tile_bytes, whole_tile_copies, f.num_splits);
   params.num_splits = splits.count;
   params.merge_in_cluster = splits.in_cluster;
