@@ -73,11 +73,12 @@ class Row:
         return sets
 
 
-def paged(k, v, page_size):
-    """The same tokens in a paged cache (pages in a shuffled order) and its block table."""
+def paged(k, v, page_size, shuffled=True):
+    """The same tokens in a paged cache (pages in a shuffled order, or in order) and its block table."""
     b, s, h, d = k.shape
     pages_per_seq = s // page_size
-    order = torch.randperm(b * pages_per_seq, device="cuda", dtype=torch.int64)
+    order = (torch.randperm(b * pages_per_seq, device="cuda", dtype=torch.int64) if shuffled
+             else torch.arange(b * pages_per_seq, device="cuda", dtype=torch.int64))
     kp = torch.empty(b * pages_per_seq, page_size, h, d, dtype=k.dtype, device="cuda")
     vp = torch.empty_like(kp)
     kp[order] = k.reshape(b * pages_per_seq, page_size, h, d)

@@ -26,6 +26,8 @@ def main():
     parser.add_argument("--splits", type=int, nargs="+", default=[0, 1, 2, 4, 8, 16, 32])
     parser.add_argument("--layout", choices=["bshd", "bhsd"], default="bshd")
     parser.add_argument("--page-size", type=int, default=0, help="a paged cache of this page size (0: contiguous)")
+    parser.add_argument("--pages-in-order", action="store_true",
+                        help="page ids in the sequence's order (default: shuffled, as a serving engine's pool)")
     parser.add_argument("--output", type=str, default="")
     args = parser.parse_args()
     torch.manual_seed(0)
@@ -37,7 +39,7 @@ def main():
         seqlens = torch.full((batch,), seqlen, dtype=torch.int32, device="cuda")
         tables = [None] * len(sets)
         if args.page_size:
-            paged = [decode.paged(k, v, args.page_size) for _, k, v in sets]
+            paged = [decode.paged(k, v, args.page_size, shuffled=not args.pages_in_order) for _, k, v in sets]
             sets = [(q, kp, vp) for (q, _, _), (kp, vp, _) in zip(sets, paged)]
             tables = [table for _, _, table in paged]
         fns = {f"fj_s{s}": [lambda q=q, k=k, v=v, t=t, s=s: flashjit.flash_attn_with_kvcache(
@@ -59,7 +61,7 @@ def main():
         del sets, fns, graphs
         torch.cuda.empty_cache()
     doc = {"device": torch.cuda.get_device_name(), "date": time.strftime("%Y-%m-%d"), "layout": args.layout,
-           "page_size": args.page_size,
+           "page_size": args.page_size, "pages_in_order": args.pages_in_order,
            "heads_q": 32, "heads_kv": 8, "head_dim": 128, "dtype": "bf16", "seqlen_q": 1,
            "tool": "bench/decode_splits.py", "rows": rows}
     if args.output:

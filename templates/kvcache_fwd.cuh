@@ -86,9 +86,9 @@ struct KvCacheShape {
   static constexpr int kLoadThreadsPerRow = kChunks <= 4 ? 4 : kChunks <= 8 ? 8 : kChunks <= 16 ? 16 : 32;
   static constexpr int kRowStride = kHeadDim + 8;
   static constexpr int kTileBytes = kBlockN * kRowStride * 2;  // a padded tile, as cp.async writes it
-  // TMA writes a tile as kHeadDim / 64 panels of kBlockN rows x 128 bytes, 128-byte swizzled.
+  // TMA writes a tile as copies of kv_tma_rows rows (the whole tile, or a page), each kHeadDim / 64
+  // panels of those rows x 128 bytes, 128-byte swizzled (SwizzledTile).
   static constexpr bool kTmaCapable = Config::kTmaCapable != 0;  // codegen's rule (attention_tma)
-  static constexpr int kPanelBytes = kBlockN * 128;
   static constexpr int kTmaTileBytes = kBlockN * kHeadDim * 2;
   // K's ring, V's ring (each 1024-byte aligned, for the swizzle), then Q.
   static constexpr int kRingBytes = (kStages * kTileBytes + 1023) / 1024 * 1024;
@@ -110,6 +110,20 @@ struct KvCacheShape {
   static_assert(kStages >= 2, "a ring of at least two K/V buffers");
   static_assert(kBlockN % (kWarps * 32 / kLoadThreadsPerRow) == 0, "cp.async tile loads in whole passes of rows");
   static_assert(kSmemBytes == Config::kSmemBytes, "the shared-memory layout is the size codegen launches it with");
+};
+
+// Where element (row, dim) of a key or value tile lies in TMA's layout: the tile is copies of
+// `rows` rows (a power of two: the whole tile, or a page), one per page and tensor, each [panel]
+// [row][128 bytes] with 16-byte chunks permuted by row % 8 (the 128-byte swizzle; every copy and
+// panel starts on a 1024-byte boundary).
+struct SwizzledTile {
+  int row_mask;              // rows - 1
+  unsigned panel_bytes;      // rows x 128
+  template <int kHeadDim>
+  __device__ __forceinline__ unsigned offset(int row, int dim) const {
+    return (row & ~row_mask) * (kHeadDim * 2) + (dim / 64) * panel_bytes + (row & row_mask) * 128 +
+           ((((dim % 64) / 8) ^ (row % 8)) << 4);
+  }
 };
 
 // Where cache position `pos` of sequence `batch` lives: a page and a row in it. Contiguous caches
@@ -350,6 +364,7 @@ __device__ void kvcache_attention(const AttentionKvCacheParams& p) {
     }
     online_softmax<Shape>(st, o, s, scale_log2);
   };
+  const SwizzledTile swizzled{p.kv_tma_rows - 1, static_cast<unsigned>(p.kv_tma_rows) * 128};  // attention_tma's
   // A computing warp's share of tile t in ring buffer `buffer`, padded (cp.async) or in TMA's
   // swizzled panels: S = Q K^T, the mask, the online softmax, O += P V.
   auto consume_tile = [&](int t, int buffer, auto layout) {
@@ -357,11 +372,8 @@ __device__ void kvcache_attention(const AttentionKvCacheParams& p) {
     zero_fragments(s);
     const unsigned sQ_warp = sQ + warp_row0 * Shape::kRowStride * 2;
     if constexpr (decltype(layout)::kSwizzled) {
-      // Row `row` of a panel is 128 bytes whose 16-byte chunks are permuted by row % 8.
       const unsigned tile_k = sK + buffer * Shape::kTmaTileBytes, tile_v = sV + buffer * Shape::kTmaTileBytes;
-      auto at = [](unsigned tile, int row, int dim) {
-        return tile + (dim / 64) * Shape::kPanelBytes + row * 128 + ((((dim % 64) / 8) ^ (row % 8)) << 4);
-      };
+      auto at = [&](unsigned tile, int row, int dim) { return tile + swizzled.offset<Shape::kHeadDim>(row, dim); };
       warp_gemm_sb<Element, Shape::kMFrags, Shape::kSFrags, Shape::kHeadDim / 16>(
           s, sQ_warp, Shape::kRowStride, [&](int key, int dim) { return at(tile_k, warp_key0 + key, dim); }, lane);
       mask_and_softmax(t, s);
@@ -396,20 +408,39 @@ __device__ void kvcache_attention(const AttentionKvCacheParams& p) {
     static_assert(Shape::kTmaCapable, "the attention_tma entry only calls this where codegen allows TMA");
     // sm_90: the last warp feeds a ring of kStages buffers, each with a full barrier (one
     // arrival carrying the tile's bytes) and an empty one (one arrival per computing warp). Lane
-    // c issues copy c of a tile: kv_tma_rows rows (a whole tile, or one page) of every panel of
-    // K and of V. Bulk copies of single rows (256 bytes) ran at 1.9 TB/s on the H200: the copy
-    // engine wants large boxes, hence TMA tiles and pages, and cp.async for small pages.
+    // c issues copy c of a tile: kv_tma_rows rows (a whole tile, or one page) of K and of V, every
+    // panel in one copy (the maps split the head dim into 64-value panels, a dim of their own). The
+    // copy engine wants few, large copies: single rows (256 bytes) ran at 1.9 TB/s on the H200, and
+    // at pages of 16 a CTA alone streamed 34 GB/s with a copy per panel, 49 with one per page;
+    // hence TMA for tiles and pages of 16 rows or more, cp.async for smaller pages.
     using Ring = PipelineRing<kStages, Shape::kBarrierOffset, Shape::kBarrierOffset + 8 * kStages>;
     const Ring ring{sK};
     if (tid == 0) ring.init(1, Shape::kWarps);
     fence_barrier_init();
     __syncthreads();  // the barriers are initialised; Q may still be in flight
     if (warp == Shape::kWarps) {
-      const int rows = p.kv_tma_rows, copies = kBlockN / rows;
+      // Copies per tile: a power of two, at most 8. (Shifts, not divisions: the first copies wait
+      // behind this arithmetic, and at batch 1 x 1k runtime divisions cost 3%.)
+      const int rows = p.kv_tma_rows, copy_shift = __ffs(kBlockN) - __ffs(rows), copies = 1 << copy_shift;
       const unsigned copy_bytes = 2 * (Shape::kHeadDim / 64) * rows * 128;  // K and V, every panel
-      int page = lane < copies ? page_of(split_first * kBlockN + lane * rows) : 0;  // read a tile ahead
+      // The page ids of a window of 32 / copies tiles are one load of the warp (lane l: copy
+      // l % copies of the window's tile l / copies), and the next window's load is issued behind a
+      // window's first copies, so its latency passes behind a window of copies. Read a tile ahead
+      // instead, each read stalled the next tile's copies (pages of 16: a CTA alone streamed 33
+      // GB/s, 36 with the window; batch 16 x 1k 3059 GB/s, 3279).
+      const int copy = lane & (copies - 1), window = 32 >> copy_shift;
+      auto window_pages = [&](int t0) {
+        const int t = t0 + (lane >> copy_shift);
+        return t < num_tiles ? page_of((split_first + t) * kBlockN + copy * rows) : 0;
+      };
+      int pages = window_pages(0), next_pages = 0;
       int buffer = 0;
-      for (int t = 0; t < num_tiles; ++t) {
+      for (int t = 0, in_window = 0; t < num_tiles; ++t, ++in_window) {
+        if (in_window == window) {
+          in_window = 0;
+          pages = next_pages;
+        }
+        const int page = __shfl_sync(~0u, pages, (in_window << copy_shift) + copy);
         ring.wait_empty(t);
         const int pos = (split_first + t) * kBlockN + lane * rows;
         const bool issues = lane < copies && readable(pos, page);
@@ -419,14 +450,11 @@ __device__ void kvcache_attention(const AttentionKvCacheParams& p) {
         __syncwarp();  // the bytes are announced before any copy can complete
         if (issues) {
           const int row = pos - page_slot(p, pos) * p.page_size;
-          const unsigned offset = buffer * Shape::kTmaTileBytes + lane * rows * 128;
-#pragma unroll
-          for (int panel = 0; panel < Shape::kHeadDim / 64; ++panel) {
-            tma_load_4d(sK + offset + panel * Shape::kPanelBytes, p.k_map, full, panel * 64, row, kv_head, page);
-            tma_load_4d(sV + offset + panel * Shape::kPanelBytes, p.v_map, full, panel * 64, row, kv_head, page);
-          }
+          const unsigned offset = buffer * Shape::kTmaTileBytes + lane * rows * Shape::kHeadDim * 2;
+          tma_load_5d(sK + offset, p.k_map, full, 0, row, 0, kv_head, page);
+          tma_load_5d(sV + offset, p.v_map, full, 0, row, 0, kv_head, page);
         }
-        if (lane < copies) page = page_of(pos + kBlockN);
+        if (in_window == 0) next_pages = window_pages(t + window);  // behind a window's first copies
         buffer = buffer == kStages - 1 ? 0 : buffer + 1;
       }
     } else {
@@ -445,8 +473,8 @@ __device__ void kvcache_attention(const AttentionKvCacheParams& p) {
             const int key = i / Shape::kChunks, chunk = i % Shape::kChunks;
             if (n0 + key >= seqlen_k)
               *reinterpret_cast<uint4*>(smem + Shape::kRingBytes + buffer * Shape::kTmaTileBytes +
-                                        (chunk / 8) * Shape::kPanelBytes + (warp_key0 + key) * 128 +
-                                        (chunk % 8) * 16) = make_uint4(0, 0, 0, 0);
+                                        swizzled.offset<Shape::kHeadDim>(warp_key0 + key, chunk * 8)) =
+                  make_uint4(0, 0, 0, 0);
           }
           fence_proxy_async_shared();  // before any later TMA write of these bytes
           __syncwarp();
@@ -519,8 +547,9 @@ __device__ void kvcache_attention(const AttentionKvCacheParams& p) {
   const bool merge_in_cluster = Config::kArch >= 90 && partial && p.merge_in_cluster;
   // With the combine, its launch overlaps the epilogue. Without, the next kernel may be this entry
   // again, whose CTAs, launched here, would take the free slots early and crowd some SMs (batch 16
-  // x 4k ran 4% slower): the CTA signals as its last step instead (below), when the grid's other
-  // CTAs have mostly left their SMs.
+  // x 4k ran 4% slower; signalled as the CTA starts, where the grid took at most half the slots,
+  // batch 16 x 1k and 4k ran 5% slower): the CTA signals as its last step instead (below), when the
+  // grid's other CTAs have mostly left their SMs.
   const bool combine_follows = partial && !merge_in_cluster;
   if constexpr (Config::kArch >= 90)
     if (combine_follows) allow_dependent_launch();

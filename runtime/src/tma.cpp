@@ -13,7 +13,7 @@ static_assert(sizeof(TmaDescriptor) == sizeof(CUtensorMap), "TmaDescriptor mirro
 
 TmaDescriptor make_attention_tma_map(const void* data, DType dtype, int head_dim, int seqlen, int heads, int batch,
                                      long long row_stride, long long head_stride, long long batch_stride,
-                                     int box_rows, bool read_once) {
+                                     int box_rows) {
   constexpr cuuint64_t kElementBytes = 2;
   const cuuint64_t dims[4] = {cuuint64_t(head_dim), cuuint64_t(seqlen), cuuint64_t(heads), cuuint64_t(batch)};
   // Strides of dims 1..3 in bytes; a dim of extent 1 may have any stride, but TMA wants multiples of
@@ -31,8 +31,31 @@ TmaDescriptor make_attention_tma_map(const void* data, DType dtype, int head_dim
               dtype == DType::bf16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16, 4,
               const_cast<void*>(data), dims, strides, box, element_strides, CU_TENSOR_MAP_INTERLEAVE_NONE,
               CU_TENSOR_MAP_SWIZZLE_128B,
-              read_once ? CU_TENSOR_MAP_L2_PROMOTION_NONE : CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+              CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
               CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  TmaDescriptor descriptor;
+  std::memcpy(&descriptor, &map, sizeof map);
+  return descriptor;
+}
+
+TmaDescriptor make_kv_cache_tma_map(const void* data, DType dtype, int head_dim, int page_size, int heads, int pages,
+                                    long long row_stride, long long head_stride, long long page_stride, int box_rows) {
+  constexpr cuuint64_t kElementBytes = 2;
+  const int panels = head_dim / 64;
+  const cuuint64_t dims[5] = {64, cuuint64_t(page_size), cuuint64_t(panels), cuuint64_t(heads), cuuint64_t(pages)};
+  auto stride_bytes = [&](long long elements, int extent) {  // as make_attention_tma_map's
+    const cuuint64_t bytes = cuuint64_t(elements) * kElementBytes;
+    return extent > 1 && bytes > 0 ? bytes : cuuint64_t(16);
+  };
+  const cuuint64_t strides[4] = {stride_bytes(row_stride, page_size), stride_bytes(64, panels),
+                                 stride_bytes(head_stride, heads), stride_bytes(page_stride, pages)};
+  const cuuint32_t box[5] = {64, cuuint32_t(box_rows), cuuint32_t(panels), 1, 1};
+  const cuuint32_t element_strides[5] = {1, 1, 1, 1, 1};
+  CUtensorMap map;
+  FLASHJIT_CU(cuTensorMapEncodeTiled, &map,
+              dtype == DType::bf16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16, 5,
+              const_cast<void*>(data), dims, strides, box, element_strides, CU_TENSOR_MAP_INTERLEAVE_NONE,
+              CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_NONE, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
   TmaDescriptor descriptor;
   std::memcpy(&descriptor, &map, sizeof map);
   return descriptor;

@@ -13,12 +13,20 @@ namespace flashjit::detail {
 
 // A 4-D map of a (batch, seqlen, heads, head_dim) tensor whose last dim is contiguous: dims innermost
 // first (head_dim, seqlen, heads, batch), boxes of 64 head-dim values x box_rows rows with 128-byte
-// swizzle (the wgmma operand layout), out-of-bounds reads as zeros. Strides are in elements.
-// `read_once`: a tensor streamed once (decode's KV cache) gets no L2 promotion; 256-byte promotion,
-// which serves the tiles the forward rereads, held decode 5% below cuDNN on the H200.
+// swizzle (the wgmma operand layout), out-of-bounds reads as zeros, 256-byte L2 promotion (it serves
+// the tiles the forward rereads). Strides are in elements.
 TmaDescriptor make_attention_tma_map(const void* data, DType dtype, int head_dim, int seqlen, int heads, int batch,
                                      long long row_stride, long long head_stride, long long batch_stride,
-                                     int box_rows, bool read_once = false);
+                                     int box_rows);
+
+// A 5-D map of a KV cache (pages, page_size, heads, head_dim), last dim contiguous, for
+// kvcache_fwd's attention_tma: dims innermost first (64 values, rows, head_dim / 64 panels, heads,
+// pages), so that one copy of box_rows rows lands as [panel][row][128 bytes] for every panel, 128-byte
+// swizzled. No L2 promotion: the cache is streamed once (256-byte promotion held decode 5% below
+// cuDNN on the H200). One copy per page rather than per panel: pages of 16 rows, a CTA alone
+// streamed 49 GB/s, not 34. Strides are in elements.
+TmaDescriptor make_kv_cache_tma_map(const void* data, DType dtype, int head_dim, int page_size, int heads, int pages,
+                                    long long row_stride, long long head_stride, long long page_stride, int box_rows);
 
 // The extents the maps describe: varlen tensors are one batch entry of packed rows.
 struct TmaExtents {

@@ -118,9 +118,10 @@ struct AttentionSm90BwdParams {
 // tokens before this call (null: capacity - seqlen_new), and k_new/v_new (batch, seqlen_new,
 // heads_kv, head_dim) are appended after them; attention covers both, bottom-right aligned.
 struct AttentionKvCacheParams {
-  // The attention_tma entry (sm_90) reads K and V through TMA maps (head_dim, rows, heads_kv,
-  // pages) with 64-value, 128-byte-swizzled boxes of kv_tma_rows rows: the key tile or, for
-  // smaller pages, the page (a contiguous cache is one page of `capacity` rows per sequence).
+  // The attention_tma entry (sm_90) reads K and V through TMA maps (64 values, rows, head_dim / 64
+  // panels, heads_kv, pages), 128-byte swizzled, each box kv_tma_rows rows of every panel: the key
+  // tile or, for smaller pages, the page (a contiguous cache is one page of `capacity` rows per
+  // sequence).
   TmaDescriptor k_map;
   TmaDescriptor v_map;
   int kv_tma_rows;

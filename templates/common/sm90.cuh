@@ -52,6 +52,15 @@ __device__ __forceinline__ void tma_load_4d(unsigned smem, const TmaDescriptor& 
       : "memory");
 }
 
+__device__ __forceinline__ void tma_load_5d(unsigned smem, const TmaDescriptor& map, unsigned bar, int c0, int c1,
+                                            int c2, int c3, int c4) {
+  asm volatile(
+      "cp.async.bulk.tensor.5d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%3, %4, %5, %6, %7}], "
+      "[%2];\n" ::"r"(smem),
+      "l"(reinterpret_cast<unsigned long long>(&map)), "r"(bar), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(c4)
+      : "memory");
+}
+
 // Fetches a TMA map (a kernel parameter) into the descriptor cache ahead of its first copy.
 __device__ __forceinline__ void prefetch_tma_map(const TmaDescriptor& map) {
   asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<unsigned long long>(&map)) : "memory");

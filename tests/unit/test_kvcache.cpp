@@ -140,6 +140,7 @@ TEST_CASE("kvcache: splits spread a few CTAs over the SMs, no further", "[dispat
   CHECK(choose_kv_splits(8, h200, 1, 32768, true, 0).count == 1);        // one tile: nothing to split
   CHECK(choose_kv_splits(128, h200, 256, 32768, false, 0).count == 2);   // batch 16, 16k keys in pages of 16: slower CTAs
   CHECK(choose_kv_splits(8, h200, 64, 32768, false, 0).count == 16);     // batch 1, 4k keys in pages of 16: not 32
+  CHECK(choose_kv_splits(128, h200, 64, 32768, false, 0).count == 1);    // batch 16, 4k keys in pages of 16 (4104 GB/s, 2: 3969)
   CHECK(choose_kv_splits(8, h200, 64, 32768, true, 7).count == 7);       // forced
   CHECK(choose_kv_splits(8, h200, 3, 32768, true, 50).count == 3);       // forced, at most one tile per split
   // The H200 building the decode tile for sm_90a: clusters of s splits, one CTA per SM, merge

@@ -27,13 +27,14 @@ KvSplits choose_kv_splits(long long ctas, const KvSplitSlots& slots, int key_til
   // CTA's prologue and epilogue) and, with more than one split, the merge. Fitted on the H200
   // (bench/results/decode_splits_h200_*.json): a CTA alone streams about 60 GB/s when each TMA copy
   // is a whole tile (its ring's depth over the memory's latency), so 32 CTAs reach 1.96 TB/s and 128
-  // reach 4.0, and about 37 GB/s through copies of a page (16 rows) or cp.async gathers; the memory
+  // reach 4.0, and about 48 GB/s through copies of a page (16 rows: twice the copies per tile) or
+  // cp.async gathers; the memory
   // gives 4.5 TB/s, 3% less once more CTAs stream than there are SMs (batch 16 x 16k: 128 CTAs 4.49
   // TB/s, 256 4.37); a wave costs about 1.5 us besides its bytes, the combine about 2.5 and 0.5 more
   // per 16 splits (a round of partial loads; pages of 16 at batch 1 x 4k: 16 splits 1.48 TB/s, 32
   // 1.35), a merge inside the cluster about 0.3, its CTAs in the cluster slots, one per SM (batch 1
   // x 1k: 8 splits in clusters 605 GB/s, 16 with the combine 545).
-  const double kCtaBytesPerSecond = whole_tile_copies ? 60e9 : 37e9;
+  const double kCtaBytesPerSecond = whole_tile_copies ? 60e9 : 48e9;
   constexpr double kMemoryBytesPerSecond = 4.5e12, kCrowdedShare = 0.97;
   constexpr double kWaveSeconds = 1.5e-6, kCombineSeconds = 2.5e-6, kCombineSecondsPerSplit = 0.03e-6;
   constexpr double kClusterMergeSeconds = 0.3e-6;
@@ -189,12 +190,10 @@ void run(const FamilyCall& call) {
 
   if (params.kv_tma_rows > 0) {
     const AttentionFwdParams& a = f.params;
-    params.k_map = make_attention_tma_map(a.k, f.dtype, a.head_dim, params.page_size, a.num_heads_kv, params.num_pages,
-                                          a.k_row_stride, a.k_head_stride, params.k_page_stride, params.kv_tma_rows,
-                                          /*read_once=*/true);
-    params.v_map = make_attention_tma_map(a.v, f.dtype, a.head_dim, params.page_size, a.num_heads_kv, params.num_pages,
-                                          a.v_row_stride, a.v_head_stride, params.v_page_stride, params.kv_tma_rows,
-                                          /*read_once=*/true);
+    params.k_map = make_kv_cache_tma_map(a.k, f.dtype, a.head_dim, params.page_size, a.num_heads_kv, params.num_pages,
+                                         a.k_row_stride, a.k_head_stride, params.k_page_stride, params.kv_tma_rows);
+    params.v_map = make_kv_cache_tma_map(a.v, f.dtype, a.head_dim, params.page_size, a.num_heads_kv, params.num_pages,
+                                         a.v_row_stride, a.v_head_stride, params.v_page_stride, params.kv_tma_rows);
   }
 
   std::optional<StreamWorkspace> workspace;
