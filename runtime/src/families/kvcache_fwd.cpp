@@ -27,13 +27,12 @@ KvSplits choose_kv_splits(long long ctas, const KvSplitSlots& slots, int key_til
   // CTA's prologue and epilogue) and, with more than one split, the merge. Fitted on the H200
   // (bench/results/decode_splits_h200_*.json): a CTA alone streams about 60 GB/s when each TMA copy
   // is a whole tile (its ring's depth over the memory's latency), so 32 CTAs reach 1.96 TB/s and 128
-  // reach 4.0, and about 48 GB/s through copies of a page (16 rows: twice the copies per tile) or
-  // cp.async gathers; the memory
-  // gives 4.5 TB/s, 3% less once more CTAs stream than there are SMs (batch 16 x 16k: 128 CTAs 4.49
-  // TB/s, 256 4.37); a wave costs about 1.5 us besides its bytes, the combine about 2.5 and 0.5 more
-  // per 16 splits (a round of partial loads; pages of 16 at batch 1 x 4k: 16 splits 1.48 TB/s, 32
-  // 1.35), a merge inside the cluster about 0.3, its CTAs in the cluster slots, one per SM (batch 1
-  // x 1k: 8 splits in clusters 605 GB/s, 16 with the combine 545).
+  // reach 4.0, and about 48 GB/s through copies of a page (16 rows: four copies per tile) or
+  // cp.async gathers; the memory gives 4.5 TB/s, 3% less once more CTAs stream than there are SMs
+  // (batch 16 x 16k: 128 CTAs 4.49 TB/s, 256 4.37); a wave costs about 1.5 us besides its bytes,
+  // the combine about 2.5 and 0.5 more per 16 splits (a round of partial loads; pages of 16 at batch
+  // 1 x 4k: 16 splits 1.48 TB/s, 32 1.35), a merge inside the cluster about 0.3, its CTAs in the
+  // cluster slots, one per SM (batch 1 x 1k: 8 splits in clusters 605 GB/s, 16 with the combine 545).
   const double kCtaBytesPerSecond = whole_tile_copies ? 60e9 : 48e9;
   constexpr double kMemoryBytesPerSecond = 4.5e12, kCrowdedShare = 0.97;
   constexpr double kWaveSeconds = 1.5e-6, kCombineSeconds = 2.5e-6, kCombineSecondsPerSplit = 0.03e-6;
