@@ -50,6 +50,7 @@
 //   published tiles (tile_scheduler.cuh), the band (mask.cuh), the online softmax (softmax.cuh).
 #pragma once
 
+#include "common/modifiers.cuh"
 #include "common/pipeline.cuh"
 #include "common/sm90.cuh"
 #include "common/tile_scheduler.cuh"
@@ -77,14 +78,21 @@ struct Sm90FwdShape {
   static constexpr int kQStages = Config::kQStages;
   // q_full and q_empty per Q slot, then k_full, v_full, k_empty and v_empty per stage.
   static constexpr int kBarrierBytes = 8 * (2 * kQStages + 4 * kStages);
-  // After the barriers: the work item the producer published with each Q slot (32 bytes each).
+  // User modifiers and the block-mask walk (NoModifiers for a plain spec).
+  using Mods = typename ModifiersOf<Config>::type;
+  // After the barriers: the work item the producer published with each Q slot (32 bytes each), then
+  // with a block mask each K stage's KeyTileInfo (8 bytes), which the producer writes with the load.
+  static constexpr int kKeyTileInfoBytes = Mods::kBlockSparse ? 8 * kStages : 0;
   static constexpr int kSmemBytes =
-      1024 + kQStages * kQBytes + 2 * kStages * kKVTileBytes + kBarrierBytes + 32 * kQStages;
+      1024 + kQStages * kQBytes + 2 * kStages * kKVTileBytes + kBarrierBytes + 32 * kQStages + kKeyTileInfoBytes;
   static_assert(kSmemBytes == Config::kSmemBytes, "the shared-memory layout is the size codegen launches it with");
   // setmaxnreg split of the 64K registers (codegen's, FlashAttention-3's): the producer keeps a few.
   static constexpr int kProducerRegisters = Config::kProducerRegisters;
   static constexpr int kConsumerRegisters = Config::kConsumerRegisters;
-  static_assert(128 * kProducerRegisters + 128 * kConsumers * kConsumerRegisters <= 65536, "the register file");
+  // Within what the launch allocates per CTA (__launch_bounds__ with one CTA per SM: 65536 / threads,
+  // in steps of 8): setmaxnreg.inc waits for free registers, so a larger split hangs.
+  static_assert(128 * kProducerRegisters + 128 * kConsumers * kConsumerRegisters <= kThreads * (65536 / kThreads / 8 * 8),
+                "the registers the launch allocates");
   // Ping-pong pays where the softmax is a large share of a step (FlashAttention-3 uses it up to
   // head dim 128); above that the GEMMs dominate and the token only adds waits.
   static constexpr bool kPingPong = kHeadDim <= 128;
@@ -120,20 +128,27 @@ struct Sm90FwdShape {
   static constexpr bool kStagesOutputInVStage = kQStages == 1 && !kPingPong && kBlockN >= 64;
 };
 
-// Key tiles [n_block_min, n_block_max) that query block m0 must visit; walked from the last.
+// Key tiles [n_block_min, n_block_max) that query block m0 must visit; walked from the last. With a
+// block mask they are steps through the row's lists (sparse_key_tile maps a step to its tile).
 struct KeyTileRange {
   int n_block_min, n_block_max;
   int count() const { return n_block_max - n_block_min; }
 };
-template <int kBlockM, int kBlockN, MaskKind kMask>
+template <int kBlockM, int kBlockN, MaskKind kMask, class Mods>
 __device__ __forceinline__ KeyTileRange key_tile_range(const AttentionFwdParams& p, const SequenceExtent& seq,
-                                                       int m0, int split, int splits) {
-  const KeyRange keys = AttentionMask<kMask>(p, seq.seqlen_q, seq.seqlen_k).keys_of(p, m0, kBlockM);
-  const int n_block_min = keys.begin / kBlockN;
-  const KeyTileRange tile{n_block_min, keys.end > keys.begin ? (keys.end + kBlockN - 1) / kBlockN : n_block_min};
-  if (split < 0) return tile;
+                                                       const Sm90WorkTile& work, int splits) {
+  const int m0 = work.m_block * kBlockM;
+  KeyTileRange tile;
+  if constexpr (Mods::kBlockSparse) {
+    tile = {0, sparse_key_tiles(p.block_mask, work.batch, work.head, m0).count};
+  } else {
+    const KeyRange keys = AttentionMask<kMask>(p, seq.seqlen_q, seq.seqlen_k).keys_of(p, m0, kBlockM);
+    const int n_block_min = keys.begin / kBlockN;
+    tile = {n_block_min, keys.end > keys.begin ? (keys.end + kBlockN - 1) / kBlockN : n_block_min};
+  }
+  if (work.split < 0) return tile;
   // A split item's share: the (split % splits)-th of `splits` contiguous runs of the tile's blocks.
-  const int share = split % splits, count = tile.count();
+  const int share = work.split % splits, count = tile.count();
   return {tile.n_block_min + count * share / splits, tile.n_block_min + count * (share + 1) / splits};
 }
 
@@ -145,6 +160,7 @@ __device__ void sm90_fwd_kernel(const AttentionSm90FwdParams& params) {
   constexpr int kBlockM = Shape::kBlockM, kBlockN = Shape::kBlockN, kStages = Shape::kStages;
   constexpr int kQStages = Shape::kQStages, kConsumers = Shape::kConsumers;
   constexpr MaskKind kMask = Config::kMask;
+  using Mods = typename Shape::Mods;
   constexpr float kLog2e = 1.4426950408889634f;
   const AttentionFwdParams& p = params.fwd;
 
@@ -166,6 +182,11 @@ __device__ void sm90_fwd_kernel(const AttentionSm90FwdParams& params) {
   auto bar_v_empty = [&](int stage) { return v_ring.empty_barrier(stage); };
   // The work tile each Q slot holds (PublishedTile), published by the producer with the Q tile.
   auto published_tile = [&](int slot) { return barriers + Shape::kBarrierBytes + 32 * slot; };
+  // With a block mask, the work tile's KeyTileRange follows it in the slot (bytes 24-31).
+  constexpr unsigned kPublishedKeysOffset = 24;
+  // With a block mask: the key tile each K stage holds (written before its load's expect_tx, so its
+  // k_full wait makes it visible; read before the stage is freed).
+  auto key_tile_info = [&](int stage) { return barriers + Shape::kBarrierBytes + 32 * kQStages + 8 * stage; };
 
   // Warp-uniform values go through a shuffle so that ptxas can see they are uniform: a wgmma on a
   // path it must treat as divergent is serialized (C7520), and the overlap is lost.
@@ -215,7 +236,16 @@ __device__ void sm90_fwd_kernel(const AttentionSm90FwdParams& params) {
       }
       const int m0 = work.m_block * kBlockM;
       const int kv_head = work.head / (p.num_heads_q / p.num_heads_kv), tma_batch = varlen ? 0 : work.batch;
-      const KeyTileRange keys = key_tile_range<kBlockM, kBlockN, kMask>(p, seq, m0, work.split, params.splits);
+      const KeyTileRange keys = key_tile_range<kBlockM, kBlockN, kMask, Mods>(p, seq, work, params.splits);
+      SparseKeyTiles sparse{};
+      if constexpr (Mods::kBlockSparse) {
+        // The consumers take the tile's steps from here rather than read the block mask's counts
+        // from global memory themselves, on their critical path at every work tile.
+        sparse = sparse_key_tiles(p.block_mask, work.batch, work.head, m0);
+        asm volatile("st.shared.v2.s32 [%0], {%1, %2};\n" ::"r"(published_tile(q_slot) + kPublishedKeysOffset),
+                     "r"(keys.n_block_min), "r"(keys.n_block_max)
+                     : "memory");
+      }
       mbarrier_arrive_expect_tx(bar_q_full(q_slot), Shape::kQBytes);
       for (int panel = 0; panel < Shape::kPanels; ++panel)
         tma_load_4d(sQ + q_slot * Shape::kQBytes + panel * Shape::kQPanelBytes, params.q_map, bar_q_full(q_slot),
@@ -223,9 +253,19 @@ __device__ void sm90_fwd_kernel(const AttentionSm90FwdParams& params) {
       // Tile i of this work tile is key block n_block_max - 1 - i, in ring slot kv_count + i. K runs
       // one tile ahead of V: the consumers free a K slot as soon as its QK^T is done but a V slot
       // only after the next tile's softmax, so the next K never queues behind a V slot in use.
-      auto load = [&](unsigned smem_ring, const TmaDescriptor& map, const auto& ring, int i) {
-        const int slot = kv_count + i, stage = ring.stage(slot), n0 = (keys.n_block_max - 1 - i) * kBlockN;
+      // With a block mask, step n_block_max - 1 - i of the row's lists instead.
+      auto tile_at = [&](int i) -> KeyTileInfo {
+        if constexpr (Mods::kBlockSparse) return sparse_key_tile<kBlockN>(p.block_mask, sparse, keys.n_block_max - 1 - i);
+        else return {(keys.n_block_max - 1 - i) * kBlockN, 1};
+      };
+      // (A K load also records its tile for the consumers, once they have freed the stage.)
+      auto load = [&](unsigned smem_ring, const TmaDescriptor& map, const auto& ring, int i, const KeyTileInfo& tile,
+                      bool records_tile) {
+        const int slot = kv_count + i, stage = ring.stage(slot), n0 = tile.n0;
         ring.wait_empty(slot);
+        if (Mods::kBlockSparse && records_tile)
+          asm volatile("st.shared.v2.s32 [%0], {%1, %2};\n" ::"r"(key_tile_info(stage)), "r"(tile.n0), "r"(tile.partial)
+                       : "memory");
         mbarrier_arrive_expect_tx(ring.full_barrier(stage), Shape::kKVTileBytes);
         for (int panel = 0; panel < Shape::kPanels; ++panel)
           tma_load_4d(smem_ring + stage * Shape::kKVTileBytes + panel * Shape::kKVPanelBytes, map,
@@ -237,10 +277,18 @@ __device__ void sm90_fwd_kernel(const AttentionSm90FwdParams& params) {
       // adding gridDim.x at the claim made ptxas wait for the atomic on the spot.)
       const int claim_at = max(keys.count() - 1, 0);
       int claimed = 0;
+      // V runs a tile behind K. Under a block mask it loads the tile K loaded a step before (one
+      // list read per tile); otherwise its tile is computed at its load, as K's is.
+      KeyTileInfo last_k_tile{};
       for (int i = 0; i <= keys.count() && keys.count() > 0; ++i) {
         if (i == claim_at) claimed = atomicAdd(params.tile_counter, 1);
-        if (i < keys.count()) load(sK, params.k_map, k_ring, i);
-        if (i > 0) load(sV, params.v_map, v_ring, i - 1);
+        const KeyTileInfo v_tile = last_k_tile;
+        if (i < keys.count()) {
+          const KeyTileInfo k_tile = tile_at(i);
+          load(sK, params.k_map, k_ring, i, k_tile, true);
+          if constexpr (Mods::kBlockSparse) last_k_tile = k_tile;
+        }
+        if (i > 0) load(sV, params.v_map, v_ring, i - 1, Mods::kBlockSparse ? v_tile : tile_at(i - 1), false);
       }
       if (keys.count() == 0) claimed = atomicAdd(params.tile_counter, 1);
       next_index = gridDim.x + claimed;
@@ -263,7 +311,11 @@ __device__ void sm90_fwd_kernel(const AttentionSm90FwdParams& params) {
   // consumer's last P V of a tile has read its V tile (before the last consumer writes O there).
   const int output_staged = 4 + consumer, v_tile_read = 7;
 
-  const float scale_log2 = Config::kHasSoftcap ? kLog2e : p.softmax_scale * kLog2e;
+  // Scores a softcap or a score modifier has rewritten are final: only log2(e) remains to apply.
+  constexpr bool kFinalScores = Config::kHasSoftcap || Mods::kHasScore;
+  const float scale_log2 = kFinalScores ? kLog2e : p.softmax_scale * kLog2e;
+  // A row no key is visible to: LSE -inf under a user's mask (FlexAttention's), else +inf.
+  constexpr bool kEmptyRowLse = Mods::kHasMask || Mods::kBlockSparse;
   const float softcap_scale = Config::kHasSoftcap ? p.softmax_scale / p.softcap : 0.f;
 
   // S = Q K^T into `s` (async; the caller commits): 16-value k-steps advance both K-major
@@ -290,19 +342,49 @@ __device__ void sm90_fwd_kernel(const AttentionSm90FwdParams& params) {
       Config::wgmma_pv(o, a[ks], smem_descriptor_advance(v_tile, ks * 16 * 128), ks > 0 || accumulate);
   };
   // Softcap and the mask of tile n0 on fresh scores, then the softmax's first half.
+  // Softcap, user modifiers and the mask of key tile `tile` on fresh scores, then the softmax's first
+  // half. (batch, head: the work tile's, for the user's functions.)
   auto scores_to_probabilities = [&](RowStatistics<Warp>& st, float (&s)[1][Warp::kSFrags][4],
-                                     const SequenceExtent& seq, int m0, int n0) {
+                                     const SequenceExtent& seq, int m0, const KeyTileInfo& tile, int batch, int head) {
+    // (This thread's first row is written out in each branch: computed once above the softcap it
+    // stayed live, and d256 causal spilled 12 bytes.)
+    const int n0 = tile.n0;
     if constexpr (Config::kHasSoftcap) {
 #pragma unroll
       for (int ni = 0; ni < Warp::kSFrags; ++ni)
 #pragma unroll
         for (int e = 0; e < 4; ++e) s[0][ni][e] = p.softcap * tanh_accurate(s[0][ni][e] * softcap_scale);
     }
-    // Varlen: rows past this sequence hold the next one's keys, not zeros; masking removes them.
-    const AttentionMask<kMask> mask(p, seq.seqlen_q, seq.seqlen_k);
-    if (warp_uniform(mask.cuts(p, m0, kBlockM, n0, kBlockN)))
-      mask.template mask_tile<Warp>(s, p, m0 + warp_row0 + lane / 4, n0, lane);
+    if constexpr (Mods::kBlockSparse) {
+      // A partly visible block's elements go through the mask modifier; a fully visible one's are
+      // hidden only past the keys' end.
+      const bool partial = tile.partial != 0;
+      if (Mods::kHasScore || partial || n0 + kBlockN > seq.seqlen_k)
+        modify_scores<Mods, Warp>(s, p, batch, head, seq.seqlen_q, seq.seqlen_k, m0 + warp_row0 + lane / 4, n0, lane,
+                                  partial || n0 + kBlockN > seq.seqlen_k, partial);
+    } else {
+      if constexpr (Mods::kHasScore || Mods::kHasMask)
+        modify_scores<Mods, Warp>(s, p, batch, head, seq.seqlen_q, seq.seqlen_k, m0 + warp_row0 + lane / 4, n0, lane,
+                                  Mods::kHasMask, true);
+      // Varlen: rows past this sequence hold the next one's keys, not zeros; masking removes them.
+      const AttentionMask<kMask> mask(p, seq.seqlen_q, seq.seqlen_k);
+      if (warp_uniform(mask.cuts(p, m0, kBlockM, n0, kBlockN)))
+        mask.template mask_tile<Warp>(s, p, m0 + warp_row0 + lane / 4, n0, lane);
+    }
     return softmax_scores<Warp, /*kLazyRescale=*/true>(st, s, scale_log2);
+  };
+  // The key tile in K stage `stage`, step n_block of the work tile: recorded by the producer under a
+  // block mask (read once the stage is full, before it is freed: volatile, so it stays after the
+  // volatile barrier wait; no memory clobber, so the GEMM code around it keeps its schedule), else
+  // block n_block.
+  auto read_key_tile = [&](int stage, int n_block) -> KeyTileInfo {
+    if constexpr (Mods::kBlockSparse) {
+      int n0, partial;
+      asm volatile("ld.shared.v2.s32 {%0, %1}, [%2];\n" : "=r"(n0), "=r"(partial) : "r"(key_tile_info(stage)));
+      return {warp_uniform(n0), warp_uniform(partial)};
+    } else {
+      return {n_block * kBlockN, 1};
+    }
   };
   // P as wgmma A fragments: the C layout of two n8 tiles is the A layout of one k16 step.
   auto pack_probabilities = [&](unsigned (&a)[kBlockN / 16][4], const float (&s)[1][Warp::kSFrags][4]) {
@@ -459,7 +541,7 @@ __device__ void sm90_fwd_kernel(const AttentionSm90FwdParams& params) {
         if (row >= seq.seqlen_q) continue;
         const long long lse_row = varlen ? seq.q_start + row : row;
         p.lse[work.batch * p.lse_batch_stride + work.head * p.lse_head_stride + lse_row] =
-            row_logsumexp<Config::kHasSoftcap>(p, st.row_max[0][h], sum[h]);
+            row_logsumexp<kFinalScores, kEmptyRowLse>(p, st.row_max[0][h], sum[h]);
       }
     }
   };
@@ -503,7 +585,7 @@ __device__ void sm90_fwd_kernel(const AttentionSm90FwdParams& params) {
   // `q_slot`. `has_rows`: this consumer's 64 rows reach into the sequence, as in all but a last
   // query block (block_m 192 at S = 2048 leaves the third consumer none there: 3% of the work).
   struct FrontTile {
-    int index, q_slot, m0, split;
+    int index, q_slot, m0, split, batch, head;
     bool has_rows;
     SequenceExtent seq;
     KeyTileRange keys;
@@ -518,8 +600,18 @@ __device__ void sm90_fwd_kernel(const AttentionSm90FwdParams& params) {
     if (t.index < 0) return false;
     t.m0 = published.work.m_block * kBlockM;
     t.split = published.work.split;
+    t.batch = published.work.batch;
+    t.head = published.work.head;
     t.seq = sequence_extent(p, published.work.batch);
-    t.keys = key_tile_range<kBlockM, kBlockN, kMask>(p, t.seq, t.m0, t.split, params.splits);
+    if constexpr (Mods::kBlockSparse) {
+      if (lane == 0)
+        asm volatile("ld.shared.v2.s32 {%0, %1}, [%2];\n"
+                     : "=r"(t.keys.n_block_min), "=r"(t.keys.n_block_max)
+                     : "r"(published_tile(t.q_slot) + kPublishedKeysOffset)
+                     : "memory");
+    } else {
+      t.keys = key_tile_range<kBlockM, kBlockN, kMask, Mods>(p, t.seq, published.work, params.splits);
+    }
     t.keys.n_block_min = warp_uniform(t.keys.n_block_min);
     t.keys.n_block_max = warp_uniform(t.keys.n_block_max);
     t.has_rows = warp_uniform(t.m0 + consumer * 64 < t.seq.seqlen_q) != 0;
@@ -593,12 +685,13 @@ __device__ void sm90_fwd_kernel(const AttentionSm90FwdParams& params) {
       wgmma_fence();
       issue_qk(s_flat, front.q_slot, stage);
       wgmma_commit();
+      const KeyTileInfo tile = read_key_tile(stage, n_block);
       pass_turn();
       wgmma_wait<0>();
       fence_operands(s_flat);
       release(bar_k_empty(stage));
       if (!o_via_tma && front.keys.count() == 1) release(bar_q_empty(front.q_slot));  // Q's last use (see the loop)
-      scores_to_probabilities(st, s, front.seq, front.m0, n_block * kBlockN);
+      scores_to_probabilities(st, s, front.seq, front.m0, tile, front.batch, front.head);
       pack_probabilities(a, s);
     }
     // With one Q slot, O's rescale to a step's running max waits for the next step and runs between
@@ -646,6 +739,7 @@ __device__ void sm90_fwd_kernel(const AttentionSm90FwdParams& params) {
       issue_pv(o_flat, a, stage, accumulate);
       wgmma_commit();
       pass_turn();
+      const KeyTileInfo next_tile = read_key_tile(next, next_block);  // (under the GEMMs)
       wgmma_wait<1>();  // S of the next block is ready; P V still runs
       fence_operands(s_flat);
       release(bar_k_empty(next));
@@ -655,7 +749,8 @@ __device__ void sm90_fwd_kernel(const AttentionSm90FwdParams& params) {
       free_staged_slot();
       RowStatistics<Warp> st_next = st;
       if (tile_done) st_next.reset();
-      OutputRescale<Warp> rescale = scores_to_probabilities(st_next, s, front.seq, front.m0, next_block * kBlockN);
+      OutputRescale<Warp> rescale =
+          scores_to_probabilities(st_next, s, front.seq, front.m0, next_tile, front.batch, front.head);
       rescale.any_moved = rescale.any_moved && !tile_done;  // a new tile's first P V overwrites O
       wgmma_wait<0>();
       fence_operands(o_flat);

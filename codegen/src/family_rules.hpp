@@ -48,6 +48,8 @@ struct FamilyRules {
   std::string (*config_members)(const KernelSpec&) = nullptr;
   // The CTAs per SM the registers must leave room for (__launch_bounds__' second argument); null: 1.
   int (*min_blocks_per_sm)(const KernelSpec&) = nullptr;
+  bool takes_modifiers = false;   // renders a spec's AttentionModifier into its Config
+  bool takes_block_mask = false;  // walks block-mask lists where the spec is block_sparse
 };
 
 // The family table, in the order of the Family enum (src/render.cpp).

@@ -58,6 +58,9 @@ const std::vector<Family>& all_families() {
 
 bool is_forward_family(Family family) { return !family_rules(family).computes_gradients; }
 
+bool family_takes_modifiers(Family family) { return family_rules(family).takes_modifiers; }
+bool family_takes_block_mask(Family family) { return family_rules(family).takes_block_mask; }
+
 bool family_covers(Family family, const Arch& arch, int head_dim) {
   const auto& rules = family_rules(family);
   return arch.sm >= rules.min_sm && (!rules.needs_arch_specific || arch.arch_specific) &&
@@ -113,28 +116,46 @@ std::optional<std::string> KernelSpec::validate() const {
   if (block_m <= 0 || block_n <= 0 || num_warps <= 0 || num_stages <= 0)
     return fmt::format("block_m, block_n, num_warps and num_stages must be positive, got "
                        "{}, {}, {}, {}", block_m, block_n, num_warps, num_stages);
+  if (modifier != nullptr) {
+    if (!rules.takes_modifiers) return fmt::format("{} does not compile user modifiers", rules.name);
+    if (auto reason = modifier->validate()) return *reason;
+    if (has_softcap && modifier->has_score())
+      return std::string("a softcap and a score modifier do not combine: write the softcap into the score modifier");
+  }
+  if (block_sparse) {
+    if (!rules.takes_block_mask) return fmt::format("{} does not walk block masks", rules.name);
+    if (mask != MaskKind::none)
+      return fmt::format("a block mask replaces the {} mask: write it into the block mask and its mask modifier",
+                         to_string(mask));
+  }
   return rules.validate_tiles(*this);
 }
 
 std::string KernelSpec::name() const {
   std::string mask_part = mask == MaskKind::none ? "" : fmt::format("_{}", to_string(mask));
-  return fmt::format("{}_{}_d{}_m{}n{}w{}s{}{}{}_sm{}{}", to_string(family), to_string(dtype),
+  const std::string modifier_part = modifier != nullptr ? "_mod" + modifier->hash().substr(0, 12) : "";
+  return fmt::format("{}_{}_d{}_m{}n{}w{}s{}{}{}{}{}_sm{}{}", to_string(family), to_string(dtype),
                      head_dim, block_m, block_n, num_warps, num_stages, mask_part,
-                     has_softcap ? "_softcap" : "", arch.sm, arch.arch_specific ? "a" : "");
+                     has_softcap ? "_softcap" : "", modifier_part, block_sparse ? "_sparse" : "", arch.sm,
+                     arch.arch_specific ? "a" : "");
 }
 
 json KernelSpec::to_json() const {
-  return json{{"family", to_string(family)}, {"arch", arch.name()},
-              {"dtype", to_string(dtype)},   {"head_dim", head_dim},
-              {"block_m", block_m},          {"block_n", block_n},
-              {"num_warps", num_warps},      {"num_stages", num_stages},
-              {"mask", to_string(mask)},     {"softcap", has_softcap}};
+  json j{{"family", to_string(family)}, {"arch", arch.name()},
+         {"dtype", to_string(dtype)},   {"head_dim", head_dim},
+         {"block_m", block_m},          {"block_n", block_n},
+         {"num_warps", num_warps},      {"num_stages", num_stages},
+         {"mask", to_string(mask)},     {"softcap", has_softcap}};
+  // Only where set, so plain specs keep the JSON they always had.
+  if (modifier != nullptr) j["modifier"] = modifier->to_json();
+  if (block_sparse) j["block_sparse"] = true;
+  return j;
 }
 
 KernelSpec KernelSpec::from_json(const json& j) {
   static const std::vector<std::string> kFields{"family",  "arch",      "dtype",      "head_dim",
                                                 "block_m", "block_n",   "num_warps",  "num_stages",
-                                                "mask",    "softcap"};
+                                                "mask",    "softcap",   "modifier",   "block_sparse"};
   auto fail = [](const std::string& message) {
     return Error(ErrorCode::invalid_argument, "spec JSON", message);
   };
@@ -175,13 +196,21 @@ KernelSpec KernelSpec::from_json(const json& j) {
   if (!softcap.is_boolean())
     throw fail(fmt::format("field 'softcap' must be true or false, got {}", softcap.dump()));
   s.has_softcap = softcap.get<bool>();
+  if (auto it = j.find("modifier"); it != j.end())
+    s.modifier = std::make_shared<const AttentionModifier>(AttentionModifier::from_json(*it));
+  if (auto it = j.find("block_sparse"); it != j.end()) {
+    if (!it->is_boolean()) throw fail(fmt::format("field 'block_sparse' must be true or false, got {}", it->dump()));
+    s.block_sparse = it->get<bool>();
+  }
   return s;
 }
 
 bool KernelSpec::operator==(const KernelSpec& o) const {
   return family == o.family && arch == o.arch && dtype == o.dtype && head_dim == o.head_dim &&
          block_m == o.block_m && block_n == o.block_n && num_warps == o.num_warps &&
-         num_stages == o.num_stages && mask == o.mask && has_softcap == o.has_softcap;
+         num_stages == o.num_stages && mask == o.mask && has_softcap == o.has_softcap &&
+         block_sparse == o.block_sparse &&
+         (modifier == o.modifier || (modifier != nullptr && o.modifier != nullptr && *modifier == *o.modifier));
 }
 
 size_t KernelSpecHash::operator()(const KernelSpec& s) const noexcept {
@@ -190,13 +219,14 @@ size_t KernelSpecHash::operator()(const KernelSpec& s) const noexcept {
   for (uint64_t v : {uint64_t(s.arch.sm), uint64_t(s.arch.arch_specific), uint64_t(s.dtype),
                      uint64_t(s.head_dim), uint64_t(s.block_m), uint64_t(s.block_n),
                      uint64_t(s.num_warps), uint64_t(s.num_stages), uint64_t(s.mask),
-                     uint64_t(s.has_softcap)})
+                     uint64_t(s.has_softcap), uint64_t(s.block_sparse)})
     packed = packed * 0x100000001b3ull ^ v;
+  if (s.modifier != nullptr) packed = packed * 0x100000001b3ull ^ std::hash<std::string>{}(s.modifier->hash());
   return std::hash<uint64_t>{}(packed);
 }
 
 KernelSpec default_spec(Family family, Arch arch, DType dtype, int head_dim, MaskKind mask,
-                        bool has_softcap) {
+                        bool has_softcap, std::shared_ptr<const AttentionModifier> modifier, bool block_sparse) {
   KernelSpec s;
   s.family = family;
   s.arch = arch;
@@ -204,6 +234,8 @@ KernelSpec default_spec(Family family, Arch arch, DType dtype, int head_dim, Mas
   s.head_dim = head_dim;
   s.mask = mask;
   s.has_softcap = has_softcap;
+  s.modifier = std::move(modifier);
+  s.block_sparse = block_sparse;
   family_rules(family).set_default_tiles(s);
   return s;
 }

@@ -26,6 +26,58 @@ std::string_view mask_constant(MaskKind m) {
   return "";
 }
 
+std::string_view tensor_element_type(ModifierTensorType t) {
+  switch (t) {
+    case ModifierTensorType::int32: return "int";
+    case ModifierTensorType::int64: return "long long";
+    case ModifierTensorType::float32: return "float";
+  }
+  return "";
+}
+
+// The spec's modifier and block-mask walk as Config::Modifiers (templates/common/modifiers.cuh
+// reads it; specs with neither render none). Each body becomes a function whose side tensors are
+// restrict pointers from the kernel parameters; #line directives number the body's lines as the
+// user wrote them, then return to the generated file's own numbering.
+std::string modifiers_struct(const KernelSpec& spec, Source& source, int first_line) {
+  std::string out;
+  int line = first_line;  // the generated file's line the next text starts on
+  auto emit = [&](std::string_view text) {
+    out += text;
+    line += static_cast<int>(std::count(text.begin(), text.end(), '\n'));
+  };
+  const AttentionModifier* m = spec.modifier.get();
+  emit(fmt::format("  struct Modifiers {{\n"
+                   "    static constexpr bool kHasMask = {};\n"
+                   "    static constexpr bool kHasScore = {};\n"
+                   "    static constexpr bool kBlockSparse = {};\n",
+                   m != nullptr && m->has_mask(), m != nullptr && m->has_score(), spec.block_sparse));
+  auto function = [&](std::string_view signature, std::string_view file, const std::string& body, std::string_view fallback) {
+    emit(fmt::format("    static __device__ __forceinline__ {} {{\n", signature));
+    if (body.empty()) {
+      emit(fmt::format("      {}\n    }}\n", fallback));
+      return;
+    }
+    for (size_t i = 0; i < m->tensors.size(); ++i)
+      emit(fmt::format("      const {}* __restrict__ {} = static_cast<const {}*>(flashjit_params.modifier_tensors[{}]); "
+                       "(void){};\n",
+                       tensor_element_type(m->tensors[i].type), m->tensors[i].name,
+                       tensor_element_type(m->tensors[i].type), i, m->tensors[i].name));
+    emit(fmt::format("#line 1 \"{}\"\n", file));
+    emit(body);
+    if (body.back() != '\n') emit("\n");
+    emit(fmt::format("#line {} \"{}\"\n    }}\n", line + 1, source.file_name));
+    source.user_files.emplace_back(std::string(file), body);
+  };
+  function("bool mask(const flashjit::AttentionFwdParams& flashjit_params, int batch, int head, int q_idx, int kv_idx)",
+           kMaskModFile, m != nullptr ? m->mask : std::string(), "return true;");
+  function("float score(const flashjit::AttentionFwdParams& flashjit_params, float score, int batch, int head, "
+           "int q_idx, int kv_idx)",
+           kScoreModFile, m != nullptr ? m->score : std::string(), "return score;");
+  emit("  };\n");
+  return out;
+}
+
 std::string entry_symbol(const codegen_detail::FamilyRules& rules, const codegen_detail::EntryPoint& entry) {
   return fmt::format("flashjit_{}_{}", rules.name, entry.name);
 }
@@ -63,13 +115,14 @@ Source render(const KernelSpec& spec) {
                  "  static constexpr bool kHasSoftcap = {};\n"
                  "  static constexpr int kArch = {};\n"
                  "{}"
-                 "{}"
-                 "}};\n"
-                 "}}  // namespace flashjit_generated\n",
+                 "{}",
                  source.spec_name, rules.template_include, element_type(spec.dtype),
                  spec.head_dim, spec.block_m, spec.block_n, spec.num_warps, spec.num_stages,
                  mask_constant(spec.mask), spec.has_softcap ? "true" : "false", spec.arch.sm, constants,
                  rules.config_members ? rules.config_members(spec) : std::string());
+  if (spec.modifier != nullptr || spec.block_sparse)
+    out += modifiers_struct(spec, source, 1 + static_cast<int>(std::count(out.begin(), out.end(), '\n')));
+  out += "};\n}  // namespace flashjit_generated\n";
 
   const KernelLayout layout = kernel_layout(spec);
   for (const auto& entry : rules.entries) {
@@ -146,12 +199,14 @@ extern const FamilyRules kFa2BwdRules;
 extern const FamilyRules kSm90FwdRules;
 extern const FamilyRules kSm90BwdRules;
 extern const FamilyRules kKvCacheFwdRules;
+extern const FamilyRules kBlockMaskRules;
 
 // The family table: every family's rules, in the order of the Family enum (a new family is a line
 // here and its enum value).
 const std::vector<const FamilyRules*>& all_family_rules() {
   static const std::vector<const FamilyRules*> table{&kReferenceFwdRules, &kFa2FwdRules, &kFa2BwdRules,
-                                                     &kSm90FwdRules, &kSm90BwdRules, &kKvCacheFwdRules};
+                                                     &kSm90FwdRules, &kSm90BwdRules, &kKvCacheFwdRules,
+                                                     &kBlockMaskRules};
   return table;
 }
 

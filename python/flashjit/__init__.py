@@ -13,11 +13,13 @@ import sys
 
 from . import _capi
 
-__all__ = ["flash_attn_func", "flash_attn_varlen_func", "flash_attn_with_kvcache", "check_kvcache", "FlashJitError", "cache_stats", "load_tuning_db",
+__all__ = ["flash_attn_func", "AttentionMod", "BlockMask", "create_block_mask", "block_mask_from_tiles", "flash_attn_varlen_func", "flash_attn_with_kvcache", "check_kvcache", "FlashJitError", "cache_stats", "load_tuning_db",
            "__version__"]
 
 _lib = _capi.load()
 __version__ = _lib.flashjit_version().decode()
+
+from ._modifiers import AttentionMod, BlockMask, block_mask_from_tiles, create_block_mask  # noqa: E402
 
 
 class FlashJitError(RuntimeError):
@@ -112,6 +114,27 @@ def _forward(q, k, v, softmax_scale, causal, window_left, window_right, softcap,
     return out, lse
 
 
+def _forward_mod(q, k, v, softmax_scale, causal, window_left, window_right, softcap, backend, sm_margin, mod,
+                 block_mask):
+    from . import _modifiers
+    torch = _torch()
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    lse = torch.empty((q.shape[0], q.shape[2], q.shape[1]), dtype=torch.float32, device=q.device)
+    if mod is not None:
+        mod_tensors, mod_count = mod._tensor_views()
+    else:
+        mod_tensors, mod_count = None, 0
+    mask = _modifiers.as_block_mask(block_mask)._c_struct() if block_mask is not None else None
+    with torch.cuda.device(q.device):
+        options = _options(q, softmax_scale, causal, window_left, window_right, softcap, backend, sm_margin=sm_margin)
+        _check(_lib.flashjit_forward_mod(ctypes.byref(_view(q, "q")), ctypes.byref(_view(k, "k")),
+                                         ctypes.byref(_view(v, "v")), ctypes.byref(_view(out, "out")),
+                                         ctypes.byref(_view(lse, "lse")), mod._handle if mod is not None else None,
+                                         mod_tensors, mod_count, ctypes.byref(mask) if mask is not None else None,
+                                         ctypes.byref(options)))
+    return out, lse
+
+
 def _backward(dout, q, k, v, out, lse, softmax_scale, causal, window_left, window_right, softcap, deterministic):
     torch = _torch()
     if not _kernel_ready(dout):
@@ -176,7 +199,7 @@ def _same_device(tensors, names):
 
 def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
                     softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False,
-                    return_lse=False, backend="auto", sm_margin=0):
+                    return_lse=False, backend="auto", sm_margin=0, mod=None, block_mask=None):
     """softmax(q k^T * scale + mask) v, differentiable in q, k and v.
 
     q: (batch, seqlen_q, heads_q, head_dim); k, v: (batch, seqlen_k, heads_kv, head_dim), fp16 or bf16,
@@ -186,6 +209,10 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
     is not differentiable. deterministic=True makes the backward bitwise reproducible (slower).
     sm_margin: SMs the persistent Hopper forward leaves free for other kernels (as in FlashAttention-3).
     Under torch.compile a torch custom op (torch.ops.flashjit.attention), which it traces through.
+    mod: an AttentionMod (user mask/score functions compiled into the kernel); block_mask: a BlockMask
+    (create_block_mask) or a FlexAttention BlockMask, whose empty tiles are skipped (it replaces
+    causal and window_size). Rows that see no key under them get out 0 and LSE -inf. With mod or
+    block_mask the call is forward only for now (sm_90).
     """
     _unsupported(dropout_p, alibi_slopes, return_attn_probs)
     _check_options(softmax_scale, window_size, backend)
@@ -194,6 +221,13 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
             raise ValueError(f"{name}: expected 4 dims (batch, seqlen, heads, head_dim), got shape {tuple(t.shape)}")
     _same_device((q, k, v), ("q", "k", "v"))
     path = _autograd_path(q, k, v)
+    if mod is not None or block_mask is not None:
+        if path == "eager":
+            raise NotImplementedError("flashjit: the backward of mod and block_mask is not implemented yet; call the "
+                                      "forward under torch.no_grad() or on detached tensors")
+        out, lse = _forward_mod(q, k, v, softmax_scale, bool(causal), int(window_size[0]), int(window_size[1]),
+                                float(softcap), backend, int(sm_margin), mod, block_mask)
+        return (out, lse) if return_lse else out
     if path is not None:
         attention = _ops().attention if path == "traced" else _ops().eager_attention
         out, lse = attention(q, k, v, softmax_scale, bool(causal), int(window_size[0]), int(window_size[1]),

@@ -3,7 +3,7 @@ import ctypes
 import os
 import pathlib
 
-FLOAT16, BFLOAT16, FLOAT32, INT32 = 0, 1, 2, 3
+FLOAT16, BFLOAT16, FLOAT32, INT32, INT64, UINT8 = 0, 1, 2, 3, 4, 5
 BACKENDS = {"auto": 0, "reference": 1, "fa2": 2, "sm90": 3}
 STATUS_NAMES = {
     1: "invalid argument", 2: "unsupported", 3: "compile failed", 4: "no CUDA driver", 5: "CUDA error",
@@ -35,6 +35,17 @@ class AttentionOptions(ctypes.Structure):
         ("sm_margin", ctypes.c_int32),
         ("num_splits", ctypes.c_int32),
     ]
+
+
+class BlockMaskArrays(ctypes.Structure):  # flashjit_block_mask
+    _fields_ = [(n, Tensor) for n in ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices")] + [
+        ("q_block_size", ctypes.c_int32), ("kv_block_size", ctypes.c_int32)]
+
+
+class BlockMaskBuffers(ctypes.Structure):  # flashjit_block_mask_buffers
+    _fields_ = [(n, Tensor) for n in ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices",
+                                      "q_num_blocks", "q_indices", "full_q_num_blocks", "full_q_indices")] + [
+        ("q_block_size", ctypes.c_int32), ("kv_block_size", ctypes.c_int32)]
 
 
 def _candidates():
@@ -74,6 +85,20 @@ def load():
     lib.flashjit_forward_kvcache.restype = ctypes.c_int
     lib.flashjit_check_kvcache.argtypes = [ctypes.c_void_p]
     lib.flashjit_check_kvcache.restype = ctypes.c_int
+    lib.flashjit_modifier_create.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_int32, P(ctypes.c_char_p),
+                                             P(ctypes.c_int32), P(ctypes.c_void_p)]
+    lib.flashjit_modifier_create.restype = ctypes.c_int
+    lib.flashjit_modifier_destroy.argtypes = [ctypes.c_void_p]
+    lib.flashjit_modifier_destroy.restype = None
+    lib.flashjit_forward_mod.argtypes = [P(Tensor)] * 5 + [ctypes.c_void_p, P(Tensor), ctypes.c_int32,
+                                                           P(BlockMaskArrays), P(AttentionOptions)]
+    lib.flashjit_forward_mod.restype = ctypes.c_int
+    lib.flashjit_create_block_mask.argtypes = [ctypes.c_void_p, P(Tensor), ctypes.c_int32] + [ctypes.c_int64] * 4 + [
+        P(BlockMaskBuffers), ctypes.c_void_p]
+    lib.flashjit_create_block_mask.restype = ctypes.c_int
+    lib.flashjit_block_mask_from_tiles.argtypes = [P(Tensor), ctypes.c_int64, ctypes.c_int64, P(BlockMaskBuffers),
+                                                   ctypes.c_void_p]
+    lib.flashjit_block_mask_from_tiles.restype = ctypes.c_int
     lib.flashjit_load_tuning_db.argtypes = [ctypes.c_char_p]
     lib.flashjit_load_tuning_db.restype = ctypes.c_int
     lib.flashjit_cache_stats.argtypes = [P(ctypes.c_uint64)] * 3

@@ -3,6 +3,7 @@
 #include "flashjit/flashjit.h"
 
 #include <cmath>
+#include <memory>
 #include <optional>
 #include <string>
 
@@ -52,7 +53,7 @@ Views views_of(std::initializer_list<std::pair<const flashjit_tensor*, const cha
 
 flashjit::TensorView view_of(const flashjit_tensor* t, const char* name) {
   if (t == nullptr) throw invalid(fmt::format("{} is NULL", name));
-  if (t->dtype < FLASHJIT_FLOAT16 || t->dtype > FLASHJIT_INT32)
+  if (t->dtype < FLASHJIT_FLOAT16 || t->dtype > FLASHJIT_UINT8)
     throw invalid(fmt::format("{}: unknown dtype code {}", name, t->dtype));
   if (t->rank < 1 || t->rank > 4) throw invalid(fmt::format("{}: rank {} is not 1 to 4", name, t->rank));
   flashjit::TensorView v;
@@ -89,9 +90,120 @@ flashjit::AttentionOptions options_of(const flashjit_attention_options* o) {
   return options;
 }
 
+// A modifier's side tensors, converted in order.
+std::vector<flashjit::TensorView> mod_tensors_of(const flashjit_tensor* tensors, int32_t count) {
+  if (count < 0 || (count > 0 && tensors == nullptr))
+    throw invalid(fmt::format("mod_tensors: {} tensors at {}", count, static_cast<const void*>(tensors)));
+  std::vector<flashjit::TensorView> views;
+  for (int32_t i = 0; i < count; ++i) views.push_back(view_of(tensors + i, "mod tensor"));
+  return views;
+}
+
+flashjit::BlockMaskBuffers buffers_of(const flashjit_block_mask_buffers* b) {
+  if (b == nullptr) throw invalid("out is NULL");
+  flashjit::BlockMaskBuffers out;
+  out.kv_num_blocks = view_of(&b->kv_num_blocks, "kv_num_blocks");
+  out.kv_indices = view_of(&b->kv_indices, "kv_indices");
+  out.full_kv_num_blocks = view_of(&b->full_kv_num_blocks, "full_kv_num_blocks");
+  out.full_kv_indices = view_of(&b->full_kv_indices, "full_kv_indices");
+  if (b->q_num_blocks.data != nullptr) {
+    out.q_num_blocks = view_of(&b->q_num_blocks, "q_num_blocks");
+    out.q_indices = view_of(&b->q_indices, "q_indices");
+    out.full_q_num_blocks = view_of(&b->full_q_num_blocks, "full_q_num_blocks");
+    out.full_q_indices = view_of(&b->full_q_indices, "full_q_indices");
+  }
+  out.q_block_size = b->q_block_size;
+  out.kv_block_size = b->kv_block_size;
+  return out;
+}
+
 }  // namespace
 
+struct flashjit_modifier {
+  std::shared_ptr<const flashjit::AttentionModifier> code;
+};
+
 extern "C" {
+
+flashjit_status flashjit_modifier_create(const char* mask_body, const char* score_body, int32_t num_tensors,
+                                         const char* const* tensor_names, const int32_t* tensor_dtypes,
+                                         flashjit_modifier** out) {
+  return guarded([&] {
+    if (out == nullptr) throw invalid("out is NULL");
+    *out = nullptr;
+    auto code = std::make_shared<flashjit::AttentionModifier>();
+    code->mask = mask_body != nullptr ? mask_body : "";
+    code->score = score_body != nullptr ? score_body : "";
+    if (num_tensors < 0 || (num_tensors > 0 && (tensor_names == nullptr || tensor_dtypes == nullptr)))
+      throw invalid(fmt::format("{} side tensors without their names or dtypes", num_tensors));
+    for (int32_t i = 0; i < num_tensors; ++i) {
+      flashjit::ModifierTensorType type;
+      switch (tensor_dtypes[i]) {
+        case FLASHJIT_INT32: type = flashjit::ModifierTensorType::int32; break;
+        case FLASHJIT_INT64: type = flashjit::ModifierTensorType::int64; break;
+        case FLASHJIT_FLOAT32: type = flashjit::ModifierTensorType::float32; break;
+        default: throw invalid(fmt::format("side tensor {}: dtype code {} is not int32, int64 or float32", i, tensor_dtypes[i]));
+      }
+      if (tensor_names[i] == nullptr) throw invalid(fmt::format("side tensor {}: name is NULL", i));
+      code->tensors.push_back({tensor_names[i], type});
+    }
+    if (auto reason = code->validate()) throw invalid(*reason);
+    *out = new flashjit_modifier{std::move(code)};
+  });
+}
+
+void flashjit_modifier_destroy(flashjit_modifier* modifier) { delete modifier; }
+
+flashjit_status flashjit_forward_mod(const flashjit_tensor* q, const flashjit_tensor* k, const flashjit_tensor* v,
+                                     const flashjit_tensor* out, const flashjit_tensor* lse,
+                                     const flashjit_modifier* modifier, const flashjit_tensor* mod_tensors,
+                                     int32_t num_mod_tensors, const flashjit_block_mask* block_mask,
+                                     const flashjit_attention_options* options) {
+  return guarded([&] {
+    const Views t = views_of({{q, "q"}, {k, "k"}, {v, "v"}, {out, "out"}});
+    const flashjit::TensorView lse_view = lse ? view_of(lse, "lse") : flashjit::TensorView{};
+    flashjit::AttentionOptions o = options_of(options);
+    flashjit::AttentionMod mod;
+    if (modifier != nullptr) {
+      mod = {modifier->code, mod_tensors_of(mod_tensors, num_mod_tensors)};
+      o.mod = &mod;
+    }
+    flashjit::BlockMask mask;
+    flashjit::TensorView full_num, full_ids;
+    if (block_mask != nullptr) {
+      mask.kv_num_blocks = view_of(&block_mask->kv_num_blocks, "block_mask.kv_num_blocks");
+      mask.kv_indices = view_of(&block_mask->kv_indices, "block_mask.kv_indices");
+      if (block_mask->full_kv_num_blocks.data != nullptr) {
+        full_num = view_of(&block_mask->full_kv_num_blocks, "block_mask.full_kv_num_blocks");
+        full_ids = view_of(&block_mask->full_kv_indices, "block_mask.full_kv_indices");
+        mask.full_kv_num_blocks = &full_num;
+        mask.full_kv_indices = &full_ids;
+      }
+      mask.q_block_size = block_mask->q_block_size;
+      mask.kv_block_size = block_mask->kv_block_size;
+      o.block_mask = &mask;
+    }
+    flashjit::Runtime::global().forward(t[0], t[1], t[2], t[3], lse ? &lse_view : nullptr, o);
+  });
+}
+
+flashjit_status flashjit_create_block_mask(const flashjit_modifier* modifier, const flashjit_tensor* mod_tensors,
+                                           int32_t num_mod_tensors, int64_t batch, int64_t heads, int64_t seqlen_q,
+                                           int64_t seqlen_k, const flashjit_block_mask_buffers* out, void* stream) {
+  return guarded([&] {
+    if (modifier == nullptr) throw invalid("modifier is NULL");
+    const flashjit::AttentionMod mod{modifier->code, mod_tensors_of(mod_tensors, num_mod_tensors)};
+    flashjit::Runtime::global().create_block_mask(mod, batch, heads, seqlen_q, seqlen_k, buffers_of(out), stream);
+  });
+}
+
+flashjit_status flashjit_block_mask_from_tiles(const flashjit_tensor* tile_map, int64_t seqlen_q, int64_t seqlen_k,
+                                               const flashjit_block_mask_buffers* out, void* stream) {
+  return guarded([&] {
+    const flashjit::TensorView map = view_of(tile_map, "tile_map");
+    flashjit::Runtime::global().block_mask_from_tiles(map, seqlen_q, seqlen_k, buffers_of(out), stream);
+  });
+}
 
 void flashjit_attention_options_init(flashjit_attention_options* options) {
   if (options == nullptr) return;

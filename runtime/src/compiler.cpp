@@ -198,6 +198,8 @@ std::string describe_compile_failure(const Source& source, const Arch& arch, std
   static const std::regex diagnostic_re(R"(^(.+)\((\d+)\): (error|catastrophic error))");
   auto file_text = [&](const std::string& name) -> std::string_view {
     if (name == source.file_name) return source.text;
+    for (const auto& [user_file, text] : source.user_files)
+      if (user_file == name) return text;
     for (const auto& file : template_bundle().files)
       if (file.path == name) return file.text;
     return {};

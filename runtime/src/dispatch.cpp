@@ -42,6 +42,10 @@ Arch checked_arch(const DeviceProperties& device) {
 // Why `family` cannot run the problem here: its own reason, or a kernel head dim that would pad
 // more than its tuning-key family's (so no compute is wasted on it).
 std::optional<std::string> unusable_reason(const RuntimeFamily& family, const PassProblem& problem, const Arch& arch) {
+  if (problem.forward.modifier != nullptr && !family_takes_modifiers(family.family))
+    return fmt::format("{} does not compile user modifiers (mod)", to_string(family.family));
+  if (problem.forward.block_sparse && !family_takes_block_mask(family.family))
+    return fmt::format("{} does not walk block masks", to_string(family.family));
   if (auto reason = family.unusable_reason(problem, arch)) return reason;
   const int head_dim = kernel_head_dim(family.tuning_key, problem.forward.head_dim);
   if (!family_covers(family.family, arch, head_dim))
@@ -82,7 +86,7 @@ std::vector<const RuntimeFamily*> usable_families(const PassProblem& problem, co
 KernelSpec heuristic_spec(const RuntimeFamily& family, const PassProblem& problem, const Arch& arch) {
   const ForwardProblem& f = problem.forward;
   KernelSpec spec = default_spec(family.family, arch, f.dtype, kernel_head_dim(family.family, f.head_dim), f.mask,
-                                 f.has_softcap);
+                                 f.has_softcap, f.modifier, f.block_sparse);
   if (family.fit_to_problem != nullptr) family.fit_to_problem(spec, problem);
   if (auto reason = spec.validate())
     throw Error(ErrorCode::unsupported, problem.operation(),
@@ -108,6 +112,11 @@ void check_forced_kernel(const KernelSpec& spec, const PassProblem& problem, con
   if (spec.has_softcap != f.has_softcap)
     throw bad(spec.has_softcap ? "it applies a softcap and the options have none"
                                : "the options ask for a softcap and it has none");
+  const bool same_modifier = spec.modifier == f.modifier ||
+                             (spec.modifier != nullptr && f.modifier != nullptr && *spec.modifier == *f.modifier);
+  if (!same_modifier) throw bad("its modifier is not the options' mod");
+  if (spec.block_sparse != f.block_sparse)
+    throw bad(spec.block_sparse ? "it walks a block mask and the options have none" : "it cannot walk the options' block mask");
   if (spec.head_dim < f.head_dim)
     throw bad(fmt::format("head_dim {} is smaller than the problem's {}", spec.head_dim, f.head_dim));
   if (spec.arch != arch) throw bad(fmt::format("arch {} but the device is {}", spec.arch.name(), arch.name()));
@@ -130,6 +139,8 @@ const DeviceStamp& device_stamp(const DeviceProperties& device) {
 std::optional<KernelSpec> tuned_spec(const TuningSources* tuning, const PassProblem& problem, const DeviceProperties& device,
                                      const std::vector<const RuntimeFamily*>& usable) {
   if (tuning == nullptr || tuning->empty()) return std::nullopt;
+  // Tuning entries hold plain specs: a user's modifier or block mask runs the heuristic's tiles.
+  if (problem.forward.modifier != nullptr || problem.forward.block_sparse) return std::nullopt;
   const Family key_family = usable.front()->tuning_key;
   const auto entry = tuning->lookup(device_stamp(device), problem_key(problem.forward, key_family));
   if (!entry || entry->spec.arch != device.arch() || entry->spec.validate()) return std::nullopt;

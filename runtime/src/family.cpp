@@ -10,11 +10,13 @@ extern const RuntimeFamily kReferenceFwdFamily;
 extern const RuntimeFamily kSm90BwdFamily;
 extern const RuntimeFamily kFa2BwdFamily;
 extern const RuntimeFamily kKvCacheFwdFamily;
+extern const RuntimeFamily kBlockMaskFamily;
 
 // The family table: a new family is a line here (where its pass prefers it) and its module.
 const std::vector<const RuntimeFamily*>& runtime_families() {
   static const std::vector<const RuntimeFamily*> table{&kSm90FwdFamily, &kFa2FwdFamily, &kReferenceFwdFamily,
-                                                       &kSm90BwdFamily, &kFa2BwdFamily, &kKvCacheFwdFamily};
+                                                       &kSm90BwdFamily, &kFa2BwdFamily, &kKvCacheFwdFamily,
+                                                       &kBlockMaskFamily};
   return table;
 }
 

@@ -19,7 +19,7 @@
 
 namespace flashjit::detail {
 
-enum class Pass { forward, backward, kvcache };
+enum class Pass { forward, backward, kvcache, block_mask };
 
 // A problem as the families see it: the forward's part in both passes, and in the backward pass the
 // backward's, where it is known (the tuner and the tools plan a backward from its forward part:
@@ -29,13 +29,23 @@ struct PassProblem {
   const ForwardProblem& forward;
   const BackwardProblem* backward = nullptr;
   const KvCacheProblem* kvcache = nullptr;  // the kvcache pass's
+  const BlockMaskProblem* block_mask = nullptr;  // the block_mask pass's
 
   bool deterministic() const { return backward != nullptr && backward->deterministic; }
   const char* operation() const {
-    return pass == Pass::forward ? "forward" : pass == Pass::backward ? "backward" : "forward_kvcache";
+    return pass == Pass::forward    ? "forward"
+           : pass == Pass::backward ? "backward"
+           : pass == Pass::kvcache  ? "forward_kvcache"
+                                    : "create_block_mask";
   }
   bool is_empty() const {
-    return pass == Pass::forward ? forward.is_empty() : pass == Pass::backward ? backward->is_empty() : kvcache->is_empty();
+    switch (pass) {
+      case Pass::forward: return forward.is_empty();
+      case Pass::backward: return backward->is_empty();
+      case Pass::kvcache: return kvcache->is_empty();
+      case Pass::block_mask: return block_mask->is_empty();
+    }
+    return false;
   }
 };
 
@@ -64,6 +74,7 @@ struct FamilyCall {
   const ForwardProblem& forward() const { return problem.forward; }
   const BackwardProblem& backward() const { return *problem.backward; }
   const KvCacheProblem& kvcache() const { return *problem.kvcache; }
+  const BlockMaskProblem& block_mask() const { return *problem.block_mask; }
   const KernelLayout& layout() const { return kernel.layout; }
 
   // Launches entry `entry` (its codegen name) on the call's stream, with the threads and dynamic

@@ -20,11 +20,20 @@ const char* to_string(ScalarType t) {
     case ScalarType::bfloat16: return "bfloat16";
     case ScalarType::float32: return "float32";
     case ScalarType::int32: return "int32";
+    case ScalarType::int64: return "int64";
+    case ScalarType::uint8: return "uint8";
   }
   return "unknown";
 }
 
-int element_size(ScalarType t) { return t == ScalarType::float16 || t == ScalarType::bfloat16 ? 2 : 4; }
+int element_size(ScalarType t) {
+  switch (t) {
+    case ScalarType::float16: case ScalarType::bfloat16: return 2;
+    case ScalarType::int64: return 8;
+    case ScalarType::uint8: return 1;
+    default: return 4;
+  }
+}
 
 TensorView TensorView::contiguous(void* data, ScalarType dtype, std::initializer_list<int64_t> shape,
                                   int device) {
@@ -226,6 +235,116 @@ void apply_options(ForwardProblem& p, const AttentionOptions& options) {
   a.softcap = options.softcap;
 }
 
+ScalarType scalar_type(ModifierTensorType t) {
+  switch (t) {
+    case ModifierTensorType::int32: return ScalarType::int32;
+    case ModifierTensorType::int64: return ScalarType::int64;
+    case ModifierTensorType::float32: return ScalarType::float32;
+  }
+  return ScalarType::int32;
+}
+
+// options.mod: its code (validated) and side tensors, one per declared name, of its type, on q's
+// device, contiguous.
+void bind_modifier(ForwardProblem& p, const AttentionMod& mod, int device) {
+  if (mod.code == nullptr) throw bad("mod: has no code (mod.code is null)");
+  if (auto reason = mod.code->validate()) throw bad(fmt::format("mod: {}", *reason));
+  const auto& declared = mod.code->tensors;
+  if (mod.tensors.size() != declared.size())
+    throw bad(fmt::format("mod: the code reads {} side tensors, {} were given", declared.size(), mod.tensors.size()));
+  for (size_t i = 0; i < declared.size(); ++i) {
+    const TensorView& t = mod.tensors[i];
+    const std::string name = "mod tensor '" + declared[i].name + "'";
+    if (t.data == nullptr && t.numel() > 0) throw bad(fmt::format("{}: data pointer is null", name));
+    if (t.dtype != scalar_type(declared[i].type))
+      throw bad(fmt::format("{}: expected dtype {}, got {}", name, to_string(scalar_type(declared[i].type)),
+                            to_string(t.dtype)));
+    if (t.device != device) throw bad(fmt::format("{}: on device {}, but q is on device {}", name, t.device, device));
+    int64_t stride = 1;
+    for (int d = t.rank - 1; d >= 0; --d) {
+      if (t.shape[d] > 1 && t.strides[d] != stride)
+        throw bad(fmt::format("{}: must be contiguous (it is read as a flat array), got shape {} with strides ({})", name,
+                              shape_text(t), fmt::join(t.strides, t.strides + t.rank, ", ")));
+      stride *= t.shape[d];
+    }
+    if (reinterpret_cast<uintptr_t>(t.data) % element_size(t.dtype) != 0)
+      throw bad(fmt::format("{}: data pointer {} is not aligned to its {}-byte elements", name, t.data,
+                            element_size(t.dtype)));
+    p.params.modifier_tensors[i] = t.data;
+  }
+  p.modifier = mod.code;
+}
+
+// options.block_mask: FlexAttention's arrays, checked against the problem's batch, heads and
+// lengths (the kernel's tile sizes are checked where the spec is known).
+void bind_block_mask(ForwardProblem& p, const BlockMask& mask, int device) {
+  if (p.is_varlen) throw bad("block_mask: not with a varlen batch (a block mask's rows are one sequence's blocks)");
+  if (p.mask != MaskKind::none)
+    throw bad("block_mask: replaces causal and window_size; write them into the block mask and the mask modifier");
+  if (mask.q_block_size <= 0 || mask.kv_block_size <= 0)
+    throw bad(fmt::format("block_mask: block sizes must be positive, got ({}, {})", mask.q_block_size, mask.kv_block_size));
+  const int64_t q_blocks = (p.seqlen_q + mask.q_block_size - 1) / mask.q_block_size;
+  const int64_t kv_blocks = (p.seqlen_k + mask.kv_block_size - 1) / mask.kv_block_size;
+  BlockSparseParams& b = p.params.block_mask;
+  auto check = [&](const TensorView& t, const char* name, int rank) {
+    const std::string where = fmt::format("block_mask.{}", name);
+    check_rank(t, where.c_str(), rank, rank == 3 ? "(batch, heads, q_blocks)" : "(batch, heads, q_blocks, capacity)");
+    if (t.dtype != ScalarType::int32) throw bad(fmt::format("{}: expected dtype int32, got {}", where, to_string(t.dtype)));
+    if (t.device != device) throw bad(fmt::format("{}: on device {}, but q is on device {}", where, t.device, device));
+    if (t.shape[0] != 1 && t.shape[0] != p.batch)
+      throw bad(fmt::format("{}: batch extent {} must be 1 or the batch {}", where, t.shape[0], p.batch));
+    if (t.shape[1] != 1 && t.shape[1] != p.heads_q)
+      throw bad(fmt::format("{}: heads extent {} must be 1 or heads_q {}", where, t.shape[1], p.heads_q));
+    if (t.shape[2] != q_blocks)
+      throw bad(fmt::format("{}: {} query blocks, but seqlen_q {} in blocks of {} makes {}", where, t.shape[2], p.seqlen_q,
+                            mask.q_block_size, q_blocks));
+    if (t.strides[rank - 1] != 1 && t.shape[rank - 1] > 1)
+      throw bad(fmt::format("{}: the last dim must be contiguous (stride 1), got stride {}", where, t.strides[rank - 1]));
+    if (reinterpret_cast<uintptr_t>(t.data) % 4 != 0) throw bad(fmt::format("{}: data pointer is not 4-byte aligned", where));
+  };
+  // A dim of extent 1 is shared by every batch entry or head: stride 0.
+  auto stride = [](const TensorView& t, int d) -> long long { return t.shape[d] == 1 ? 0 : t.strides[d]; };
+  check(mask.kv_num_blocks, "kv_num_blocks", 3);
+  check(mask.kv_indices, "kv_indices", 4);
+  if ((mask.full_kv_num_blocks == nullptr) != (mask.full_kv_indices == nullptr))
+    throw bad("block_mask: full_kv_num_blocks and full_kv_indices come together (both or neither)");
+  b.kv_num_blocks = static_cast<const int*>(mask.kv_num_blocks.data);
+  b.kv_indices = static_cast<const int*>(mask.kv_indices.data);
+  b.num_batch_stride = stride(mask.kv_num_blocks, 0);
+  b.num_head_stride = stride(mask.kv_num_blocks, 1);
+  b.indices_batch_stride = stride(mask.kv_indices, 0);
+  b.indices_head_stride = stride(mask.kv_indices, 1);
+  b.indices_row_stride = mask.kv_indices.strides[2];
+  b.list_capacity = to_int(mask.kv_indices.shape[3], "block_mask list capacity");
+  // The kernels address a row's list by a 32-bit element offset.
+  auto reach = [](const TensorView& t) {
+    int64_t last = 0;
+    for (int d = 0; d < t.rank; ++d) last += (t.shape[d] - 1) * t.strides[d];
+    return last;
+  };
+  for (const TensorView* t : {&mask.kv_indices, mask.full_kv_indices})
+    if (t != nullptr && reach(*t) >= (int64_t(1) << 31))
+      throw bad("block_mask: an index list spans 2^31 elements or more");
+  if (mask.full_kv_num_blocks != nullptr) {
+    check(*mask.full_kv_num_blocks, "full_kv_num_blocks", 3);
+    check(*mask.full_kv_indices, "full_kv_indices", 4);
+    if (mask.full_kv_indices->shape[3] != mask.kv_indices.shape[3])
+      throw bad(fmt::format("block_mask.full_kv_indices: list capacity {} differs from kv_indices' {}",
+                            mask.full_kv_indices->shape[3], mask.kv_indices.shape[3]));
+    b.full_kv_num_blocks = static_cast<const int*>(mask.full_kv_num_blocks->data);
+    b.full_kv_indices = static_cast<const int*>(mask.full_kv_indices->data);
+    b.full_num_batch_stride = stride(*mask.full_kv_num_blocks, 0);
+    b.full_num_head_stride = stride(*mask.full_kv_num_blocks, 1);
+    b.full_indices_batch_stride = stride(*mask.full_kv_indices, 0);
+    b.full_indices_head_stride = stride(*mask.full_kv_indices, 1);
+    b.full_indices_row_stride = mask.full_kv_indices->strides[2];
+  }
+  b.q_block_size = mask.q_block_size;
+  b.kv_block_size = mask.kv_block_size;
+  b.num_kv_blocks = to_int(kv_blocks, "block_mask key blocks");
+  p.block_sparse = true;
+}
+
 }  // namespace
 
 namespace {
@@ -409,6 +528,8 @@ ForwardProblem make_forward_problem(const TensorView& q, const TensorView& k, co
   if (lse != nullptr) bind_lse(p, *lse, q);
 
   apply_options(p, options);
+  if (options.mod != nullptr) bind_modifier(p, *options.mod, q.device);
+  if (options.block_mask != nullptr) bind_block_mask(p, *options.block_mask, q.device);
 
   a.q = q.data;
   a.k = k.data;
@@ -425,6 +546,86 @@ ForwardProblem make_forward_problem(const TensorView& q, const TensorView& k, co
   a.seqlen_q = p.seqlen_q;
   a.seqlen_k = p.seqlen_k;
   return p;
+}
+
+BlockMaskProblem make_block_mask_problem(const AttentionMod* mod, const TensorView* tile_map, int64_t batch,
+                                         int64_t heads, int64_t seqlen_q, int64_t seqlen_k,
+                                         const BlockMaskBuffers& out, void* stream) {
+  BlockMaskProblem m;
+  try {
+    ForwardProblem& f = m.forward;
+    if (batch < 0 || heads < 0 || seqlen_q < 0 || seqlen_k < 0)
+      throw bad(fmt::format("batch, heads, seqlen_q and seqlen_k must be >= 0, got {}, {}, {}, {}", batch, heads,
+                            seqlen_q, seqlen_k));
+    if (out.q_block_size <= 0 || out.kv_block_size <= 0 || out.q_block_size > 4096 || out.kv_block_size > 4096)
+      throw bad(fmt::format("block sizes must be 1 to 4096, got ({}, {})", out.q_block_size, out.kv_block_size));
+    const int64_t q_blocks = (seqlen_q + out.q_block_size - 1) / out.q_block_size;
+    const int64_t kv_blocks = (seqlen_k + out.kv_block_size - 1) / out.kv_block_size;
+    if (batch * heads > 65535 || q_blocks > 65535)
+      throw bad(fmt::format("batch x heads {} and query blocks {} must each be at most 65535", batch * heads, q_blocks));
+    const int device = out.kv_num_blocks.device;
+    auto output = [&](const TensorView& t, const char* name, std::initializer_list<int64_t> shape, const char* layout) {
+      check_rank(t, name, static_cast<int>(shape.size()), layout);
+      if (t.dtype != ScalarType::int32) throw bad(fmt::format("{}: expected dtype int32, got {}", name, to_string(t.dtype)));
+      if (t.device != device)
+        throw bad(fmt::format("{}: on device {}, but kv_num_blocks is on device {}", name, t.device, device));
+      check_shape(t, name, shape, layout);
+      int64_t stride = 1;
+      for (int d = t.rank - 1; d >= 0; --d) {
+        if (t.shape[d] > 1 && t.strides[d] != stride) throw bad(fmt::format("{}: must be contiguous", name));
+        stride *= t.shape[d];
+      }
+      return static_cast<int*>(t.data);
+    };
+    const char* counts = "(batch, heads, blocks)";
+    const char* lists = "(batch, heads, blocks, other side's blocks)";
+    BlockMaskParams& p = m.params;
+    p.kv_num_blocks = output(out.kv_num_blocks, "kv_num_blocks", {batch, heads, q_blocks}, counts);
+    p.kv_indices = output(out.kv_indices, "kv_indices", {batch, heads, q_blocks, kv_blocks}, lists);
+    p.full_kv_num_blocks = output(out.full_kv_num_blocks, "full_kv_num_blocks", {batch, heads, q_blocks}, counts);
+    p.full_kv_indices = output(out.full_kv_indices, "full_kv_indices", {batch, heads, q_blocks, kv_blocks}, lists);
+    if (out.q_num_blocks.data != nullptr) {
+      p.q_num_blocks = output(out.q_num_blocks, "q_num_blocks", {batch, heads, kv_blocks}, counts);
+      p.q_indices = output(out.q_indices, "q_indices", {batch, heads, kv_blocks, q_blocks}, lists);
+      p.full_q_num_blocks = output(out.full_q_num_blocks, "full_q_num_blocks", {batch, heads, kv_blocks}, counts);
+      p.full_q_indices = output(out.full_q_indices, "full_q_indices", {batch, heads, kv_blocks, q_blocks}, lists);
+    }
+    if (tile_map != nullptr) {
+      check_rank(*tile_map, "tile_map", 4, "(batch, heads, q_blocks, kv_blocks)");
+      if (tile_map->dtype != ScalarType::uint8)
+        throw bad(fmt::format("tile_map: expected dtype uint8 (0 empty, 1 partial, 2 full), got {}", to_string(tile_map->dtype)));
+      if (tile_map->device != device)
+        throw bad(fmt::format("tile_map: on device {}, but kv_num_blocks is on device {}", tile_map->device, device));
+      check_shape(*tile_map, "tile_map", {batch, heads, q_blocks, kv_blocks}, "(batch, heads, q_blocks, kv_blocks)");
+      output(TensorView{tile_map->data, ScalarType::int32, device, 4,
+                        {tile_map->shape[0], tile_map->shape[1], tile_map->shape[2], tile_map->shape[3]},
+                        {tile_map->strides[0], tile_map->strides[1], tile_map->strides[2], tile_map->strides[3]}},
+             "tile_map", {batch, heads, q_blocks, kv_blocks}, "(batch, heads, q_blocks, kv_blocks)");
+      p.tile_map = static_cast<unsigned char*>(tile_map->data);
+      m.has_tile_map = true;
+    }
+    f.device = device;
+    f.stream = stream;
+    f.batch = to_int(batch, "batch");
+    f.heads_q = f.heads_kv = to_int(heads, "heads");
+    f.seqlen_q = to_int(seqlen_q, "seqlen_q");
+    f.seqlen_k = to_int(seqlen_k, "seqlen_k");
+    if (mod != nullptr) bind_modifier(f, *mod, device);
+    AttentionFwdParams& a = f.params;
+    a.batch = f.batch;
+    a.num_heads_q = a.num_heads_kv = f.heads_q;
+    a.seqlen_q = f.seqlen_q;
+    a.seqlen_k = f.seqlen_k;
+    p.fwd = a;
+    p.q_blocks = static_cast<int>(q_blocks);
+    p.kv_blocks = to_int(kv_blocks, "key blocks");
+    m.q_block_size = out.q_block_size;
+    m.kv_block_size = out.kv_block_size;
+  } catch (const Error& e) {
+    if (e.code() != ErrorCode::invalid_argument) throw;
+    throw Error(ErrorCode::invalid_argument, "create_block_mask", e.message());
+  }
+  return m;
 }
 
 KvCacheProblem make_kvcache_problem(const TensorView& q, const KvCache& cache, const TensorView& out,
@@ -530,6 +731,8 @@ KvCacheProblem make_kvcache_problem(const TensorView& q, const KvCache& cache, c
     if (p.batch > 65535) throw bad(fmt::format("batch {} exceeds the grid limit of 65535", p.batch));
     if (lse != nullptr) bind_lse(p, *lse, q);
     apply_options(p, options);
+    if (options.mod != nullptr || options.block_mask != nullptr)
+      throw bad("mod and block_mask: forward_kvcache does not take user modifiers or block masks yet");
 
     AttentionFwdParams& f = p.params;
     f.q = q.data;
@@ -563,6 +766,9 @@ BackwardProblem make_backward_problem(const TensorView& q, const TensorView& k, 
     if (lse == nullptr)
       throw bad("lse: the backward needs the forward's logsumexp (float32 (batch, heads_q, seqlen_q), or "
                 "(heads_q, total_q) when varlen); it is missing");
+    if (options.mod != nullptr || options.block_mask != nullptr)
+      throw bad("mod and block_mask: the backward of user modifiers and block masks is not implemented yet "
+                "(forward only)");
     b.forward = make_forward_problem(q, k, v, out, lse, varlen, options);
     const int rank = b.forward.is_varlen ? 3 : 4;
     // Each gradient must look like the tensor it belongs to: shape, dtype, device, layout rules.

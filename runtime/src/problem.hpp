@@ -21,6 +21,8 @@ struct ForwardProblem {
   int total_q = 0, total_k = 0;  // varlen: the packed rows of q and k
   MaskKind mask = MaskKind::none;
   bool has_softcap = false;
+  std::shared_ptr<const AttentionModifier> modifier;  // options.mod's code
+  bool block_sparse = false;                          // options.block_mask given (params.block_mask)
   Backend backend = Backend::automatic;
   int sm_margin = 0;
   int num_splits = 0;  // tail splits of the persistent forward (AttentionOptions::num_splits)
@@ -72,6 +74,22 @@ struct KvCacheProblem {
   // Nothing to attend and nothing to append.
   bool is_empty() const { return forward.batch == 0 || forward.heads_kv == 0 || (forward.is_empty() && seqlen_new == 0); }
 };
+
+// Building a block mask: `forward` holds the device, stream, extents (batch, heads_q as the mask's
+// heads, seqlen_q, seqlen_k) and the modifier; `params` the outputs (and the tile map when given).
+struct BlockMaskProblem {
+  ForwardProblem forward;
+  BlockMaskParams params{};
+  bool has_tile_map = false;  // from a tile map: no classify pass
+  int q_block_size = 128, kv_block_size = 128;
+  bool is_empty() const { return params.q_blocks == 0 || params.kv_blocks == 0 || forward.batch == 0 || forward.heads_q == 0; }
+};
+
+// Throws Error(invalid_argument) naming the argument and what was expected. `mod` null: from
+// `tile_map` (not null).
+BlockMaskProblem make_block_mask_problem(const AttentionMod* mod, const TensorView* tile_map, int64_t batch,
+                                         int64_t heads, int64_t seqlen_q, int64_t seqlen_k,
+                                         const BlockMaskBuffers& out, void* stream);
 
 // Throws Error(invalid_argument) naming the argument and what was expected; reads nothing on the
 // device (cache_seqlens and block_table are checked by the kernels).

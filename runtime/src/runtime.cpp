@@ -7,6 +7,8 @@
 #include "module_cache.hpp"
 #include "problem.hpp"
 
+#include <vector>
+
 namespace flashjit {
 
 using namespace detail;
@@ -33,8 +35,8 @@ struct Runtime::Impl {
   // Validates the pointers and the device, then dispatches and runs the chosen family's entry
   // sequence on the problem's stream. `check_on_device` runs once the pointers are known to be
   // device memory, before dispatch.
-  template <class DeviceCheck>
-  void run(const PassProblem& problem, DeviceCheck&& check_on_device, std::initializer_list<NamedTensor> tensors) {
+  template <class DeviceCheck, class Tensors = std::initializer_list<NamedTensor>>
+  void run(const PassProblem& problem, DeviceCheck&& check_on_device, const Tensors& tensors) {
     const ForwardProblem& f = problem.forward;
     driver();  // a clear "no CUDA driver" error before anything else needs the GPU
     const DeviceProperties& device = device_properties(f.device);
@@ -61,7 +63,19 @@ Runtime& Runtime::global() {
 void Runtime::forward(const TensorView& q, const TensorView& k, const TensorView& v,
                       const TensorView& out, const TensorView* lse, const AttentionOptions& options) {
   const ForwardProblem problem = make_forward_problem(q, k, v, out, lse, nullptr, options);
-  impl_->run(PassProblem{Pass::forward, problem}, [] {}, {{&q, "q"}, {&k, "k"}, {&v, "v"}, {&out, "out"}, {lse, "lse"}});
+  if (options.mod == nullptr && options.block_mask == nullptr) {  // (no allocation on the common path)
+    impl_->run(PassProblem{Pass::forward, problem}, [] {}, {{&q, "q"}, {&k, "k"}, {&v, "v"}, {&out, "out"}, {lse, "lse"}});
+    return;
+  }
+  std::vector<NamedTensor> views{{&q, "q"}, {&k, "k"}, {&v, "v"}, {&out, "out"}, {lse, "lse"}};
+  if (options.mod != nullptr)
+    for (const TensorView& t : options.mod->tensors) views.push_back({&t, "mod tensor"});
+  if (const BlockMask* mask = options.block_mask)
+    views.insert(views.end(), {{&mask->kv_num_blocks, "block_mask.kv_num_blocks"},
+                               {&mask->kv_indices, "block_mask.kv_indices"},
+                               {mask->full_kv_num_blocks, "block_mask.full_kv_num_blocks"},
+                               {mask->full_kv_indices, "block_mask.full_kv_indices"}});
+  impl_->run(PassProblem{Pass::forward, problem}, [] {}, views);
 }
 
 void Runtime::forward_varlen(const TensorView& q, const TensorView& k, const TensorView& v,
@@ -105,6 +119,42 @@ void Runtime::forward_kvcache(const TensorView& q, const KvCache& cache, const T
              {{&q, "q"}, {&cache.k_cache, "k_cache"}, {&cache.v_cache, "v_cache"}, {&out, "out"}, {lse, "lse"},
               {cache.block_table, "block_table"}, {cache.cache_seqlens, "cache_seqlens"}, {cache.k_new, "k"},
               {cache.v_new, "v"}});
+}
+
+namespace {
+
+// The named views of a block mask build, for the device pointer checks.
+std::vector<NamedTensor> block_mask_views(const BlockMaskBuffers& out, const AttentionMod* mod) {
+  std::vector<NamedTensor> views{{&out.kv_num_blocks, "kv_num_blocks"},
+                                 {&out.kv_indices, "kv_indices"},
+                                 {&out.full_kv_num_blocks, "full_kv_num_blocks"},
+                                 {&out.full_kv_indices, "full_kv_indices"}};
+  if (out.q_num_blocks.data != nullptr)
+    views.insert(views.end(), {{&out.q_num_blocks, "q_num_blocks"},
+                               {&out.q_indices, "q_indices"},
+                               {&out.full_q_num_blocks, "full_q_num_blocks"},
+                               {&out.full_q_indices, "full_q_indices"}});
+  if (mod != nullptr)
+    for (const TensorView& t : mod->tensors) views.push_back({&t, "mod tensor"});
+  return views;
+}
+
+}  // namespace
+
+void Runtime::create_block_mask(const AttentionMod& mod, int64_t batch, int64_t heads, int64_t seqlen_q,
+                                int64_t seqlen_k, const BlockMaskBuffers& out, void* stream) {
+  const BlockMaskProblem problem = make_block_mask_problem(&mod, nullptr, batch, heads, seqlen_q, seqlen_k, out, stream);
+  impl_->run(PassProblem{Pass::block_mask, problem.forward, nullptr, nullptr, &problem}, [] {},
+             block_mask_views(out, &mod));
+}
+
+void Runtime::block_mask_from_tiles(const TensorView& tile_map, int64_t seqlen_q, int64_t seqlen_k,
+                                    const BlockMaskBuffers& out, void* stream) {
+  const BlockMaskProblem problem = make_block_mask_problem(nullptr, &tile_map, tile_map.shape[0], tile_map.shape[1],
+                                                           seqlen_q, seqlen_k, out, stream);
+  std::vector<NamedTensor> views = block_mask_views(out, nullptr);
+  views.push_back({&tile_map, "tile_map"});
+  impl_->run(PassProblem{Pass::block_mask, problem.forward, nullptr, nullptr, &problem}, [] {}, views);
 }
 
 void Runtime::check_kvcache(void* stream) {

@@ -3,7 +3,7 @@
 // tile cut by the mask?"). The band is bottom-right aligned: query m's diagonal key is
 // m + seqlen_k - seqlen_q, and it sees keys [diagonal - window_left, diagonal + window_right]
 // (causal: window_right = 0, window_left unbounded), a negative bound meaning none. Keys past
-// seqlen_k are never visible. Block-sparse masks and user modifiers plug in here.
+// seqlen_k are never visible. Block masks and user modifiers: common/modifiers.cuh.
 #pragma once
 
 #include "common/types.cuh"

@@ -4,6 +4,27 @@
 
 namespace flashjit {
 
+// A block mask in FlexAttention's format, int32: per query block (`q_block_size` rows), the count
+// and the ascending list of the key blocks (`kv_block_size` keys) it partly sees (the mask modifier
+// decides per element) and of those it fully sees (no element mask). Counts are (batch, heads,
+// q_blocks) and lists (batch, heads, q_blocks, list_capacity); batch and heads may be 1 (stride 0)
+// to share one mask. A kernel key tile of block_n keys covers part of a block: the block's
+// kv_tiles_per_block tiles are walked in turn. Ids outside [0, num_kv_blocks) contribute nothing.
+struct BlockSparseParams {
+  const int* kv_num_blocks;  // null: no block mask
+  const int* kv_indices;
+  const int* full_kv_num_blocks;  // null: no fully visible blocks
+  const int* full_kv_indices;
+  long long num_batch_stride, num_head_stride;  // of both counts (q blocks contiguous)
+  long long full_num_batch_stride, full_num_head_stride;
+  long long indices_batch_stride, indices_head_stride, indices_row_stride;  // of kv_indices (ids contiguous)
+  long long full_indices_batch_stride, full_indices_head_stride, full_indices_row_stride;
+  int q_block_size, kv_block_size;
+  int kv_tiles_per_block;  // kv_block_size / the kernel's block_n
+  int num_kv_blocks;       // ceil(seqlen_k / kv_block_size)
+  int list_capacity;       // ids per list row
+};
+
 // Forward attention, all families. Tensors are (batch, seqlen, heads, head_dim) in any stride order
 // with the last dim contiguous; strides are in elements. With cu_seqlens_q/k (varlen), sequences
 // are packed along the seqlen dim, batch strides are unused and seqlen_q/k hold the maximum length.
@@ -34,6 +55,10 @@ struct AttentionFwdParams {
   int window_right;
   float softmax_scale;       // multiplies QK^T
   float softcap;             // > 0: scores become softcap * tanh(scores / softcap)
+  // A user modifier's side tensors, in its declared order (read-only, flat), and the block mask:
+  // read only by specs that render them.
+  const void* modifier_tensors[8];
+  BlockSparseParams block_mask;
 };
 
 // A CUtensorMap as the kernels see it (cuda.h stays out of this file): built on the host by
@@ -151,6 +176,30 @@ struct AttentionKvCacheParams {
   float* partial_o;
   float* partial_lse;
 };
+
+// Building a block mask (block_mask family). The classify entry evaluates the mask modifier on
+// every element of each (query block, key block) tile, kBlockM x kBlockN, and writes its state to
+// tile_map (batch, heads, q_blocks, kv_blocks), uint8: 0 empty, 1 partly visible, 2 fully visible.
+// The rows entry turns each map row into FlexAttention's kv lists (ascending ids), the columns
+// entry each map column into the q lists (the backward's); all lists are int32, contiguous:
+// counts (batch, heads, blocks) and ids (batch, heads, blocks, the other side's block count).
+// `fwd` gives the extents (batch, num_heads_q as the mask's heads, seqlen_q, seqlen_k) and the
+// modifier's side tensors.
+struct BlockMaskParams {
+  AttentionFwdParams fwd;
+  unsigned char* tile_map;
+  int q_blocks, kv_blocks;
+  int* kv_num_blocks;
+  int* kv_indices;
+  int* full_kv_num_blocks;
+  int* full_kv_indices;
+  int* q_num_blocks;  // null: no q lists
+  int* q_indices;
+  int* full_q_num_blocks;
+  int* full_q_indices;
+};
+constexpr int kTilePartial = 1;
+constexpr int kTileFull = 2;
 
 // What a kvcache_fwd kernel records in its module's flashjit_kvcache_status {code, batch, index,
 // value} the first time a call's device-side data is out of range.

@@ -30,13 +30,14 @@ __device__ __forceinline__ float quad_sum(float value) {
   return value + __shfl_xor_sync(0xffffffffu, value, 2);
 }
 
-// A finished row's logsumexp of the scaled scores, from its running max (raw score units; with a
-// softcap the softcapped scores, which include the scale) and quad-reduced sum; +inf for a row
-// that saw no key.
-template <bool kHasSoftcap>
+// A finished row's logsumexp of the scaled scores, from its running max (raw score units; with
+// final scores, a softcap's or a score modifier's, which include the scale) and quad-reduced sum.
+// A row that saw no key gets +inf (flash-attn's convention), or -inf with kEmptyRowNegative
+// (FlexAttention's, for user masks and block masks: the log of an empty sum).
+template <bool kFinalScores, bool kEmptyRowNegative = false>
 __device__ __forceinline__ float row_logsumexp(const AttentionFwdParams& p, float row_max, float sum) {
-  const float max_natural = kHasSoftcap ? row_max : row_max * p.softmax_scale;
-  return sum > 0.f ? max_natural + logf(sum) : positive_infinity();
+  const float max_natural = kFinalScores ? row_max : row_max * p.softmax_scale;
+  return sum > 0.f ? max_natural + logf(sum) : kEmptyRowNegative ? -positive_infinity() : positive_infinity();
 }
 
 // Online softmax over one tile, in two halves so that a caller can run the first while an

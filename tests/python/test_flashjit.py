@@ -387,3 +387,61 @@ def test_kvcache_faults_and_argument_errors():
         flash_attn_with_kvcache(q, kc, kc, cache_seqlens=1, block_table=table.float())
     with pytest.raises(ValueError, match="k and v"):
         flash_attn_with_kvcache(q, kc, kc, k=q)
+
+
+def _hopper_or_skip():
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("user modifiers and block masks run on sm_90")
+
+
+def test_modifier_document_mask_with_block_mask_and_flex_block_mask():
+    """A document mask through flashjit's block mask builder, and through FlexAttention's BlockMask."""
+    _hopper_or_skip()
+    torch.manual_seed(0)
+    b, s, h, d = 2, 700, 4, 128
+    q, k, v = (torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    doc = torch.repeat_interleave(torch.arange(4), torch.tensor([300, 57, 200, 143])).to("cuda", torch.int32)
+    mod = flashjit.AttentionMod(mask="return doc[q_idx] == doc[kv_idx] && q_idx >= kv_idx;", tensors={"doc": doc})
+    bm = flashjit.create_block_mask(mod, 1, 1, s, s)
+    out, lse = flash_attn_func(q, k, v, mod=mod, block_mask=bm, return_lse=True)
+    i = torch.arange(s, device="cuda")
+    visible = (doc[:, None] == doc[None, :]) & (i[:, None] >= i[None, :])
+    qf, kf, vf = (t.float().transpose(1, 2) for t in (q, k, v))
+    scores = (qf @ kf.transpose(-1, -2) / math.sqrt(d)).masked_fill(~visible, float("-inf"))
+    want = (torch.softmax(scores, -1) @ vf).transpose(1, 2)
+    assert_close(out, want, torch.bfloat16)
+    assert torch.allclose(lse, torch.logsumexp(scores, -1), atol=1e-3)
+    try:
+        from torch.nn.attention.flex_attention import create_block_mask as flex_block_mask
+    except ImportError:
+        return
+    flex_mask = flex_block_mask(lambda bb, hh, qi, ki: (doc[qi] == doc[ki]) & (qi >= ki), None, None, s, s, device="cuda")
+    assert_close(flash_attn_func(q, k, v, mod=mod, block_mask=flex_mask), want, torch.bfloat16)
+
+
+def test_modifier_score_and_errors():
+    """ALiBi as a score modifier; an empty block mask gives out 0 and LSE -inf; errors name the cause."""
+    _hopper_or_skip()
+    torch.manual_seed(1)
+    b, s, h, d = 1, 300, 4, 64
+    q, k, v = (torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    slopes = torch.tensor([0.5, 0.25, 0.125, 0.0625], device="cuda")
+    mod = flashjit.AttentionMod(score="return score - slopes[head] * float(q_idx - kv_idx);", tensors={"slopes": slopes})
+    out = flash_attn_func(q, k, v, causal=True, mod=mod)
+    i = torch.arange(s, device="cuda")
+    qf, kf, vf = (t.float().transpose(1, 2) for t in (q, k, v))
+    scores = qf @ kf.transpose(-1, -2) / math.sqrt(d) - slopes[:, None, None] * (i[:, None] - i[None, :])
+    scores = scores.masked_fill(i[None, :] > i[:, None], float("-inf"))
+    assert_close(out, (torch.softmax(scores, -1) @ vf).transpose(1, 2), torch.bfloat16)
+
+    empty = flashjit.block_mask_from_tiles(torch.zeros(1, 1, 3, 3, dtype=torch.bool, device="cuda"), s, s)
+    out, lse = flash_attn_func(q, k, v, block_mask=empty, return_lse=True)
+    assert (out == 0).all() and torch.isneginf(lse).all()
+
+    broken = flashjit.AttentionMod(mask="return q_idx >=\n  kv_idx + nothing;")
+    with pytest.raises(flashjit.FlashJitError, match=r"mask_mod\(2\)"):
+        flash_attn_func(q, k, v, mod=broken)
+    with pytest.raises(ValueError, match="replaces causal"):
+        flash_attn_func(q, k, v, causal=True, block_mask=empty)
+    with pytest.raises(NotImplementedError, match="backward of mod"):
+        flash_attn_func(q.requires_grad_(), k, v, mod=mod)

@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cmath>
+#include <functional>
 #include <limits>
 #include <vector>
 
@@ -22,6 +23,10 @@ struct AttentionShape {
   double scale = 0;              // 0: 1 / sqrt(head_dim)
   std::vector<int> seqlens_q;   // varlen when non-empty (then batch == size)
   std::vector<int> seqlens_k;
+  // What a user modifier means, for the forward reference (indices within the sequence; null:
+  // none). A row with a mask function that sees no key gets LSE -inf (FlexAttention's convention).
+  std::function<bool(int batch, int head, int q_idx, int kv_idx)> mask_fn;
+  std::function<double(double score, int batch, int head, int q_idx, int kv_idx)> score_fn;
 
   static AttentionShape make(int batch, int seqlen_q, int seqlen_k, int heads_q, int heads_kv, int head_dim) {
     AttentionShape s;
@@ -90,18 +95,20 @@ inline void reference_attention(const AttentionShape& s, const std::vector<doubl
           const long long diagonal = static_cast<long long>(i) + sk - sq;
           if (window_right >= 0 && j > diagonal + window_right) continue;
           if (s.window_left >= 0 && j < diagonal - s.window_left) continue;
+          if (s.mask_fn && !s.mask_fn(b, h, i, j)) continue;
           const double* kj = &k[(size_t(k_row0 + j) * s.heads_kv + hk) * d];
           double dot = 0;
           for (int c = 0; c < d; ++c) dot += qi[c] * kj[c];
           double score = dot * scale;
           if (s.softcap > 0) score = s.softcap * std::tanh(score / s.softcap);
+          if (s.score_fn) score = s.score_fn(score, b, h, i, j);
           scores[j] = score;
           row_max = std::max(row_max, score);
         }
         const size_t lse_index = s.is_varlen() ? size_t(h) * s.total_q() + q_row0 + i
                                                : (size_t(b) * s.heads_q + h) * sq + i;
         if (row_max == -std::numeric_limits<double>::infinity()) {
-          lse[lse_index] = std::numeric_limits<double>::infinity();
+          lse[lse_index] = s.mask_fn ? -std::numeric_limits<double>::infinity() : std::numeric_limits<double>::infinity();
           continue;
         }
         double sum = 0, spread = 0;  // spread: sum_j p_j^2 |v_j|^2, unnormalised

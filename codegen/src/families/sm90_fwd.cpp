@@ -16,8 +16,9 @@ int panels(const KernelSpec& s) { return (s.head_dim + 63) / 64; }
 
 int smem_bytes_with(const KernelSpec& s, int q_stages) {
   const int q_bytes = panels(s) * s.block_m * 128, kv_tile_bytes = panels(s) * s.block_n * 128;
+  const int key_tile_info_bytes = s.block_sparse ? 8 * s.num_stages : 0;  // each K stage's tile under a block mask
   return 1024 + q_stages * q_bytes + 2 * s.num_stages * kv_tile_bytes + 8 * (2 * q_stages + 4 * s.num_stages) +
-         32 * q_stages;
+         32 * q_stages + key_tile_info_bytes;
 }
 // Two Q slots (the next work tile's Q loads during this one) where shared memory has room.
 int q_stages(const KernelSpec& s) { return smem_bytes_with(s, 2) <= max_smem_per_block(s.arch) ? 2 : 1; }
@@ -31,10 +32,17 @@ int smem_bytes(const KernelSpec& s) { return smem_bytes_with(s, q_stages(s)); }
 // softcap or a window the scores need about 1/16 register more per key and 56 on top (d128 n160,
 // d192 n112, d64 m128 n192 and d64 m192 n112 spill there).
 // setmaxnreg split of the 64K registers (FlashAttention-3's): the producer warpgroup keeps a few.
-int consumer_register_budget(const KernelSpec& s) { return consumers(s) == 2 ? 240 : 160; }
-int producer_registers(const KernelSpec& s) { return consumers(s) == 2 ? 24 : 32; }
+// The split must stay within what the launch allocates (168 x 384 = 64512 with two consumers):
+// setmaxnreg.inc waits until the registers are free, so a split over it hangs the consumers. A
+// block mask's walk (list offsets, counts, the step's id) needs more of the producer: 40 with two
+// consumers (24 spilled 40 bytes; head dim 256 still spills 8-12 bytes at 40/232, 48/224 alike),
+// so the consumers get 232.
+int consumer_register_budget(const KernelSpec& s) { return consumers(s) == 2 ? (s.block_sparse ? 232 : 240) : 160; }
+int producer_registers(const KernelSpec& s) { return consumers(s) == 2 ? (s.block_sparse ? 40 : 24) : 32; }
 int consumer_registers_needed(const KernelSpec& s) {
-  const bool heavy_scores = s.has_softcap || s.mask == MaskKind::window;
+  // (A block mask without a softcap or window costs the scores less: d256 n64 fits in 232.)
+  if (s.block_sparse && !s.has_softcap && s.mask != MaskKind::window) return s.head_dim / 2 + 3 * s.block_n / 4 + 48;
+  const bool heavy_scores = s.has_softcap || s.mask == MaskKind::window || s.modifier != nullptr;
   return s.head_dim / 2 + (heavy_scores ? 13 * s.block_n / 16 + 56 : 3 * s.block_n / 4 + 32);
 }
 
@@ -70,10 +78,12 @@ void set_default_tiles(KernelSpec& s) {
   };
   // A softcap's tanh and a window's two-sided mask need registers: with either, head dim 64 takes
   // two consumer warpgroups (240 registers each) instead of three (160), and 192 a narrower key tile.
-  const bool heavy_scores = s.has_softcap || s.mask == MaskKind::window;
+  // User modifiers and block masks count as both. A block mask's tiles are 128 x 128 where the
+  // head dim allows (FlexAttention's default block), so one tile is one block.
+  const bool heavy_scores = s.has_softcap || s.mask == MaskKind::window || s.modifier != nullptr || s.block_sparse;
   if (s.head_dim <= 64) heavy_scores ? set(128, 128, 2) : set(192, 96, 2);
   else if (s.head_dim <= 128) set(128, 128, 2);
-  else if (s.head_dim <= 192) set(128, heavy_scores ? 96 : 112, 2);
+  else if (s.head_dim <= 192) set(128, s.block_sparse ? 64 : heavy_scores ? 96 : 112, 2);  // (64 divides a block)
   else set(128, 64, 2);
 }
 
@@ -115,6 +125,9 @@ const FamilyRules kSm90FwdRules{
     threads,
     constants,
     config_members,
+    /*min_blocks_per_sm=*/nullptr,
+    /*takes_modifiers=*/true,
+    /*takes_block_mask=*/true,
 };
 
 }  // namespace flashjit::codegen_detail

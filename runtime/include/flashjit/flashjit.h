@@ -26,7 +26,9 @@ typedef enum flashjit_dtype {
   FLASHJIT_FLOAT16 = 0,
   FLASHJIT_BFLOAT16 = 1,
   FLASHJIT_FLOAT32 = 2,
-  FLASHJIT_INT32 = 3
+  FLASHJIT_INT32 = 3,
+  FLASHJIT_INT64 = 4,
+  FLASHJIT_UINT8 = 5
 } flashjit_dtype;
 
 typedef enum flashjit_backend {
@@ -107,6 +109,45 @@ flashjit_status flashjit_backward_varlen(const flashjit_tensor* q, const flashji
                                          const flashjit_tensor* dv, const flashjit_tensor* cu_seqlens_q,
                                          const flashjit_tensor* cu_seqlens_k, int32_t max_seqlen_q,
                                          int32_t max_seqlen_k, const flashjit_attention_options* options);
+
+/* A user modifier (flashjit::AttentionModifier): mask_body is the body of
+ * bool mask(int batch, int head, int q_idx, int kv_idx), score_body of
+ * float score(float score, int batch, int head, int q_idx, int kv_idx) (either may be NULL or "");
+ * the side tensors they read are named by tensor_names, with dtypes FLASHJIT_INT32, FLASHJIT_INT64 or
+ * FLASHJIT_FLOAT32. Nothing compiles here: the first forward with it does. */
+typedef struct flashjit_modifier flashjit_modifier;
+flashjit_status flashjit_modifier_create(const char* mask_body, const char* score_body, int32_t num_tensors,
+                                         const char* const* tensor_names, const int32_t* tensor_dtypes,
+                                         flashjit_modifier** out);
+void flashjit_modifier_destroy(flashjit_modifier* modifier);
+
+/* FlexAttention's BlockMask arrays (see flashjit::BlockMask); full_* with data NULL: none. */
+typedef struct flashjit_block_mask {
+  flashjit_tensor kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices;
+  int32_t q_block_size, kv_block_size;
+} flashjit_block_mask;
+
+/* flashjit_forward with a modifier (and its num_mod_tensors side tensors, in its order) and a block
+ * mask; modifier and block_mask may each be NULL. */
+flashjit_status flashjit_forward_mod(const flashjit_tensor* q, const flashjit_tensor* k, const flashjit_tensor* v,
+                                     const flashjit_tensor* out, const flashjit_tensor* lse,
+                                     const flashjit_modifier* modifier, const flashjit_tensor* mod_tensors,
+                                     int32_t num_mod_tensors, const flashjit_block_mask* block_mask,
+                                     const flashjit_attention_options* options);
+
+/* Where a block mask is built (see flashjit::BlockMaskBuffers); q_* with data NULL: not built. */
+typedef struct flashjit_block_mask_buffers {
+  flashjit_tensor kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices;
+  flashjit_tensor q_num_blocks, q_indices, full_q_num_blocks, full_q_indices;
+  int32_t q_block_size, kv_block_size;
+} flashjit_block_mask_buffers;
+
+/* See flashjit::Runtime::create_block_mask and block_mask_from_tiles; stream: a CUstream, NULL = legacy. */
+flashjit_status flashjit_create_block_mask(const flashjit_modifier* modifier, const flashjit_tensor* mod_tensors,
+                                           int32_t num_mod_tensors, int64_t batch, int64_t heads, int64_t seqlen_q,
+                                           int64_t seqlen_k, const flashjit_block_mask_buffers* out, void* stream);
+flashjit_status flashjit_block_mask_from_tiles(const flashjit_tensor* tile_map, int64_t seqlen_q, int64_t seqlen_k,
+                                               const flashjit_block_mask_buffers* out, void* stream);
 
 /* Replaces the global runtime's user tuning database (see flashjit/tuning.hpp) with the JSON file
  * at path; the previous one stays on error. */

@@ -13,6 +13,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <vector>
 
 #include "flashjit/codegen/kernel_spec.hpp"
 #include "flashjit/device.hpp"
@@ -22,7 +23,7 @@
 
 namespace flashjit {
 
-enum class ScalarType { float16, bfloat16, float32, int32 };
+enum class ScalarType { float16, bfloat16, float32, int32, int64, uint8 };
 const char* to_string(ScalarType t);
 int element_size(ScalarType t);
 
@@ -42,6 +43,43 @@ struct TensorView {
   static TensorView head_major(void* data, ScalarType dtype, int64_t batch, int64_t seqlen, int64_t heads,
                                int64_t head_dim, int device = 0);
   int64_t numel() const;
+};
+
+// A user modifier (flashjit/codegen/modifier.hpp: mask and score functions as CUDA C++ bodies)
+// with its side tensors, one per code->tensors entry in that order: on the q's device, contiguous,
+// of the declared type (int32, int64 or float32), read as flat arrays.
+struct AttentionMod {
+  std::shared_ptr<const AttentionModifier> code;
+  std::vector<TensorView> tensors;
+};
+
+// A block mask in FlexAttention's BlockMask format (int32, on the device, the last dim
+// contiguous): kv_num_blocks (B, H, q_blocks) and kv_indices (B, H, q_blocks, list capacity) list
+// each query block's partly visible key blocks, whose elements the mask modifier decides;
+// full_kv_num_blocks / full_kv_indices (same shapes, optional) its fully visible ones. B may be 1
+// or the batch, H 1 or heads_q. q_blocks = ceil(seqlen_q / q_block_size); the kernel's query tile
+// must divide q_block_size and its key tile kv_block_size (128 x 128, FlexAttention's default,
+// suits every head dim). Tiles listed in neither are never loaded.
+struct BlockMask {
+  TensorView kv_num_blocks, kv_indices;
+  const TensorView* full_kv_num_blocks = nullptr;
+  const TensorView* full_kv_indices = nullptr;
+  int q_block_size = 128;
+  int kv_block_size = 128;
+};
+
+// Where a block mask is built: FlexAttention's arrays, int32, contiguous, on one device, for a
+// mask of `batch` x `heads` (each 1 to share it) over seqlen_q x seqlen_k in blocks of
+// q_block_size x kv_block_size: kv_num_blocks and full_kv_num_blocks (batch, heads, q_blocks),
+// kv_indices and full_kv_indices (batch, heads, q_blocks, kv_blocks); the backward's transposes
+// q_num_blocks and full_q_num_blocks (batch, heads, kv_blocks), q_indices and full_q_indices
+// (batch, heads, kv_blocks, q_blocks), optional (data null: not built). Lists are ascending; the
+// entries past a row's count are left as they were.
+struct BlockMaskBuffers {
+  TensorView kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices;
+  TensorView q_num_blocks, q_indices, full_q_num_blocks, full_q_indices;
+  int q_block_size = 128;
+  int kv_block_size = 128;
 };
 
 // Which kernel family serves a call. `automatic` is the dispatcher's choice; the others force a
@@ -75,6 +113,11 @@ struct AttentionOptions {
   // depend on the SM count; n > 1: the last round's tiles in n each. Fixed-length batches only.
   int num_splits = 0;
   void* stream = nullptr;              // CUstream; nullptr = the legacy default stream
+  // forward() on sm_90: user mask/score functions compiled into the kernel (the first call with a
+  // new modifier compiles it), and a block mask whose empty tiles are skipped. A block mask
+  // replaces causal and window (write them into the mask modifier and the block mask).
+  const AttentionMod* mod = nullptr;
+  const BlockMask* block_mask = nullptr;
 };
 
 // A packed variable-length batch: sequence b of q occupies rows [cu_seqlens_q[b], cu_seqlens_q[b+1]).
@@ -155,6 +198,16 @@ class Runtime {
   // num_pages), a cache_seqlens entry past the cache), and clears it. The rows of a faulty
   // sequence were written as NaN and nothing outside the cache was read.
   void check_kvcache(void* stream = nullptr);
+
+  // Builds a block mask from `mod`'s mask function on the GPU (a generated kernel evaluates it on
+  // every element of each tile: empty, partly or fully visible) into `out`; a modifier without a
+  // mask function makes every tile fully visible. batch and heads are the mask's (1: shared).
+  void create_block_mask(const AttentionMod& mod, int64_t batch, int64_t heads, int64_t seqlen_q, int64_t seqlen_k,
+                         const BlockMaskBuffers& out, void* stream = nullptr);
+  // The same from a tile map: uint8 (batch, heads, q_blocks, kv_blocks) of 0 (empty), 1 (partly
+  // visible: the mask modifier decides) or 2 (fully visible), on the device.
+  void block_mask_from_tiles(const TensorView& tile_map, int64_t seqlen_q, int64_t seqlen_k,
+                             const BlockMaskBuffers& out, void* stream = nullptr);
 
   KernelCache& kernel_cache();
 

@@ -4,12 +4,15 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <memory>
 #include <optional>
 #include <string>
 #include <string_view>
 #include <vector>
 
 #include <nlohmann/json_fwd.hpp>
+
+#include "flashjit/codegen/modifier.hpp"
 
 namespace flashjit {
 
@@ -21,6 +24,7 @@ enum class Family {
   sm90_fwd,       // Hopper forward: TMA, mbarriers, wgmma, warp specialisation (sm_90a)
   sm90_bwd,       // Hopper backward: fa2_bwd's algorithm on TMA and wgmma (sm_90a)
   kvcache_fwd,    // attention over a (paged) KV cache, split over keys: decode, mma.sync, sm_80+
+  block_mask,     // a block mask (FlexAttention's lists) from a mask modifier or a dense tile map, sm_80+
 };
 
 enum class DType { fp16, bf16 };
@@ -53,14 +57,24 @@ struct KernelSpec {
   int num_stages = 1;  // K/V shared-memory pipeline depth
   MaskKind mask = MaskKind::none;
   bool has_softcap = false;
+  // User mask/score code compiled in (null: none); shared, as specs are copied on every call.
+  std::shared_ptr<const AttentionModifier> modifier;
+  // The key tiles come from a block mask's lists (FlexAttention's kv_num_blocks/kv_indices and their
+  // full_* twins) instead of the whole key range.
+  bool block_sparse = false;
+
+  bool has_mask_modifier() const { return modifier != nullptr && modifier->has_mask(); }
+  bool has_score_modifier() const { return modifier != nullptr && modifier->has_score(); }
 
   // The reason this spec cannot be compiled, or nullopt when it is legal.
   std::optional<std::string> validate() const;
-  // Readable, unique and stable across versions: fa2_fwd_bf16_d128_m128n64w4s2_causal_sm80.
+  // Readable, unique and stable across versions: fa2_fwd_bf16_d128_m128n64w4s2_causal_sm80 (a
+  // modifier adds _mod<its hash>, a block mask _sparse).
   std::string name() const;
 
   nlohmann::json to_json() const;
-  // Strict: every field required, unknown fields and bad values rejected with Error(invalid_argument).
+  // Strict: every field required (but "modifier" and "block_sparse", absent in plain specs), unknown
+  // fields and bad values rejected with Error(invalid_argument).
   static KernelSpec from_json(const nlohmann::json& j);
 
   bool operator==(const KernelSpec& o) const;
@@ -73,7 +87,8 @@ struct KernelSpecHash {
 
 // The spec a family uses when nothing better is known (no tuning DB entry, no heuristic rule).
 KernelSpec default_spec(Family family, Arch arch, DType dtype, int head_dim,
-                        MaskKind mask = MaskKind::none, bool has_softcap = false);
+                        MaskKind mask = MaskKind::none, bool has_softcap = false,
+                        std::shared_ptr<const AttentionModifier> modifier = nullptr, bool block_sparse = false);
 
 // Enum <-> text, used by names, JSON and the CLIs. The parsers throw Error(invalid_argument).
 std::string_view to_string(Family f);
@@ -85,6 +100,9 @@ MaskKind parse_mask(std::string_view text);
 const std::vector<Family>& all_families();
 // Forward families compute O (and LSE); fa2_bwd computes gradients.
 bool is_forward_family(Family family);
+// Whether `family` compiles user modifiers in, and walks block-mask lists.
+bool family_takes_modifiers(Family family);
+bool family_takes_block_mask(Family family);
 // Whether `family` has kernels for this arch and kernel head dim (its arch floor, the 'a' suffix
 // where it needs one, and its list of head dims); tile fields aside.
 bool family_covers(Family family, const Arch& arch, int head_dim);

@@ -6,6 +6,7 @@
 
 #include <string>
 #include <string_view>
+#include <utility>
 #include <vector>
 
 #include "flashjit/codegen/kernel_spec.hpp"
@@ -30,6 +31,9 @@ struct Source {
   std::string file_name;  // "<spec name>.cu": how NVRTC names it in diagnostics
   std::string text;
   std::vector<std::string> entry_names;  // extern "C" kernels, in the family's order
+  // The user's modifier bodies under the names #line gives them (kMaskModFile, kScoreModFile), so
+  // that a compile error quotes the user's own lines.
+  std::vector<std::pair<std::string, std::string>> user_files;
 };
 
 // Throws Error(invalid_argument) quoting validate() when the spec is illegal.

@@ -1,0 +1,210 @@
+// User modifiers and block masks without a GPU: the modifier's validation and JSON, specs that
+// carry one (names, keys, rules), the rendered functions and their #line numbering, a compile error
+// quoted at the user's own line, the C API's modifier handle, and bad block masks named before
+// anything runs.
+#include <catch2/catch.hpp>
+
+#include <nlohmann/json.hpp>
+
+#include "compiler.hpp"
+#include "flashjit/codegen/kernel_spec.hpp"
+#include "flashjit/codegen/render.hpp"
+#include "flashjit/error.hpp"
+#include "flashjit/flashjit.h"
+#include "flashjit/flashjit.hpp"
+
+using namespace flashjit;
+
+namespace {
+
+std::shared_ptr<const AttentionModifier> document_mask(std::string body = "return doc[q_idx] == doc[kv_idx] && q_idx >= kv_idx;") {
+  auto m = std::make_shared<AttentionModifier>();
+  m->mask = std::move(body);
+  m->tensors = {{"doc", ModifierTensorType::int32}};
+  return m;
+}
+
+KernelSpec sparse_spec(std::shared_ptr<const AttentionModifier> modifier, int head_dim = 128) {
+  return default_spec(Family::sm90_fwd, Arch::parse("sm_90a"), DType::bf16, head_dim, MaskKind::none, false,
+                      std::move(modifier), true);
+}
+
+}  // namespace
+
+TEST_CASE("modifiers: validation names what is wrong", "[modifiers]") {
+  AttentionModifier m;
+  CHECK_THAT(*m.validate(), Catch::Contains("needs a mask body, a score body or both"));
+  m.mask = "return true;";
+  CHECK_FALSE(m.validate().has_value());
+  m.tensors = {{"q_idx", ModifierTensorType::int32}};
+  CHECK_THAT(*m.validate(), Catch::Contains("taken by the modifier functions' parameters"));
+  m.tensors = {{"2doc", ModifierTensorType::int32}};
+  CHECK_THAT(*m.validate(), Catch::Contains("not a C++ identifier"));
+  m.tensors = {{"doc", ModifierTensorType::int32}, {"doc", ModifierTensorType::float32}};
+  CHECK_THAT(*m.validate(), Catch::Contains("given twice"));
+  m.tensors.assign(9, {"t", ModifierTensorType::int32});
+  for (int i = 0; i < 9; ++i) m.tensors[i].name = "t" + std::to_string(i);
+  CHECK_THAT(*m.validate(), Catch::Contains("at most 8 side tensors"));
+}
+
+TEST_CASE("modifiers: specs carry them in names, JSON, equality and hashes", "[modifiers]") {
+  const KernelSpec a = sparse_spec(document_mask());
+  const KernelSpec b = sparse_spec(document_mask("return doc[q_idx] == doc[kv_idx];"));
+  CHECK_FALSE(a.validate().has_value());
+  CHECK_THAT(a.name(), Catch::Contains("_mod" + a.modifier->hash().substr(0, 12) + "_sparse_sm90a"));
+  CHECK(a != b);
+  CHECK(a.name() != b.name());
+  CHECK(KernelSpecHash{}(a) != KernelSpecHash{}(b));
+  // An equal modifier in another object is the same spec (the in-memory cache keys on content).
+  CHECK(a == sparse_spec(document_mask()));
+  CHECK(KernelSpecHash{}(a) == KernelSpecHash{}(sparse_spec(document_mask())));
+  const KernelSpec round_trip = KernelSpec::from_json(a.to_json());
+  CHECK(round_trip == a);
+  CHECK(round_trip.modifier->tensors[0].name == "doc");
+  // Plain specs keep the JSON they always had.
+  const KernelSpec plain = default_spec(Family::sm90_fwd, Arch::parse("sm_90a"), DType::bf16, 128);
+  CHECK_FALSE(plain.to_json().contains("modifier"));
+  CHECK_FALSE(plain.to_json().contains("block_sparse"));
+  nlohmann::json bad = a.to_json();
+  bad["modifier"]["tensors"][0]["type"] = "int8";
+  CHECK_THROWS_WITH(KernelSpec::from_json(bad), Catch::Contains("unknown side tensor type 'int8'"));
+}
+
+TEST_CASE("modifiers: the rules say which specs may carry them", "[modifiers]") {
+  KernelSpec fa2 = default_spec(Family::fa2_fwd, Arch::parse("sm_80"), DType::bf16, 128);
+  fa2.modifier = document_mask();
+  CHECK_THAT(*fa2.validate(), Catch::Contains("does not compile user modifiers"));
+  KernelSpec causal = sparse_spec(document_mask());
+  causal.mask = MaskKind::causal;
+  CHECK_THAT(*causal.validate(), Catch::Contains("a block mask replaces the causal mask"));
+  auto softcap_score = std::make_shared<AttentionModifier>();
+  softcap_score->score = "return score;";
+  KernelSpec both = default_spec(Family::sm90_fwd, Arch::parse("sm_90a"), DType::bf16, 128, MaskKind::none, true,
+                                 softcap_score);
+  CHECK_THAT(*both.validate(), Catch::Contains("a softcap and a score modifier do not combine"));
+  // A block mask's tiles divide FlexAttention's 128 x 128 blocks at every head dim.
+  for (int d : {64, 96, 128, 192, 256}) {
+    const KernelSpec s = sparse_spec(document_mask(), d);
+    INFO(s.name());
+    CHECK_FALSE(s.validate().has_value());
+    CHECK(128 % s.block_m == 0);
+    CHECK(128 % s.block_n == 0);
+  }
+}
+
+TEST_CASE("modifiers: rendered as functions numbered with the user's lines", "[modifiers]") {
+  const Source source = render(sparse_spec(document_mask("return doc[q_idx] == doc[kv_idx] &&\n  q_idx >= kv_idx;")));
+  const std::string& text = source.text;
+  CHECK_THAT(text, Catch::Contains("static constexpr bool kBlockSparse = true;"));
+  CHECK_THAT(text, Catch::Contains("const int* __restrict__ doc = static_cast<const int*>(flashjit_params.modifier_tensors[0]);"));
+  CHECK_THAT(text, Catch::Contains("#line 1 \"mask_mod\"\nreturn doc[q_idx] == doc[kv_idx] &&\n  q_idx >= kv_idx;\n#line "));
+  // After each body the numbering returns to the file's own: the line after the directive is that line.
+  size_t pos = 0;
+  int directives = 0;
+  while ((pos = text.find("#line ", pos)) != std::string::npos) {
+    const size_t end = text.find('\n', pos);
+    const std::string directive = text.substr(pos, end - pos);
+    if (directive.find(source.file_name) != std::string::npos) {
+      ++directives;
+      const int said = std::stoi(directive.substr(6));
+      const int actual = 2 + static_cast<int>(std::count(text.begin(), text.begin() + pos, '\n'));
+      CHECK(said == actual);
+    }
+    pos = end;
+  }
+  CHECK(directives == 1);  // the mask's body (the score function is the default `return score;`)
+  REQUIRE(source.user_files.size() == 1);
+  CHECK(source.user_files[0].first == "mask_mod");
+}
+
+TEST_CASE("modifiers: a body that does not compile is quoted at the user's line", "[modifiers][compile]") {
+  const Source source = render(sparse_spec(document_mask("return doc[q_idx] == doc[kv_idx] &&\n  q_idx >= kv_idx + undefined_name;")));
+  try {
+    detail::compile_source(source, Arch::parse("sm_90a"));
+    FAIL("the broken modifier compiled");
+  } catch (const Error& e) {
+    CHECK(e.code() == ErrorCode::compile_failed);
+    const std::string message = e.what();
+    CHECK_THAT(message, Catch::Contains("mask_mod(2): error: identifier \"undefined_name\" is undefined"));
+    CHECK_THAT(message, Catch::Contains(">     2 |   q_idx >= kv_idx + undefined_name;"));
+    CHECK_THAT(message, Catch::Contains("      1 | return doc[q_idx] == doc[kv_idx] &&"));
+  }
+}
+
+TEST_CASE("modifiers: the C API's handle and bad block masks, before anything runs", "[modifiers][api]") {
+  flashjit_modifier* modifier = nullptr;
+  const char* names[] = {"doc"};
+  const int32_t dtypes[] = {FLASHJIT_INT32};
+  CHECK(flashjit_modifier_create(nullptr, nullptr, 0, nullptr, nullptr, &modifier) == FLASHJIT_ERROR_INVALID_ARGUMENT);
+  CHECK_THAT(flashjit_last_error(), Catch::Contains("needs a mask body"));
+  const int32_t bad_dtypes[] = {FLASHJIT_BFLOAT16};
+  CHECK(flashjit_modifier_create("return true;", nullptr, 1, names, bad_dtypes, &modifier) == FLASHJIT_ERROR_INVALID_ARGUMENT);
+  CHECK_THAT(flashjit_last_error(), Catch::Contains("is not int32, int64 or float32"));
+  REQUIRE(flashjit_modifier_create("return doc[q_idx] == doc[kv_idx];", nullptr, 1, names, dtypes, &modifier) == FLASHJIT_OK);
+  REQUIRE(modifier != nullptr);
+
+  // Host memory stands in for device memory: every check below comes before the driver is asked.
+  alignas(16) static unsigned char arena[1 << 16];
+  auto tensor = [](int dtype, std::vector<int64_t> shape) {
+    flashjit_tensor t{};
+    t.data = arena;
+    t.dtype = dtype;
+    t.rank = static_cast<int32_t>(shape.size());
+    int64_t stride = 1;
+    for (int d = t.rank - 1; d >= 0; --d) {
+      t.shape[d] = shape[d];
+      t.strides[d] = stride;
+      stride *= shape[d];
+    }
+    return t;
+  };
+  const flashjit_tensor q = tensor(FLASHJIT_BFLOAT16, {1, 256, 2, 64}), out = q;
+  const flashjit_tensor doc = tensor(FLASHJIT_INT32, {256});
+  flashjit_attention_options options;
+  flashjit_attention_options_init(&options);
+  CHECK(flashjit_forward_mod(&q, &q, &q, &out, nullptr, modifier, nullptr, 0, nullptr, &options) ==
+        FLASHJIT_ERROR_INVALID_ARGUMENT);
+  CHECK_THAT(flashjit_last_error(), Catch::Contains("the code reads 1 side tensors, 0 were given"));
+  const flashjit_tensor doc64 = tensor(FLASHJIT_INT64, {256});
+  CHECK(flashjit_forward_mod(&q, &q, &q, &out, nullptr, modifier, &doc64, 1, nullptr, &options) ==
+        FLASHJIT_ERROR_INVALID_ARGUMENT);
+  CHECK_THAT(flashjit_last_error(), Catch::Contains("mod tensor 'doc': expected dtype int32, got int64"));
+
+  flashjit_block_mask mask{};
+  mask.kv_num_blocks = tensor(FLASHJIT_INT32, {1, 1, 3});  // 256 rows make 2 query blocks of 128
+  mask.kv_indices = tensor(FLASHJIT_INT32, {1, 1, 3, 2});
+  mask.q_block_size = mask.kv_block_size = 128;
+  CHECK(flashjit_forward_mod(&q, &q, &q, &out, nullptr, modifier, &doc, 1, &mask, &options) ==
+        FLASHJIT_ERROR_INVALID_ARGUMENT);
+  CHECK_THAT(flashjit_last_error(), Catch::Contains("block_mask.kv_num_blocks: 3 query blocks, but seqlen_q 256 in blocks of 128 makes 2"));
+  mask.kv_num_blocks = tensor(FLASHJIT_INT32, {1, 3, 2});
+  mask.kv_indices = tensor(FLASHJIT_INT32, {1, 3, 2, 2});
+  CHECK(flashjit_forward_mod(&q, &q, &q, &out, nullptr, modifier, &doc, 1, &mask, &options) ==
+        FLASHJIT_ERROR_INVALID_ARGUMENT);
+  CHECK_THAT(flashjit_last_error(), Catch::Contains("heads extent 3 must be 1 or heads_q 2"));
+  mask.kv_num_blocks = tensor(FLASHJIT_INT32, {1, 1, 2});
+  mask.kv_indices = tensor(FLASHJIT_INT32, {1, 1, 2, 2});
+  options.causal = 1;
+  CHECK(flashjit_forward_mod(&q, &q, &q, &out, nullptr, modifier, &doc, 1, &mask, &options) ==
+        FLASHJIT_ERROR_INVALID_ARGUMENT);
+  CHECK_THAT(flashjit_last_error(), Catch::Contains("replaces causal and window_size"));
+  options.causal = 0;
+  // The backward and forward_kvcache say they do not take them yet.
+  flashjit::AttentionMod mod{std::make_shared<AttentionModifier>(*document_mask()), {}};
+  flashjit::AttentionOptions cpp_options;
+  cpp_options.mod = &mod;
+  const flashjit::TensorView view = flashjit::TensorView::contiguous(arena, flashjit::ScalarType::bfloat16, {1, 256, 2, 64});
+  const flashjit::TensorView lse = flashjit::TensorView::contiguous(arena, flashjit::ScalarType::float32, {1, 2, 256});
+  CHECK_THROWS_WITH(flashjit::Runtime::global().backward(view, view, view, view, view, &lse, view, view, view, cpp_options),
+                    Catch::Contains("backward of user modifiers and block masks is not implemented yet"));
+
+  flashjit_block_mask_buffers buffers{};
+  buffers.kv_num_blocks = tensor(FLASHJIT_INT32, {1, 1, 2});
+  buffers.kv_indices = tensor(FLASHJIT_INT32, {1, 1, 2, 3});  // 256 keys make 2 key blocks
+  buffers.full_kv_num_blocks = buffers.kv_num_blocks;
+  buffers.full_kv_indices = buffers.kv_indices;
+  buffers.q_block_size = buffers.kv_block_size = 128;
+  CHECK(flashjit_create_block_mask(modifier, &doc, 1, 1, 1, 256, 256, &buffers, nullptr) == FLASHJIT_ERROR_INVALID_ARGUMENT);
+  CHECK_THAT(flashjit_last_error(), Catch::Contains("kv_indices: expected shape (1, 1, 2, 2)"));
+  flashjit_modifier_destroy(modifier);
+}
