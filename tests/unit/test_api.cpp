@@ -8,28 +8,11 @@
 #include "driver.hpp"
 #include "flashjit/flashjit.h"
 #include "flashjit/flashjit.hpp"
+#include "support/fake_tensors.hpp"
 
 namespace {
 
-// Host buffers stand in for device memory: every check here happens before the driver is asked.
-struct FakeTensors {
-  alignas(16) static inline unsigned char arena[1 << 20];
-
-  static flashjit_tensor tensor(int dtype, std::vector<int64_t> shape, size_t offset = 0) {
-    flashjit_tensor t{};
-    t.data = arena + offset;
-    t.dtype = dtype;
-    t.device = 0;
-    t.rank = static_cast<int32_t>(shape.size());
-    int64_t stride = 1;
-    for (int d = t.rank - 1; d >= 0; --d) {
-      t.shape[d] = shape[d];
-      t.strides[d] = stride;
-      stride *= shape[d];
-    }
-    return t;
-  }
-};
+using flashjit::test::FakeTensors;
 
 struct Call {
   flashjit_tensor q = FakeTensors::tensor(FLASHJIT_BFLOAT16, {2, 128, 8, 64});

@@ -12,6 +12,7 @@
 #include "flashjit/error.hpp"
 #include "flashjit/flashjit.h"
 #include "flashjit/flashjit.hpp"
+#include "support/fake_tensors.hpp"
 
 using namespace flashjit;
 
@@ -144,20 +145,8 @@ TEST_CASE("modifiers: the C API's handle and bad block masks, before anything ru
   REQUIRE(modifier != nullptr);
 
   // Host memory stands in for device memory: every check below comes before the driver is asked.
-  alignas(16) static unsigned char arena[1 << 16];
-  auto tensor = [](int dtype, std::vector<int64_t> shape) {
-    flashjit_tensor t{};
-    t.data = arena;
-    t.dtype = dtype;
-    t.rank = static_cast<int32_t>(shape.size());
-    int64_t stride = 1;
-    for (int d = t.rank - 1; d >= 0; --d) {
-      t.shape[d] = shape[d];
-      t.strides[d] = stride;
-      stride *= shape[d];
-    }
-    return t;
-  };
+  auto tensor = [](int dtype, std::vector<int64_t> shape) { return test::FakeTensors::tensor(dtype, std::move(shape)); };
+  unsigned char* arena = test::FakeTensors::arena;
   const flashjit_tensor q = tensor(FLASHJIT_BFLOAT16, {1, 256, 2, 64}), out = q;
   const flashjit_tensor doc = tensor(FLASHJIT_INT32, {256});
   flashjit_attention_options options;
