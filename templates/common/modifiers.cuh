@@ -35,8 +35,8 @@ struct ModifiersOf<Config, typename VoidOf<typename Config::Modifiers>::type> {
 // built-in causal mask puts its diagonal tile), each list from its highest id. (The row is the
 // query block holding the tile: block_m divides q_block_size.)
 struct SparseKeyTiles {
-  // The row's lists as element offsets into kv_indices and full_kv_indices (32-bit: the producer
-  // thread that walks them has 32 registers).
+  // The row's lists as element offsets into kv_indices and full_kv_indices (32-bit, to spare the
+  // producer thread's few registers: with 64-bit pointers it spilled).
   int partial_offset, full_offset;
   int full_steps, count;
 };
