@@ -29,6 +29,11 @@
 // GQA: a CTA walks the query steps of every query head sharing its K/V head, so dK and dV are summed
 // in registers. Query steps outside the mask are never visited; edge steps are masked per element
 // (queries past the sequence too: with varlen, TMA reads the next sequence's rows there).
+// User modifiers and block masks (common/modifiers.cuh): under a block mask the producer walks the
+// key tile's row of the transposed lists (FlexAttention's q_num_blocks/q_indices) for each query
+// head instead, and records each stage's step (first query, head, partly visible or not) for the
+// consumers, who run the user's mask on partly visible steps (every step without a block mask) and
+// the score modifier with its derivative (the user's, or dual numbers) on every element.
 // Shared memory (1024-byte aligned, every tile in 64-value panels with the 128-byte swizzle TMA
 // writes): K, V (kBlockN rows); kStages slots of Q and dO (kBlockM rows); two dS^T buffers (keys x
 // queries, queries contiguous: the dQ GEMM's MN-major A operand), and at head dim 256 two of P^T;
@@ -36,6 +41,7 @@
 #pragma once
 
 #include "common/bwd.cuh"
+#include "common/modifiers.cuh"
 #include "common/pipeline.cuh"
 #include "common/sm90.cuh"
 #include "common/tile_sm80.cuh"  // require_dynamic_smem
@@ -50,6 +56,12 @@ struct Sm90BwdShape {
   static constexpr int kBlockN = Config::kBlockN;    // keys per CTA
   static constexpr int kStages = Config::kNumStages;
   static constexpr int kThreads = Config::kNumWarps * 32;
+  // User modifiers and the block-mask walk (NoModifiers for a plain spec).
+  using Mods = typename ModifiersOf<Config>::type;
+  static constexpr bool kBlockSparse = Mods::kBlockSparse;
+  // The producer records each step for the consumers under a block mask (their steps are in the
+  // lists) and with user modifiers (computing them there, ptxas spilled at head dim 128).
+  static constexpr bool kRecordsSteps = Mods::kBlockSparse || Mods::kHasMask || Mods::kHasScore;
   static constexpr int kConsumers = kThreads / 128 - 1;
   static constexpr int kPanels = kHeadDim / 64;
   // How the two consumers share a step (see the top): by keys (64 each) at head dims 64 and 128; at
@@ -81,7 +93,13 @@ struct Sm90BwdShape {
   // shares its banks with one other row of the warp's eight, the minimum for 256 bytes.
   static constexpr bool kDqWriters = Config::kDqWriters != 0;
   static constexpr int kDqRowBytes = kHeadDim * 4 + 32;
-  static constexpr int kDqOffset = kDeltaOffset + kStages * kBlockM * 4;
+  // Where the producer records steps, the step's query head and m0 ride in row 0's padding, for
+  // the writers.
+  static constexpr int kDqStepOffset = kHeadDim * 4;
+  // Where it records them, each stage's query step (m0, query head, partial: QueryStep), written
+  // with the stage's loads.
+  static constexpr int kStepInfoOffset = kDeltaOffset + kStages * kBlockM * 4;
+  static constexpr int kDqOffset = kStepInfoOffset + (kRecordsSteps ? 16 * kStages : 0);
   static constexpr int kBarrierOffset = kDqOffset + (kDqWriters ? kBlockM * kDqRowBytes : 0);
   static constexpr int kDqWriterThreads = 96;  // warps 1-3
   static constexpr int kDqConsumerThreads = kDqAlternates ? 128 : 128 * kConsumers;  // a step's dQ
@@ -145,6 +163,22 @@ __device__ __forceinline__ BwdKeyTile bwd_key_tile(const AttentionFwdParams& f, 
   }
 }
 
+// A query step of a key tile: its first query, its query head and whether the mask modifier decides
+// its elements (under a block mask, a partly visible block; otherwise every step).
+struct QueryStep {
+  int m0, head, partial;
+};
+
+// The query steps key tile n0 of K/V head kv_head visits under the block mask: every query head's
+// row of the transposed lists.
+__device__ __forceinline__ int sparse_query_step_count(const BlockSparseParams& mask, int batch, int kv_head,
+                                                       int heads_per_kv, int n0) {
+  int steps = 0;
+  for (int h = 0; h < heads_per_kv; ++h)
+    steps += sparse_row(mask, batch, kv_head * heads_per_kv + h, n0 / mask.row_block_size).count;
+  return steps;
+}
+
 template <class Config>
 __device__ void sm90_bwd_dkdv_atomic_dq_kernel(const AttentionSm90BwdParams& params) {
   using Shape = Sm90BwdShape<Config>;
@@ -152,6 +186,7 @@ __device__ void sm90_bwd_dkdv_atomic_dq_kernel(const AttentionSm90BwdParams& par
   constexpr int kBlockM = Shape::kBlockM, kBlockN = Shape::kBlockN, kStages = Shape::kStages;
   constexpr int kHeadDim = Shape::kHeadDim;
   constexpr MaskKind kMask = Config::kMask;
+  using Mods = typename Shape::Mods;
   constexpr float kLog2e = 1.4426950408889634f;
   const AttentionBwdParams& p = params.bwd;
   const AttentionFwdParams& f = p.fwd;
@@ -199,7 +234,9 @@ __device__ void sm90_bwd_dkdv_atomic_dq_kernel(const AttentionSm90BwdParams& par
   const int m_block_min = queries.begin / kBlockM;
   const int m_block_max = queries.end > queries.begin ? (queries.end + kBlockM - 1) / kBlockM : m_block_min;
   const int steps_per_head = m_block_max - m_block_min;
-  const int num_steps = steps_per_head * heads_per_kv;
+  const int num_steps = Shape::kBlockSparse
+                            ? sparse_query_step_count(p.transposed_block_mask, batch, kv_head, heads_per_kv, n0)
+                            : steps_per_head * heads_per_kv;
   auto step_head = [&](int step) { return kv_head * heads_per_kv + step / steps_per_head; };
   auto step_m0 = [&](int step) { return (m_block_min + step % steps_per_head) * kBlockM; };
 
@@ -231,11 +268,19 @@ __device__ void sm90_bwd_dkdv_atomic_dq_kernel(const AttentionSm90BwdParams& par
         constexpr int kChunksPerRow = kHeadDim / 4;
         const unsigned buffer = base + Shape::kDqOffset;
         for (int step = 0; step < num_steps; ++step) {
-          const int head = step_head(step), m0 = step_m0(step);
+          // The step's head and m0: computed, or where the producer records steps, as the consumers
+          // left them in row 0's padding (a block mask's steps are not computable here).
+          int head = 0, m0 = 0;
+          if constexpr (!Shape::kRecordsSteps) {
+            head = step_head(step);
+            m0 = step_m0(step);
+          }
+          mbarrier_wait(bar_dq_full, step & 1);
+          if constexpr (Shape::kRecordsSteps)
+            asm volatile("ld.shared.v2.s32 {%0, %1}, [%2];\n" : "=r"(head), "=r"(m0) : "r"(buffer + Shape::kDqStepOffset));
           const int chunks = min(kBlockM, seq.seqlen_q - m0) * kChunksPerRow;
           float* accum = p.dq_accum +
                          (static_cast<long long>(head) * p.workspace_rows + workspace_row(f, seq, batch, m0)) * kHeadDim;
-          mbarrier_wait(bar_dq_full, step & 1);
           for (int chunk = writer; chunk < chunks; chunk += Shape::kDqWriterThreads) {
             const float4 v = load_shared_quad(buffer + (chunk / kChunksPerRow) * Shape::kDqRowBytes +
                                               (chunk % kChunksPerRow) * 16);
@@ -255,8 +300,10 @@ __device__ void sm90_bwd_dkdv_atomic_dq_kernel(const AttentionSm90BwdParams& par
                     kv_head, tma_batch);
       }
     }
-    for (int step = 0; step < num_steps; ++step) {
-      const int stage = step % kStages, head = step_head(step), m0 = step_m0(step);
+    // Query step `step`: LSE and delta by every lane, Q and dO by TMA, and where it is recorded the
+    // step itself for the consumers.
+    auto load_step = [&](int step, const QueryStep& at) {
+      const int stage = step % kStages, head = at.head, m0 = at.m0;
       ring.wait_empty(step);
       // LSE (in base 2) and delta; queries past the sequence get 0 (the consumers mask them).
       const float* gLse = f.lse + batch * f.lse_batch_stride + head * f.lse_head_stride + (varlen ? seq.q_start : 0) + m0;
@@ -268,6 +315,10 @@ __device__ void sm90_bwd_dkdv_atomic_dq_kernel(const AttentionSm90BwdParams& par
       }
       if (lane != 0) mbarrier_arrive(bar_full(stage));  // this lane's stores are in
       if (lane == 0) {
+        if constexpr (Shape::kRecordsSteps)
+          asm volatile("st.shared.v4.s32 [%0], {%1, %2, %3, %3};\n" ::"r"(base + Shape::kStepInfoOffset + 16 * stage),
+                       "r"(m0), "r"(head), "r"(at.partial)
+                       : "memory");
         mbarrier_arrive_expect_tx(bar_full(stage), 2 * Shape::kStepTileBytes);
         for (int panel = 0; panel < Shape::kPanels; ++panel) {
           tma_load_4d(sQ(stage) + panel * Shape::kStepPanelBytes, params.q_map, bar_full(stage), panel * 64,
@@ -276,6 +327,21 @@ __device__ void sm90_bwd_dkdv_atomic_dq_kernel(const AttentionSm90BwdParams& par
                       seq.q_start + m0, head, tma_batch);
         }
       }
+    };
+    if constexpr (Shape::kBlockSparse) {
+      // Each query head's row of the transposed lists, in turn (its fully visible blocks first).
+      const BlockSparseParams& mask_by_key = p.transposed_block_mask;
+      int step = 0;
+      for (int h = 0; h < heads_per_kv; ++h) {
+        const int head = kv_head * heads_per_kv + h;
+        const SparseRow row = sparse_row(mask_by_key, batch, head, n0 / mask_by_key.row_block_size);
+        for (int i = 0; i < row.count; ++i, ++step) {
+          const SparseTile queries = sparse_tile<kBlockM>(mask_by_key, row, i);
+          load_step(step, {queries.start, head, queries.partial});
+        }
+      }
+    } else {
+      for (int step = 0; step < num_steps; ++step) load_step(step, {step_m0(step), step_head(step), 1});
     }
     return;
   }
@@ -328,11 +394,25 @@ __device__ void sm90_bwd_dkdv_atomic_dq_kernel(const AttentionSm90BwdParams& par
     }
   };
 
+  // The step's queries: computed (before the wait, as ever), or where the producer records them,
+  // read once the stage is full.
+  auto recorded_query_step = [&](int stage) -> QueryStep {
+    int m0, head, partial, unused;
+    asm volatile("ld.shared.v4.s32 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(m0), "=r"(head), "=r"(partial), "=r"(unused)
+                 : "r"(base + Shape::kStepInfoOffset + 16 * stage));
+    return {warp_uniform(m0), warp_uniform(head), warp_uniform(partial)};
+  };
+
   mbarrier_wait(bar_kv_full, 0);
   for (int step = 0; step < num_steps; ++step) {
-    const int stage = step % kStages, head = step_head(step), m0 = step_m0(step);
+    const int stage = step % kStages;
     const unsigned ds_tile = sDs(step % 2), p_tile = sP(step % 2);
+    QueryStep at{};
+    if constexpr (!Shape::kRecordsSteps) at = {step_m0(step), step_head(step), 1};
     ring.wait_full(step);
+    if constexpr (Shape::kRecordsSteps) at = recorded_query_step(stage);
+    const int head = at.head, m0 = at.m0;
     float s[kScoreQueries / 2], dp[kScoreQueries / 2];
     fence_operands(s);
     fence_operands(dp);
@@ -349,7 +429,8 @@ __device__ void sm90_bwd_dkdv_atomic_dq_kernel(const AttentionSm90BwdParams& par
     // shared memory for the dQ GEMM, and P^T too where the consumers exchange them.
     unsigned a_p[kBlockM / 16][4], a_ds[kBlockM / 16][4];
     // (Query rows past the sequence: TMA read zeros there, which must not count.)
-    const bool needs_mask = warp_uniform(n0 + kBlockN > seq.seqlen_k || m0 + kBlockM > seq.seqlen_q ||
+    const bool asks_mask = Mods::kHasMask && at.partial != 0;  // the user's mask decides this step's elements
+    const bool needs_mask = warp_uniform(asks_mask || n0 + kBlockN > seq.seqlen_k || m0 + kBlockM > seq.seqlen_q ||
                                          (has_right && n0 + kBlockN - 1 > m0 + diagonal + f.window_right) ||
                                          (has_left && n0 < m0 + kBlockM - 1 + diagonal - f.window_left));
     // 32-bit shared addresses: generic pointers would hold two registers each through the loop.
@@ -366,13 +447,20 @@ __device__ void sm90_bwd_dkdv_atomic_dq_kernel(const AttentionSm90BwdParams& par
 #pragma unroll
         for (int c = 0; c < 2; ++c) {
           const int i = 4 * j + 2 * h + c, q = m0 + query + c;
-          const bool visible =
+          // (The user's functions see elements inside the sequence only: the mask's after the
+          // bounds, and the score's where needs_mask says some element may lie outside.)
+          const bool inside = q < seq.seqlen_q && n0 + key < seq.seqlen_k;
+          bool visible =
               !needs_mask || (q < seq.seqlen_q && AttentionMask<kMask>::visible(f, q, n0 + key, seq.seqlen_k, diagonal));
+          if constexpr (Mods::kHasMask) visible = visible && (!asks_mask || Mods::mask(f, batch, head, q, n0 + key));
           // Computed for every element, then selected: a branch around the exponential would keep
           // both paths' values alive across it (the causal variant spilled).
-          float ds;
-          const float prob =
-              probability_and_ds<Config>(s[i], lse_log2[c], dp[i], deltas[c], true, scale_log2, softcap_scale, f, ds);
+          float ds, prob;
+          if constexpr (Mods::kHasScore)
+            prob = modified_probability_and_ds<Mods>(s[i], lse_log2[c], dp[i], deltas[c], !needs_mask || inside, f, batch,
+                                                      head, q, n0 + key, ds);
+          else
+            prob = probability_and_ds<Config>(s[i], lse_log2[c], dp[i], deltas[c], true, scale_log2, softcap_scale, f, ds);
           s[i] = visible ? prob : 0.f;
           dp[i] = visible ? ds : 0.f;
         }
@@ -443,6 +531,9 @@ __device__ void sm90_bwd_dkdv_atomic_dq_kernel(const AttentionSm90BwdParams& par
     if (dq_writers) {  // to the writer warps, through shared memory (rows past the sequence too: zeros)
       mbarrier_wait(bar_dq_free, (step & 1) ^ 1);  // a fresh barrier passes parity 1
       const unsigned buffer = base + Shape::kDqOffset;
+      if (Shape::kRecordsSteps && (Shape::kDqAlternates || consumer == 0) && warp_in_group == 0 && lane == 0)
+        asm volatile("st.shared.v2.s32 [%0], {%1, %2};\n" ::"r"(buffer + Shape::kDqStepOffset), "r"(head), "r"(m0)
+                     : "memory");
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         const int row = warp_in_group * 16 + lane / 4 + h * 8;

@@ -81,10 +81,10 @@ struct Sm90FwdShape {
   // User modifiers and the block-mask walk (NoModifiers for a plain spec).
   using Mods = typename ModifiersOf<Config>::type;
   // After the barriers: the work item the producer published with each Q slot (32 bytes each), then
-  // with a block mask each K stage's KeyTileInfo (8 bytes), which the producer writes with the load.
-  static constexpr int kKeyTileInfoBytes = Mods::kBlockSparse ? 8 * kStages : 0;
+  // with a block mask each K stage's SparseTile (8 bytes), which the producer writes with the load.
+  static constexpr int kSparseTileBytes = Mods::kBlockSparse ? 8 * kStages : 0;
   static constexpr int kSmemBytes =
-      1024 + kQStages * kQBytes + 2 * kStages * kKVTileBytes + kBarrierBytes + 32 * kQStages + kKeyTileInfoBytes;
+      1024 + kQStages * kQBytes + 2 * kStages * kKVTileBytes + kBarrierBytes + 32 * kQStages + kSparseTileBytes;
   static_assert(kSmemBytes == Config::kSmemBytes, "the shared-memory layout is the size codegen launches it with");
   // setmaxnreg split of the 64K registers (codegen's, FlashAttention-3's): the producer keeps a few.
   static constexpr int kProducerRegisters = Config::kProducerRegisters;
@@ -129,7 +129,7 @@ struct Sm90FwdShape {
 };
 
 // Key tiles [n_block_min, n_block_max) that query block m0 must visit; walked from the last. With a
-// block mask they are steps through the row's lists (sparse_key_tile maps a step to its tile).
+// block mask they are steps through the row's lists (sparse_tile maps a step to its tile).
 struct KeyTileRange {
   int n_block_min, n_block_max;
   int count() const { return n_block_max - n_block_min; }
@@ -140,7 +140,7 @@ __device__ __forceinline__ KeyTileRange key_tile_range(const AttentionFwdParams&
   const int m0 = work.m_block * kBlockM;
   KeyTileRange tile;
   if constexpr (Mods::kBlockSparse) {
-    tile = {0, sparse_key_tiles(p.block_mask, work.batch, work.head, m0).count};
+    tile = {0, sparse_row(p.block_mask, work.batch, work.head, m0 / p.block_mask.row_block_size).count};
   } else {
     const KeyRange keys = AttentionMask<kMask>(p, seq.seqlen_q, seq.seqlen_k).keys_of(p, m0, kBlockM);
     const int n_block_min = keys.begin / kBlockN;
@@ -237,11 +237,11 @@ __device__ void sm90_fwd_kernel(const AttentionSm90FwdParams& params) {
       const int m0 = work.m_block * kBlockM;
       const int kv_head = work.head / (p.num_heads_q / p.num_heads_kv), tma_batch = varlen ? 0 : work.batch;
       const KeyTileRange keys = key_tile_range<kBlockM, kBlockN, kMask, Mods>(p, seq, work, params.splits);
-      SparseKeyTiles sparse{};
+      SparseRow sparse{};
       if constexpr (Mods::kBlockSparse) {
         // The consumers take the tile's steps from here rather than read the block mask's counts
         // from global memory themselves, on their critical path at every work tile.
-        sparse = sparse_key_tiles(p.block_mask, work.batch, work.head, m0);
+        sparse = sparse_row(p.block_mask, work.batch, work.head, m0 / p.block_mask.row_block_size);
         asm volatile("st.shared.v2.s32 [%0], {%1, %2};\n" ::"r"(published_tile(q_slot) + kPublishedKeysOffset),
                      "r"(keys.n_block_min), "r"(keys.n_block_max)
                      : "memory");
@@ -254,17 +254,17 @@ __device__ void sm90_fwd_kernel(const AttentionSm90FwdParams& params) {
       // one tile ahead of V: the consumers free a K slot as soon as its QK^T is done but a V slot
       // only after the next tile's softmax, so the next K never queues behind a V slot in use.
       // With a block mask, step n_block_max - 1 - i of the row's lists instead.
-      auto tile_at = [&](int i) -> KeyTileInfo {
-        if constexpr (Mods::kBlockSparse) return sparse_key_tile<kBlockN>(p.block_mask, sparse, keys.n_block_max - 1 - i);
+      auto tile_at = [&](int i) -> SparseTile {
+        if constexpr (Mods::kBlockSparse) return sparse_tile<kBlockN>(p.block_mask, sparse, keys.n_block_max - 1 - i);
         else return {(keys.n_block_max - 1 - i) * kBlockN, 1};
       };
       // (A K load also records its tile for the consumers, once they have freed the stage.)
-      auto load = [&](unsigned smem_ring, const TmaDescriptor& map, const auto& ring, int i, const KeyTileInfo& tile,
+      auto load = [&](unsigned smem_ring, const TmaDescriptor& map, const auto& ring, int i, const SparseTile& tile,
                       bool records_tile) {
-        const int slot = kv_count + i, stage = ring.stage(slot), n0 = tile.n0;
+        const int slot = kv_count + i, stage = ring.stage(slot), n0 = tile.start;
         ring.wait_empty(slot);
         if (Mods::kBlockSparse && records_tile)
-          asm volatile("st.shared.v2.s32 [%0], {%1, %2};\n" ::"r"(key_tile_info(stage)), "r"(tile.n0), "r"(tile.partial)
+          asm volatile("st.shared.v2.s32 [%0], {%1, %2};\n" ::"r"(key_tile_info(stage)), "r"(tile.start), "r"(tile.partial)
                        : "memory");
         mbarrier_arrive_expect_tx(ring.full_barrier(stage), Shape::kKVTileBytes);
         for (int panel = 0; panel < Shape::kPanels; ++panel)
@@ -279,12 +279,12 @@ __device__ void sm90_fwd_kernel(const AttentionSm90FwdParams& params) {
       int claimed = 0;
       // V runs a tile behind K. Under a block mask it loads the tile K loaded a step before (one
       // list read per tile); otherwise its tile is computed at its load, as K's is.
-      KeyTileInfo last_k_tile{};
+      SparseTile last_k_tile{};
       for (int i = 0; i <= keys.count() && keys.count() > 0; ++i) {
         if (i == claim_at) claimed = atomicAdd(params.tile_counter, 1);
-        const KeyTileInfo v_tile = last_k_tile;
+        const SparseTile v_tile = last_k_tile;
         if (i < keys.count()) {
-          const KeyTileInfo k_tile = tile_at(i);
+          const SparseTile k_tile = tile_at(i);
           load(sK, params.k_map, k_ring, i, k_tile, true);
           if constexpr (Mods::kBlockSparse) last_k_tile = k_tile;
         }
@@ -345,10 +345,10 @@ __device__ void sm90_fwd_kernel(const AttentionSm90FwdParams& params) {
   // Softcap, user modifiers and the mask of key tile `tile` on fresh scores, then the softmax's first
   // half. (batch, head: the work tile's, for the user's functions.)
   auto scores_to_probabilities = [&](RowStatistics<Warp>& st, float (&s)[1][Warp::kSFrags][4],
-                                     const SequenceExtent& seq, int m0, const KeyTileInfo& tile, int batch, int head) {
+                                     const SequenceExtent& seq, int m0, const SparseTile& tile, int batch, int head) {
     // (This thread's first row is written out in each branch: computed once above the softcap it
     // stayed live, and d256 causal spilled 12 bytes.)
-    const int n0 = tile.n0;
+    const int n0 = tile.start;
     if constexpr (Config::kHasSoftcap) {
 #pragma unroll
       for (int ni = 0; ni < Warp::kSFrags; ++ni)
@@ -376,11 +376,13 @@ __device__ void sm90_fwd_kernel(const AttentionSm90FwdParams& params) {
   // The key tile in K stage `stage`, step n_block of the work tile: recorded by the producer under a
   // block mask (read once the stage is full, before it is freed: volatile, so it stays after the
   // volatile barrier wait; no memory clobber, so the GEMM code around it keeps its schedule), else
-  // block n_block.
-  auto read_key_tile = [&](int stage, int n_block) -> KeyTileInfo {
+  // block n_block. Lane 0 reads it for the warp: the lane that frees the stage (read by every lane,
+  // compute-sanitizer's racecheck reported the producer's next write as a hazard).
+  auto read_key_tile = [&](int stage, int n_block) -> SparseTile {
     if constexpr (Mods::kBlockSparse) {
-      int n0, partial;
-      asm volatile("ld.shared.v2.s32 {%0, %1}, [%2];\n" : "=r"(n0), "=r"(partial) : "r"(key_tile_info(stage)));
+      int n0 = 0, partial = 0;
+      if (lane == 0)
+        asm volatile("ld.shared.v2.s32 {%0, %1}, [%2];\n" : "=r"(n0), "=r"(partial) : "r"(key_tile_info(stage)));
       return {warp_uniform(n0), warp_uniform(partial)};
     } else {
       return {n_block * kBlockN, 1};
@@ -685,7 +687,7 @@ __device__ void sm90_fwd_kernel(const AttentionSm90FwdParams& params) {
       wgmma_fence();
       issue_qk(s_flat, front.q_slot, stage);
       wgmma_commit();
-      const KeyTileInfo tile = read_key_tile(stage, n_block);
+      const SparseTile tile = read_key_tile(stage, n_block);
       pass_turn();
       wgmma_wait<0>();
       fence_operands(s_flat);
@@ -739,7 +741,7 @@ __device__ void sm90_fwd_kernel(const AttentionSm90FwdParams& params) {
       issue_pv(o_flat, a, stage, accumulate);
       wgmma_commit();
       pass_turn();
-      const KeyTileInfo next_tile = read_key_tile(next, next_block);  // (under the GEMMs)
+      const SparseTile next_tile = read_key_tile(next, next_block);  // (under the GEMMs)
       wgmma_wait<1>();  // S of the next block is ready; P V still runs
       fence_operands(s_flat);
       release(bar_k_empty(next));

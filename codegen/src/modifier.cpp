@@ -38,6 +38,7 @@ ModifierTensorType parse_modifier_tensor_type(std::string_view text) {
 
 std::optional<std::string> AttentionModifier::validate() const {
   if (!has_mask() && !has_score()) return std::string("a modifier needs a mask body, a score body or both");
+  if (has_score_grad() && !has_score()) return std::string("a score gradient body needs the score body it is the derivative of");
   if (tensors.size() > static_cast<size_t>(kMaxModifierTensors))
     return fmt::format("a modifier reads at most {} side tensors, got {}", kMaxModifierTensors, tensors.size());
   for (size_t i = 0; i < tensors.size(); ++i) {
@@ -60,6 +61,8 @@ std::string AttentionModifier::hash() const {
   };
   mix(mask);
   mix(score);
+  // (Only when given, so that modifiers without one keep their names and cache entries.)
+  if (has_score_grad()) mix("score_grad:" + score_grad);
   for (const ModifierTensor& t : tensors) {
     mix(t.name);
     mix(to_string(t.type));
@@ -70,15 +73,17 @@ std::string AttentionModifier::hash() const {
 json AttentionModifier::to_json() const {
   json list = json::array();
   for (const ModifierTensor& t : tensors) list.push_back({{"name", t.name}, {"type", to_string(t.type)}});
-  return json{{"mask", mask}, {"score", score}, {"tensors", list}};
+  json j{{"mask", mask}, {"score", score}, {"tensors", list}};
+  if (has_score_grad()) j["score_grad"] = score_grad;
+  return j;
 }
 
 AttentionModifier AttentionModifier::from_json(const json& j) {
   auto fail = [](const std::string& message) { return Error(ErrorCode::invalid_argument, "modifier JSON", message); };
   if (!j.is_object()) throw fail(fmt::format("a modifier must be a JSON object, got {}", j.dump()));
   for (const auto& [key, value] : j.items())
-    if (key != "mask" && key != "score" && key != "tensors")
-      throw fail(fmt::format("unknown field '{}' (known: mask, score, tensors)", key));
+    if (key != "mask" && key != "score" && key != "score_grad" && key != "tensors")
+      throw fail(fmt::format("unknown field '{}' (known: mask, score, score_grad, tensors)", key));
   auto text = [&](const char* key) {
     auto it = j.find(key);
     if (it == j.end() || !it->is_string()) throw fail(fmt::format("field '{}' must be a string", key));
@@ -87,6 +92,7 @@ AttentionModifier AttentionModifier::from_json(const json& j) {
   AttentionModifier m;
   m.mask = text("mask");
   m.score = text("score");
+  if (j.contains("score_grad")) m.score_grad = text("score_grad");  // optional
   auto tensors = j.find("tensors");
   if (tensors == j.end() || !tensors->is_array()) throw fail("field 'tensors' must be an array");
   for (const json& t : *tensors) {

@@ -38,8 +38,10 @@ std::string_view tensor_element_type(ModifierTensorType t) {
 // The spec's modifier and block-mask walk as Config::Modifiers (templates/common/modifiers.cuh
 // reads it; specs with neither render none). Each body becomes a function whose side tensors are
 // restrict pointers from the kernel parameters; #line directives number the body's lines as the
-// user wrote them, then return to the generated file's own numbering.
-std::string modifiers_struct(const KernelSpec& spec, Source& source, int first_line) {
+// user wrote them, then return to the generated file's own numbering. The score body is a template
+// over the score's type; families that compute gradients also get score_and_gradient, from the
+// user's gradient body or by running the score body on dual numbers.
+std::string modifiers_struct(const KernelSpec& spec, bool gradients, Source& source, int first_line) {
   std::string out;
   int line = first_line;  // the generated file's line the next text starts on
   auto emit = [&](std::string_view text) {
@@ -53,7 +55,7 @@ std::string modifiers_struct(const KernelSpec& spec, Source& source, int first_l
                    "    static constexpr bool kBlockSparse = {};\n",
                    m != nullptr && m->has_mask(), m != nullptr && m->has_score(), spec.block_sparse));
   auto function = [&](std::string_view signature, std::string_view file, const std::string& body, std::string_view fallback) {
-    emit(fmt::format("    static __device__ __forceinline__ {} {{\n", signature));
+    emit(fmt::format("    {} {{\n", signature));
     if (body.empty()) {
       emit(fmt::format("      {}\n    }}\n", fallback));
       return;
@@ -69,11 +71,30 @@ std::string modifiers_struct(const KernelSpec& spec, Source& source, int first_l
     emit(fmt::format("#line {} \"{}\"\n    }}\n", line + 1, source.file_name));
     source.user_files.emplace_back(std::string(file), body);
   };
-  function("bool mask(const flashjit::AttentionFwdParams& flashjit_params, int batch, int head, int q_idx, int kv_idx)",
+  function("static __device__ __forceinline__ bool mask(const flashjit::AttentionFwdParams& flashjit_params, int batch, "
+           "int head, int q_idx, int kv_idx)",
            kMaskModFile, m != nullptr ? m->mask : std::string(), "return true;");
-  function("float score(const flashjit::AttentionFwdParams& flashjit_params, float score, int batch, int head, "
-           "int q_idx, int kv_idx)",
+  function("template <class Score> static __device__ __forceinline__ Score score(const flashjit::AttentionFwdParams& "
+           "flashjit_params, Score score, int batch, int head, int q_idx, int kv_idx)",
            kScoreModFile, m != nullptr ? m->score : std::string(), "return score;");
+  if (gradients) {
+    const bool given = m != nullptr && m->has_score_grad();
+    if (given)
+      function("static __device__ __forceinline__ float score_grad(const flashjit::AttentionFwdParams& flashjit_params, "
+               "float score, int batch, int head, int q_idx, int kv_idx)",
+               kScoreGradFile, m->score_grad, "");
+    emit("    static __device__ __forceinline__ float score_and_gradient(const flashjit::AttentionFwdParams& p, float s, "
+         "int batch, int head, int q_idx, int kv_idx, float& gradient) {\n");
+    if (given)
+      emit("      gradient = score_grad(p, s, batch, head, q_idx, kv_idx);\n"
+           "      return score(p, s, batch, head, q_idx, kv_idx);\n");
+    else
+      emit("      const flashjit::kernels::ScoreDual d = score(p, flashjit::kernels::ScoreDual(s, 1.f), batch, head, q_idx, "
+           "kv_idx);\n"
+           "      gradient = d.derivative;\n"
+           "      return d.value;\n");
+    emit("    }\n");
+  }
   emit("  };\n");
   return out;
 }
@@ -121,7 +142,8 @@ Source render(const KernelSpec& spec) {
                  mask_constant(spec.mask), spec.has_softcap ? "true" : "false", spec.arch.sm, constants,
                  rules.config_members ? rules.config_members(spec) : std::string());
   if (spec.modifier != nullptr || spec.block_sparse)
-    out += modifiers_struct(spec, source, 1 + static_cast<int>(std::count(out.begin(), out.end(), '\n')));
+    out += modifiers_struct(spec, rules.computes_gradients, source,
+                            1 + static_cast<int>(std::count(out.begin(), out.end(), '\n')));
   out += "};\n}  // namespace flashjit_generated\n";
 
   const KernelLayout layout = kernel_layout(spec);

@@ -135,6 +135,24 @@ def _forward_mod(q, k, v, softmax_scale, causal, window_left, window_right, soft
     return out, lse
 
 
+def _backward_mod(dout, q, k, v, out, lse, softmax_scale, causal, window_left, window_right, softcap, mod, block_mask):
+    from . import _modifiers
+    torch = _torch()
+    if not _kernel_ready(dout):
+        dout = dout.contiguous()
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    mod_tensors, mod_count = mod._tensor_views() if mod is not None else (None, 0)
+    mask = _modifiers.as_block_mask(block_mask)._c_struct() if block_mask is not None else None
+    with torch.cuda.device(q.device):
+        options = _options(q, softmax_scale, causal, window_left, window_right, softcap, "auto")
+        views = [_view(t, n) for t, n in ((q, "q"), (k, "k"), (v, "v"), (out, "out"), (dout, "dout"), (lse, "lse"),
+                                          (dq, "dq"), (dk, "dk"), (dv, "dv"))]
+        _check(_lib.flashjit_backward_mod(*(ctypes.byref(t) for t in views), mod._handle if mod is not None else None,
+                                          mod_tensors, mod_count, ctypes.byref(mask) if mask is not None else None,
+                                          ctypes.byref(options)))
+    return dq, dk, dv
+
+
 def _backward(dout, q, k, v, out, lse, softmax_scale, causal, window_left, window_right, softcap, deterministic):
     torch = _torch()
     if not _kernel_ready(dout):
@@ -211,8 +229,9 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
     Under torch.compile a torch custom op (torch.ops.flashjit.attention), which it traces through.
     mod: an AttentionMod (user mask/score functions compiled into the kernel); block_mask: a BlockMask
     (create_block_mask) or a FlexAttention BlockMask, whose empty tiles are skipped (it replaces
-    causal and window_size). Rows that see no key under them get out 0 and LSE -inf. With mod or
-    block_mask the call is forward only for now (sm_90).
+    causal and window_size). Rows that see no key under them get out 0, LSE -inf and no gradient.
+    With mod or block_mask (sm_90) the call is differentiable too; under torch.compile it runs
+    outside the graph (a graph break), as the mod is a Python object.
     """
     _unsupported(dropout_p, alibi_slopes, return_attn_probs)
     _check_options(softmax_scale, window_size, backend)
@@ -222,11 +241,8 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
     _same_device((q, k, v), ("q", "k", "v"))
     path = _autograd_path(q, k, v)
     if mod is not None or block_mask is not None:
-        if path == "eager":
-            raise NotImplementedError("flashjit: the backward of mod and block_mask is not implemented yet; call the "
-                                      "forward under torch.no_grad() or on detached tensors")
-        out, lse = _forward_mod(q, k, v, softmax_scale, bool(causal), int(window_size[0]), int(window_size[1]),
-                                float(softcap), backend, int(sm_margin), mod, block_mask)
+        out, lse = _ops().mod_attention(q, k, v, softmax_scale, bool(causal), int(window_size[0]), int(window_size[1]),
+                                        float(softcap), backend, int(sm_margin), mod, block_mask)
         return (out, lse) if return_lse else out
     if path is not None:
         attention = _ops().attention if path == "traced" else _ops().eager_attention

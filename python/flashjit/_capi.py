@@ -38,7 +38,8 @@ class AttentionOptions(ctypes.Structure):
 
 
 class BlockMaskArrays(ctypes.Structure):  # flashjit_block_mask
-    _fields_ = [(n, Tensor) for n in ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices")] + [
+    _fields_ = [(n, Tensor) for n in ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices",
+                                      "q_num_blocks", "q_indices", "full_q_num_blocks", "full_q_indices")] + [
         ("q_block_size", ctypes.c_int32), ("kv_block_size", ctypes.c_int32)]
 
 
@@ -85,14 +86,17 @@ def load():
     lib.flashjit_forward_kvcache.restype = ctypes.c_int
     lib.flashjit_check_kvcache.argtypes = [ctypes.c_void_p]
     lib.flashjit_check_kvcache.restype = ctypes.c_int
-    lib.flashjit_modifier_create.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_int32, P(ctypes.c_char_p),
-                                             P(ctypes.c_int32), P(ctypes.c_void_p)]
+    lib.flashjit_modifier_create.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_int32,
+                                             P(ctypes.c_char_p), P(ctypes.c_int32), P(ctypes.c_void_p)]
     lib.flashjit_modifier_create.restype = ctypes.c_int
     lib.flashjit_modifier_destroy.argtypes = [ctypes.c_void_p]
     lib.flashjit_modifier_destroy.restype = None
     lib.flashjit_forward_mod.argtypes = [P(Tensor)] * 5 + [ctypes.c_void_p, P(Tensor), ctypes.c_int32,
                                                            P(BlockMaskArrays), P(AttentionOptions)]
     lib.flashjit_forward_mod.restype = ctypes.c_int
+    lib.flashjit_backward_mod.argtypes = [P(Tensor)] * 9 + [ctypes.c_void_p, P(Tensor), ctypes.c_int32,
+                                                            P(BlockMaskArrays), P(AttentionOptions)]
+    lib.flashjit_backward_mod.restype = ctypes.c_int
     lib.flashjit_create_block_mask.argtypes = [ctypes.c_void_p, P(Tensor), ctypes.c_int32] + [ctypes.c_int64] * 4 + [
         P(BlockMaskBuffers), ctypes.c_void_p]
     lib.flashjit_create_block_mask.restype = ctypes.c_int

@@ -31,15 +31,18 @@ class AttentionMod:
     mask: body of `bool mask(int batch, int head, int q_idx, int kv_idx)`: may query q_idx see key
     kv_idx (indices within the sequence, head a query head)? score: body of
     `float score(float score, int batch, int head, int q_idx, int kv_idx)`, given q.k times the
-    softmax scale. tensors: {name: CUDA tensor}, each read in the bodies as a flat `const T* name`
-    (T int, long long or float); kept contiguous here. The code (not the tensors' values) is part of
+    softmax scale. score_grad (optional): body of its derivative with respect to score, same
+    parameters; without it the backward differentiates the score body exactly by running it on dual
+    numbers (write `auto` rather than `float` for values computed from score). tensors: {name: CUDA
+    tensor}, each read in the bodies as a flat `const T* name` (T int, long long or float); kept
+    contiguous here. The code (not the tensors' values) is part of
     the kernel's cache key: new values reuse the compiled kernel.
     """
 
-    def __init__(self, mask=None, score=None, tensors=None):
+    def __init__(self, mask=None, score=None, tensors=None, score_grad=None):
         from . import _check, _lib, _torch
         torch = _torch()
-        self.mask, self.score = mask or "", score or ""
+        self.mask, self.score, self.score_grad = mask or "", score or "", score_grad or ""
         self.tensors = {}
         for name, t in (tensors or {}).items():
             if not isinstance(t, torch.Tensor) or not t.is_cuda:
@@ -48,7 +51,7 @@ class AttentionMod:
         names = [n.encode() for n in self.tensors]
         codes = [_tensor_dtype_code(torch, t, n) for n, t in self.tensors.items()]
         handle = ctypes.c_void_p()
-        _check(_lib.flashjit_modifier_create(self.mask.encode(), self.score.encode(), len(names),
+        _check(_lib.flashjit_modifier_create(self.mask.encode(), self.score.encode(), self.score_grad.encode(), len(names),
                                              (ctypes.c_char_p * len(names))(*names),
                                              (ctypes.c_int32 * len(codes))(*codes), ctypes.byref(handle)))
         self._handle = handle
@@ -100,9 +103,9 @@ class BlockMask:
         block = flex_mask.BLOCK_SIZE
         block = (block, block) if isinstance(block, int) else tuple(block)
         as_int32 = lambda t: None if t is None else t.to(dtype=_int32()).contiguous()
-        return cls(as_int32(flex_mask.kv_num_blocks), as_int32(flex_mask.kv_indices),
-                   as_int32(getattr(flex_mask, "full_kv_num_blocks", None)),
-                   as_int32(getattr(flex_mask, "full_kv_indices", None)), block_size=block,
+        arrays = ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices", "q_num_blocks", "q_indices",
+                  "full_q_num_blocks", "full_q_indices")
+        return cls(*(as_int32(getattr(flex_mask, name, None)) for name in arrays), block_size=block,
                    seq_lengths=getattr(flex_mask, "seq_lengths", None))
 
     def density(self):
@@ -111,14 +114,14 @@ class BlockMask:
         return float(visible) / (self.kv_num_blocks.numel() * self.kv_indices.shape[-1])
 
     def _c_struct(self):
-        empty = _capi.Tensor()
-        full = self.full_kv_num_blocks is not None
-        return _capi.BlockMaskArrays(
-            kv_num_blocks=_view_any(self.kv_num_blocks, "block_mask.kv_num_blocks"),
-            kv_indices=_view_any(self.kv_indices, "block_mask.kv_indices"),
-            full_kv_num_blocks=_view_any(self.full_kv_num_blocks, "block_mask.full_kv_num_blocks") if full else empty,
-            full_kv_indices=_view_any(self.full_kv_indices, "block_mask.full_kv_indices") if full else empty,
-            q_block_size=self.BLOCK_SIZE[0], kv_block_size=self.BLOCK_SIZE[1])
+        """The C API's flashjit_block_mask; arrays that are None become empty views (not given)."""
+        names = ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices", "q_num_blocks", "q_indices",
+                 "full_q_num_blocks", "full_q_indices")
+        views = {}
+        for name in names:
+            array = getattr(self, name)
+            views[name] = _view_any(array, f"block_mask.{name}") if array is not None else _capi.Tensor()
+        return _capi.BlockMaskArrays(**views, q_block_size=self.BLOCK_SIZE[0], kv_block_size=self.BLOCK_SIZE[1])
 
 
 def _int32():

@@ -136,7 +136,37 @@ def register(impl):
             return impl._backward_varlen(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k,
                                          *ctx.options) + (None,) * 12
 
+    # User modifiers and block masks: the mod and the mask are Python objects, not op arguments, so
+    # an autograd.Function serves them, and under torch.compile mod_attention runs outside the graph.
+    class ModAttention(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, q, k, v, softmax_scale, causal, window_left, window_right, softcap, backend, sm_margin,
+                    mod, block_mask):
+            out, lse = impl._forward_mod(q, k, v, softmax_scale, causal, window_left, window_right, softcap, backend,
+                                         sm_margin, mod, block_mask)
+            ctx.mark_non_differentiable(lse)
+            ctx.set_materialize_grads(False)
+            ctx.save_for_backward(q, k, v, out, lse)
+            ctx.options = (softmax_scale, causal, window_left, window_right, softcap, mod, block_mask)
+            return out, lse
+
+        @staticmethod
+        def backward(ctx, dout, _dlse):
+            if dout is None:
+                return (None,) * 12
+            q, k, v, out, lse = ctx.saved_tensors
+            return impl._backward_mod(dout, q, k, v, out, lse, *ctx.options) + (None,) * 9
+
+    @torch.compiler.disable
+    def mod_attention(q, k, v, softmax_scale, causal, window_left, window_right, softcap, backend, sm_margin, mod,
+                      block_mask):
+        args = (q, k, v, softmax_scale, causal, window_left, window_right, softcap, backend, sm_margin, mod, block_mask)
+        if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
+            return ModAttention.apply(*args)
+        return impl._forward_mod(*args)
+
     return types.SimpleNamespace(attention=attention, attention_varlen=attention_varlen,
+                                 mod_attention=mod_attention,
                                  attention_backward=attention_backward,
                                  attention_varlen_backward=attention_varlen_backward,
                                  eager_attention=EagerAttention.apply,

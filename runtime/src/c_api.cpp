@@ -125,15 +125,16 @@ struct flashjit_modifier {
 
 extern "C" {
 
-flashjit_status flashjit_modifier_create(const char* mask_body, const char* score_body, int32_t num_tensors,
-                                         const char* const* tensor_names, const int32_t* tensor_dtypes,
-                                         flashjit_modifier** out) {
+flashjit_status flashjit_modifier_create(const char* mask_body, const char* score_body, const char* score_grad_body,
+                                         int32_t num_tensors, const char* const* tensor_names,
+                                         const int32_t* tensor_dtypes, flashjit_modifier** out) {
   return guarded([&] {
     if (out == nullptr) throw invalid("out is NULL");
     *out = nullptr;
     auto code = std::make_shared<flashjit::AttentionModifier>();
     code->mask = mask_body != nullptr ? mask_body : "";
     code->score = score_body != nullptr ? score_body : "";
+    code->score_grad = score_grad_body != nullptr ? score_grad_body : "";
     if (num_tensors < 0 || (num_tensors > 0 && (tensor_names == nullptr || tensor_dtypes == nullptr)))
       throw invalid(fmt::format("{} side tensors without their names or dtypes", num_tensors));
     for (int32_t i = 0; i < num_tensors; ++i) {
@@ -154,6 +155,48 @@ flashjit_status flashjit_modifier_create(const char* mask_body, const char* scor
 
 void flashjit_modifier_destroy(flashjit_modifier* modifier) { delete modifier; }
 
+namespace {
+
+// A C block mask and modifier as the C++ API's options (the views they point at live here).
+struct ModifierOptions {
+  ModifierOptions(const ModifierOptions&) = delete;  // the options point into it
+  flashjit::AttentionMod mod;
+  flashjit::BlockMask mask;
+  flashjit::TensorView full_num, full_ids, q_num, q_ids, full_q_num, full_q_ids;
+
+  ModifierOptions(flashjit::AttentionOptions& o, const flashjit_modifier* modifier, const flashjit_tensor* mod_tensors,
+                  int32_t num_mod_tensors, const flashjit_block_mask* block_mask) {
+    if (modifier != nullptr) {
+      mod = {modifier->code, mod_tensors_of(mod_tensors, num_mod_tensors)};
+      o.mod = &mod;
+    }
+    if (block_mask == nullptr) return;
+    mask.kv_num_blocks = view_of(&block_mask->kv_num_blocks, "block_mask.kv_num_blocks");
+    mask.kv_indices = view_of(&block_mask->kv_indices, "block_mask.kv_indices");
+    // An optional pair: both given (data not NULL) or neither.
+    auto optional_pair = [](const flashjit_tensor& num, const flashjit_tensor& ids, const char* num_name,
+                            const char* ids_name, flashjit::TensorView& num_view, flashjit::TensorView& ids_view,
+                            const flashjit::TensorView*& num_out, const flashjit::TensorView*& ids_out) {
+      if (num.data == nullptr && ids.data == nullptr) return;
+      num_view = view_of(&num, num_name);
+      ids_view = view_of(&ids, ids_name);
+      num_out = &num_view;
+      ids_out = &ids_view;
+    };
+    optional_pair(block_mask->full_kv_num_blocks, block_mask->full_kv_indices, "block_mask.full_kv_num_blocks",
+                  "block_mask.full_kv_indices", full_num, full_ids, mask.full_kv_num_blocks, mask.full_kv_indices);
+    optional_pair(block_mask->q_num_blocks, block_mask->q_indices, "block_mask.q_num_blocks", "block_mask.q_indices",
+                  q_num, q_ids, mask.q_num_blocks, mask.q_indices);
+    optional_pair(block_mask->full_q_num_blocks, block_mask->full_q_indices, "block_mask.full_q_num_blocks",
+                  "block_mask.full_q_indices", full_q_num, full_q_ids, mask.full_q_num_blocks, mask.full_q_indices);
+    mask.q_block_size = block_mask->q_block_size;
+    mask.kv_block_size = block_mask->kv_block_size;
+    o.block_mask = &mask;
+  }
+};
+
+}  // namespace
+
 flashjit_status flashjit_forward_mod(const flashjit_tensor* q, const flashjit_tensor* k, const flashjit_tensor* v,
                                      const flashjit_tensor* out, const flashjit_tensor* lse,
                                      const flashjit_modifier* modifier, const flashjit_tensor* mod_tensors,
@@ -163,27 +206,24 @@ flashjit_status flashjit_forward_mod(const flashjit_tensor* q, const flashjit_te
     const Views t = views_of({{q, "q"}, {k, "k"}, {v, "v"}, {out, "out"}});
     const flashjit::TensorView lse_view = lse ? view_of(lse, "lse") : flashjit::TensorView{};
     flashjit::AttentionOptions o = options_of(options);
-    flashjit::AttentionMod mod;
-    if (modifier != nullptr) {
-      mod = {modifier->code, mod_tensors_of(mod_tensors, num_mod_tensors)};
-      o.mod = &mod;
-    }
-    flashjit::BlockMask mask;
-    flashjit::TensorView full_num, full_ids;
-    if (block_mask != nullptr) {
-      mask.kv_num_blocks = view_of(&block_mask->kv_num_blocks, "block_mask.kv_num_blocks");
-      mask.kv_indices = view_of(&block_mask->kv_indices, "block_mask.kv_indices");
-      if (block_mask->full_kv_num_blocks.data != nullptr) {
-        full_num = view_of(&block_mask->full_kv_num_blocks, "block_mask.full_kv_num_blocks");
-        full_ids = view_of(&block_mask->full_kv_indices, "block_mask.full_kv_indices");
-        mask.full_kv_num_blocks = &full_num;
-        mask.full_kv_indices = &full_ids;
-      }
-      mask.q_block_size = block_mask->q_block_size;
-      mask.kv_block_size = block_mask->kv_block_size;
-      o.block_mask = &mask;
-    }
+    const ModifierOptions modifiers(o, modifier, mod_tensors, num_mod_tensors, block_mask);
     flashjit::Runtime::global().forward(t[0], t[1], t[2], t[3], lse ? &lse_view : nullptr, o);
+  });
+}
+
+flashjit_status flashjit_backward_mod(const flashjit_tensor* q, const flashjit_tensor* k, const flashjit_tensor* v,
+                                      const flashjit_tensor* out, const flashjit_tensor* dout,
+                                      const flashjit_tensor* lse, const flashjit_tensor* dq, const flashjit_tensor* dk,
+                                      const flashjit_tensor* dv, const flashjit_modifier* modifier,
+                                      const flashjit_tensor* mod_tensors, int32_t num_mod_tensors,
+                                      const flashjit_block_mask* block_mask, const flashjit_attention_options* options) {
+  return guarded([&] {
+    const Views t = views_of({{q, "q"}, {k, "k"}, {v, "v"}, {out, "out"}, {dout, "dout"}});
+    const flashjit::TensorView lse_view = lse ? view_of(lse, "lse") : flashjit::TensorView{};
+    const Views g = views_of({{dq, "dq"}, {dk, "dk"}, {dv, "dv"}});
+    flashjit::AttentionOptions o = options_of(options);
+    const ModifierOptions modifiers(o, modifier, mod_tensors, num_mod_tensors, block_mask);
+    flashjit::Runtime::global().backward(t[0], t[1], t[2], t[3], t[4], lse ? &lse_view : nullptr, g[0], g[1], g[2], o);
   });
 }
 

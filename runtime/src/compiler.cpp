@@ -231,6 +231,14 @@ std::string describe_compile_failure(const Source& source, const Arch& arch, std
       ++number;
     }
   }
+  // A backward's score body runs on dual numbers when the modifier has no gradient body: say so.
+  if (source.text.find("flashjit::kernels::ScoreDual(") != std::string::npos &&
+      log.find(fmt::format("{}(", kScoreModFile)) != std::string_view::npos)
+    message += fmt::format(
+        "\nnote: the backward derives the score body's gradient by running it on dual numbers: values computed "
+        "from `score` must be `auto` (not `float`), built from + - * /, comparisons and the math functions "
+        "templates/common/modifiers.cuh lists; or give the gradient body ({})",
+        kScoreGradFile);
   return message;
 }
 

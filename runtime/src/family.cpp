@@ -66,6 +66,19 @@ Grid query_block_grid(const ForwardProblem& problem, int block_m) {
           static_cast<unsigned>(problem.batch)};
 }
 
+void fit_block_mask_to_tiles(BlockSparseParams& mask, const KernelSpec& spec, bool rows_are_queries, int row_tile,
+                             int column_tile, const char* pass) {
+  const int q_block = rows_are_queries ? mask.row_block_size : mask.column_block_size;
+  const int kv_block = rows_are_queries ? mask.column_block_size : mask.row_block_size;
+  const int q_tile = rows_are_queries ? row_tile : column_tile, kv_tile = rows_are_queries ? column_tile : row_tile;
+  if (q_block % q_tile != 0 || kv_block % kv_tile != 0)
+    throw Error(ErrorCode::invalid_argument, pass,
+                fmt::format("block_mask: blocks of ({}, {}) do not hold whole tiles of kernel {} ({} queries x {} keys): "
+                            "the query block size must be a multiple of {} and the key block size of {}",
+                            q_block, kv_block, spec.name(), q_tile, kv_tile, q_tile, kv_tile));
+  mask.tiles_per_block = mask.column_block_size / column_tile;
+}
+
 std::vector<KernelSpec> tile_grid_candidates(const KernelSpec& base, std::initializer_list<int> block_ms,
                                              std::initializer_list<int> block_ns, std::initializer_list<int> warps,
                                              std::initializer_list<int> stages) {

@@ -123,6 +123,13 @@ std::optional<std::string> hopper_arch_reason(Family family, const Arch& arch);
 // One CTA per block_m query rows of each (head, batch): the grid of the non-persistent forwards.
 Grid query_block_grid(const ForwardProblem& problem, int block_m);
 
+// One side of a block mask fitted to a kernel's tiles: a row tile of `row_tile` lies in one row
+// block and a column block is whole column tiles (sets tiles_per_block), or Error(invalid_argument)
+// naming the kernel. The forwards' rows are query blocks (row tile block_m, column tile block_n);
+// the backward's are key blocks (block_n, then block_m).
+void fit_block_mask_to_tiles(BlockSparseParams& mask, const KernelSpec& spec, bool rows_are_queries, int row_tile,
+                             int column_tile, const char* pass);
+
 // The legal specs of a tile grid: `base` with every (block_m, block_n, warps, stages) of the lists
 // that validate() accepts, in that nesting order.
 std::vector<KernelSpec> tile_grid_candidates(const KernelSpec& base, std::initializer_list<int> block_ms,

@@ -275,8 +275,90 @@ void bind_modifier(ForwardProblem& p, const AttentionMod& mod, int device) {
   p.modifier = mod.code;
 }
 
+// One side of a block mask (BlockSparseParams): counts (batch, heads, rows) and lists (batch,
+// heads, rows, capacity), int32 on q's device, checked against the problem's batch and heads.
+struct BlockMaskSide {
+  const TensorView* num_blocks;
+  const TensorView* indices;
+  const TensorView* full_num_blocks;  // may be null (with full_indices)
+  const TensorView* full_indices;
+  const char* names[4];     // the four arrays' names, for errors
+  const char* rows_dim;     // the rows' dim: "q_blocks" or "kv_blocks"
+  const char* rows;         // and in words: "query blocks" or "key blocks"
+  const char* length_name;  // the length they cover: "seqlen_q" or "seqlen_k"
+  int64_t length;
+  int64_t row_count;
+  int row_block_size, column_block_size;
+  int64_t column_blocks;
+};
+
+void bind_block_mask_side(BlockSparseParams& b, const BlockMaskSide& side, const ForwardProblem& p, int device) {
+  auto check = [&](const TensorView& t, const char* name, int rank) {
+    const std::string where = fmt::format("block_mask.{}", name);
+    const std::string dims = fmt::format(rank == 3 ? "(batch, heads, {})" : "(batch, heads, {}, capacity)", side.rows_dim);
+    check_rank(t, where.c_str(), rank, dims.c_str());
+    if (t.dtype != ScalarType::int32) throw bad(fmt::format("{}: expected dtype int32, got {}", where, to_string(t.dtype)));
+    if (t.device != device) throw bad(fmt::format("{}: on device {}, but q is on device {}", where, t.device, device));
+    if (t.shape[0] != 1 && t.shape[0] != p.batch)
+      throw bad(fmt::format("{}: batch extent {} must be 1 or the batch {}", where, t.shape[0], p.batch));
+    if (t.shape[1] != 1 && t.shape[1] != p.heads_q)
+      throw bad(fmt::format("{}: heads extent {} must be 1 or heads_q {}", where, t.shape[1], p.heads_q));
+    if (t.shape[2] != side.row_count)
+      throw bad(fmt::format("{}: {} {}, but {} {} in blocks of {} makes {}", where, t.shape[2], side.rows,
+                            side.length_name, side.length, side.row_block_size, side.row_count));
+    if (t.strides[rank - 1] != 1 && t.shape[rank - 1] > 1)
+      throw bad(fmt::format("{}: the last dim must be contiguous (stride 1), got stride {}", where, t.strides[rank - 1]));
+    if (reinterpret_cast<uintptr_t>(t.data) % 4 != 0) throw bad(fmt::format("{}: data pointer is not 4-byte aligned", where));
+  };
+  // A dim of extent 1 is shared by every batch entry or head: stride 0.
+  auto stride = [](const TensorView& t, int d) -> long long { return t.shape[d] == 1 ? 0 : t.strides[d]; };
+  // The kernels address a row's list by a 32-bit element offset.
+  auto reach = [](const TensorView& t) {
+    int64_t last = 0;
+    for (int d = 0; d < t.rank; ++d) last += (t.shape[d] - 1) * t.strides[d];
+    return last;
+  };
+  const TensorView& num = *side.num_blocks;
+  const TensorView& indices = *side.indices;
+  check(num, side.names[0], 3);
+  check(indices, side.names[1], 4);
+  if ((side.full_num_blocks == nullptr) != (side.full_indices == nullptr))
+    throw bad(fmt::format("block_mask: {} and {} come together (both or neither)", side.names[2], side.names[3]));
+  b.num_blocks = static_cast<const int*>(num.data);
+  b.indices = static_cast<const int*>(indices.data);
+  b.num_batch_stride = stride(num, 0);
+  b.num_head_stride = stride(num, 1);
+  b.indices_batch_stride = stride(indices, 0);
+  b.indices_head_stride = stride(indices, 1);
+  b.indices_row_stride = indices.strides[2];
+  b.list_capacity = to_int(indices.shape[3], "block_mask list capacity");
+  for (const TensorView* t : {side.indices, side.full_indices})
+    if (t != nullptr && reach(*t) >= (int64_t(1) << 31))
+      throw bad("block_mask: an index list spans 2^31 elements or more");
+  if (side.full_num_blocks != nullptr) {
+    const TensorView& full_num = *side.full_num_blocks;
+    const TensorView& full_indices = *side.full_indices;
+    check(full_num, side.names[2], 3);
+    check(full_indices, side.names[3], 4);
+    if (full_indices.shape[3] != indices.shape[3])
+      throw bad(fmt::format("block_mask.{}: list capacity {} differs from {}'s {}", side.names[3], full_indices.shape[3],
+                            side.names[1], indices.shape[3]));
+    b.full_num_blocks = static_cast<const int*>(full_num.data);
+    b.full_indices = static_cast<const int*>(full_indices.data);
+    b.full_num_batch_stride = stride(full_num, 0);
+    b.full_num_head_stride = stride(full_num, 1);
+    b.full_indices_batch_stride = stride(full_indices, 0);
+    b.full_indices_head_stride = stride(full_indices, 1);
+    b.full_indices_row_stride = full_indices.strides[2];
+  }
+  b.row_block_size = side.row_block_size;
+  b.column_block_size = side.column_block_size;
+  b.num_column_blocks = to_int(side.column_blocks, "block_mask column blocks");
+}
+
 // options.block_mask: FlexAttention's arrays, checked against the problem's batch, heads and
-// lengths (the kernel's tile sizes are checked where the spec is known).
+// lengths (the kernel's tile sizes are checked where the spec is known). The lists by query block
+// go to the forward's parameters; the backward binds the transposed ones (bind_transposed_block_mask).
 void bind_block_mask(ForwardProblem& p, const BlockMask& mask, int device) {
   if (p.is_varlen) throw bad("block_mask: not with a varlen batch (a block mask's rows are one sequence's blocks)");
   if (p.mask != MaskKind::none)
@@ -285,64 +367,31 @@ void bind_block_mask(ForwardProblem& p, const BlockMask& mask, int device) {
     throw bad(fmt::format("block_mask: block sizes must be positive, got ({}, {})", mask.q_block_size, mask.kv_block_size));
   const int64_t q_blocks = (p.seqlen_q + mask.q_block_size - 1) / mask.q_block_size;
   const int64_t kv_blocks = (p.seqlen_k + mask.kv_block_size - 1) / mask.kv_block_size;
-  BlockSparseParams& b = p.params.block_mask;
-  auto check = [&](const TensorView& t, const char* name, int rank) {
-    const std::string where = fmt::format("block_mask.{}", name);
-    check_rank(t, where.c_str(), rank, rank == 3 ? "(batch, heads, q_blocks)" : "(batch, heads, q_blocks, capacity)");
-    if (t.dtype != ScalarType::int32) throw bad(fmt::format("{}: expected dtype int32, got {}", where, to_string(t.dtype)));
-    if (t.device != device) throw bad(fmt::format("{}: on device {}, but q is on device {}", where, t.device, device));
-    if (t.shape[0] != 1 && t.shape[0] != p.batch)
-      throw bad(fmt::format("{}: batch extent {} must be 1 or the batch {}", where, t.shape[0], p.batch));
-    if (t.shape[1] != 1 && t.shape[1] != p.heads_q)
-      throw bad(fmt::format("{}: heads extent {} must be 1 or heads_q {}", where, t.shape[1], p.heads_q));
-    if (t.shape[2] != q_blocks)
-      throw bad(fmt::format("{}: {} query blocks, but seqlen_q {} in blocks of {} makes {}", where, t.shape[2], p.seqlen_q,
-                            mask.q_block_size, q_blocks));
-    if (t.strides[rank - 1] != 1 && t.shape[rank - 1] > 1)
-      throw bad(fmt::format("{}: the last dim must be contiguous (stride 1), got stride {}", where, t.strides[rank - 1]));
-    if (reinterpret_cast<uintptr_t>(t.data) % 4 != 0) throw bad(fmt::format("{}: data pointer is not 4-byte aligned", where));
-  };
-  // A dim of extent 1 is shared by every batch entry or head: stride 0.
-  auto stride = [](const TensorView& t, int d) -> long long { return t.shape[d] == 1 ? 0 : t.strides[d]; };
-  check(mask.kv_num_blocks, "kv_num_blocks", 3);
-  check(mask.kv_indices, "kv_indices", 4);
-  if ((mask.full_kv_num_blocks == nullptr) != (mask.full_kv_indices == nullptr))
-    throw bad("block_mask: full_kv_num_blocks and full_kv_indices come together (both or neither)");
-  b.kv_num_blocks = static_cast<const int*>(mask.kv_num_blocks.data);
-  b.kv_indices = static_cast<const int*>(mask.kv_indices.data);
-  b.num_batch_stride = stride(mask.kv_num_blocks, 0);
-  b.num_head_stride = stride(mask.kv_num_blocks, 1);
-  b.indices_batch_stride = stride(mask.kv_indices, 0);
-  b.indices_head_stride = stride(mask.kv_indices, 1);
-  b.indices_row_stride = mask.kv_indices.strides[2];
-  b.list_capacity = to_int(mask.kv_indices.shape[3], "block_mask list capacity");
-  // The kernels address a row's list by a 32-bit element offset.
-  auto reach = [](const TensorView& t) {
-    int64_t last = 0;
-    for (int d = 0; d < t.rank; ++d) last += (t.shape[d] - 1) * t.strides[d];
-    return last;
-  };
-  for (const TensorView* t : {&mask.kv_indices, mask.full_kv_indices})
-    if (t != nullptr && reach(*t) >= (int64_t(1) << 31))
-      throw bad("block_mask: an index list spans 2^31 elements or more");
-  if (mask.full_kv_num_blocks != nullptr) {
-    check(*mask.full_kv_num_blocks, "full_kv_num_blocks", 3);
-    check(*mask.full_kv_indices, "full_kv_indices", 4);
-    if (mask.full_kv_indices->shape[3] != mask.kv_indices.shape[3])
-      throw bad(fmt::format("block_mask.full_kv_indices: list capacity {} differs from kv_indices' {}",
-                            mask.full_kv_indices->shape[3], mask.kv_indices.shape[3]));
-    b.full_kv_num_blocks = static_cast<const int*>(mask.full_kv_num_blocks->data);
-    b.full_kv_indices = static_cast<const int*>(mask.full_kv_indices->data);
-    b.full_num_batch_stride = stride(*mask.full_kv_num_blocks, 0);
-    b.full_num_head_stride = stride(*mask.full_kv_num_blocks, 1);
-    b.full_indices_batch_stride = stride(*mask.full_kv_indices, 0);
-    b.full_indices_head_stride = stride(*mask.full_kv_indices, 1);
-    b.full_indices_row_stride = mask.full_kv_indices->strides[2];
-  }
-  b.q_block_size = mask.q_block_size;
-  b.kv_block_size = mask.kv_block_size;
-  b.num_kv_blocks = to_int(kv_blocks, "block_mask key blocks");
+  bind_block_mask_side(p.params.block_mask,
+                       {&mask.kv_num_blocks, &mask.kv_indices, mask.full_kv_num_blocks, mask.full_kv_indices,
+                        {"kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices"}, "q_blocks",
+                        "query blocks", "seqlen_q", p.seqlen_q, q_blocks,
+                        mask.q_block_size, mask.kv_block_size, kv_blocks},
+                       p, device);
   p.block_sparse = true;
+}
+
+void bind_transposed_block_mask(BlockSparseParams& b, const ForwardProblem& p, const BlockMask& mask, int device) {
+  if (mask.q_num_blocks == nullptr || mask.q_indices == nullptr)
+    throw bad("block_mask: the backward walks the mask by key block and needs its transposed lists q_num_blocks and "
+              "q_indices (and full_q_num_blocks, full_q_indices where the forward has full lists); create_block_mask "
+              "builds them, and FlexAttention's BlockMask carries them");
+  if ((mask.full_kv_num_blocks == nullptr) != (mask.full_q_num_blocks == nullptr))
+    throw bad("block_mask: full_q_num_blocks and full_q_indices must be given exactly when full_kv_num_blocks and "
+              "full_kv_indices are (the backward would see a different mask)");
+  const int64_t q_blocks = (p.seqlen_q + mask.q_block_size - 1) / mask.q_block_size;
+  const int64_t kv_blocks = (p.seqlen_k + mask.kv_block_size - 1) / mask.kv_block_size;
+  bind_block_mask_side(b,
+                       {mask.q_num_blocks, mask.q_indices, mask.full_q_num_blocks, mask.full_q_indices,
+                        {"q_num_blocks", "q_indices", "full_q_num_blocks", "full_q_indices"}, "kv_blocks",
+                        "key blocks", "seqlen_k", p.seqlen_k, kv_blocks,
+                        mask.kv_block_size, mask.q_block_size, q_blocks},
+                       p, device);
 }
 
 }  // namespace
@@ -766,10 +815,9 @@ BackwardProblem make_backward_problem(const TensorView& q, const TensorView& k, 
     if (lse == nullptr)
       throw bad("lse: the backward needs the forward's logsumexp (float32 (batch, heads_q, seqlen_q), or "
                 "(heads_q, total_q) when varlen); it is missing");
-    if (options.mod != nullptr || options.block_mask != nullptr)
-      throw bad("mod and block_mask: the backward of user modifiers and block masks is not implemented yet "
-                "(forward only)");
     b.forward = make_forward_problem(q, k, v, out, lse, varlen, options);
+    if (options.block_mask != nullptr)
+      bind_transposed_block_mask(b.params.transposed_block_mask, b.forward, *options.block_mask, q.device);
     const int rank = b.forward.is_varlen ? 3 : 4;
     // Each gradient must look like the tensor it belongs to: shape, dtype, device, layout rules.
     auto like = [&](const TensorView& grad, const char* grad_name, const TensorView& of, const char* of_name) {

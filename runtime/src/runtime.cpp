@@ -60,21 +60,36 @@ Runtime& Runtime::global() {
   return runtime;
 }
 
-void Runtime::forward(const TensorView& q, const TensorView& k, const TensorView& v,
-                      const TensorView& out, const TensorView* lse, const AttentionOptions& options) {
-  const ForwardProblem problem = make_forward_problem(q, k, v, out, lse, nullptr, options);
-  if (options.mod == nullptr && options.block_mask == nullptr) {  // (no allocation on the common path)
-    impl_->run(PassProblem{Pass::forward, problem}, [] {}, {{&q, "q"}, {&k, "k"}, {&v, "v"}, {&out, "out"}, {lse, "lse"}});
-    return;
-  }
-  std::vector<NamedTensor> views{{&q, "q"}, {&k, "k"}, {&v, "v"}, {&out, "out"}, {lse, "lse"}};
+namespace {
+
+// options.mod's side tensors and options.block_mask's arrays, for the device pointer checks.
+void add_modifier_views(const AttentionOptions& options, std::vector<NamedTensor>& views) {
   if (options.mod != nullptr)
     for (const TensorView& t : options.mod->tensors) views.push_back({&t, "mod tensor"});
   if (const BlockMask* mask = options.block_mask)
     views.insert(views.end(), {{&mask->kv_num_blocks, "block_mask.kv_num_blocks"},
                                {&mask->kv_indices, "block_mask.kv_indices"},
                                {mask->full_kv_num_blocks, "block_mask.full_kv_num_blocks"},
-                               {mask->full_kv_indices, "block_mask.full_kv_indices"}});
+                               {mask->full_kv_indices, "block_mask.full_kv_indices"},
+                               {mask->q_num_blocks, "block_mask.q_num_blocks"},
+                               {mask->q_indices, "block_mask.q_indices"},
+                               {mask->full_q_num_blocks, "block_mask.full_q_num_blocks"},
+                               {mask->full_q_indices, "block_mask.full_q_indices"}});
+}
+
+bool has_modifiers(const AttentionOptions& options) { return options.mod != nullptr || options.block_mask != nullptr; }
+
+}  // namespace
+
+void Runtime::forward(const TensorView& q, const TensorView& k, const TensorView& v,
+                      const TensorView& out, const TensorView* lse, const AttentionOptions& options) {
+  const ForwardProblem problem = make_forward_problem(q, k, v, out, lse, nullptr, options);
+  if (!has_modifiers(options)) {  // (no allocation on the common path)
+    impl_->run(PassProblem{Pass::forward, problem}, [] {}, {{&q, "q"}, {&k, "k"}, {&v, "v"}, {&out, "out"}, {lse, "lse"}});
+    return;
+  }
+  std::vector<NamedTensor> views{{&q, "q"}, {&k, "k"}, {&v, "v"}, {&out, "out"}, {lse, "lse"}};
+  add_modifier_views(options, views);
   impl_->run(PassProblem{Pass::forward, problem}, [] {}, views);
 }
 
@@ -97,8 +112,10 @@ void Runtime::backward(const TensorView& q, const TensorView& k, const TensorVie
                        const TensorView& dout, const TensorView* lse, const TensorView& dq,
                        const TensorView& dk, const TensorView& dv, const AttentionOptions& options) {
   const BackwardProblem problem = make_backward_problem(q, k, v, out, dout, lse, dq, dk, dv, nullptr, options);
-  impl_->run(PassProblem{Pass::backward, problem.forward, &problem}, [] {}, {{&q, "q"}, {&k, "k"}, {&v, "v"}, {&out, "out"}, {&dout, "dout"},
-                                       {lse, "lse"}, {&dq, "dq"}, {&dk, "dk"}, {&dv, "dv"}});
+  std::vector<NamedTensor> views{{&q, "q"},       {&k, "k"},   {&v, "v"},   {&out, "out"}, {&dout, "dout"},
+                                 {lse, "lse"},    {&dq, "dq"}, {&dk, "dk"}, {&dv, "dv"}};
+  if (has_modifiers(options)) add_modifier_views(options, views);
+  impl_->run(PassProblem{Pass::backward, problem.forward, &problem}, [] {}, views);
 }
 
 void Runtime::backward_varlen(const TensorView& q, const TensorView& k, const TensorView& v,

@@ -5,6 +5,7 @@
 
 #include "common/mask.cuh"
 #include "common/mma_sm80.cuh"
+#include "common/modifiers.cuh"
 
 namespace flashjit::kernels {
 
@@ -66,6 +67,22 @@ __device__ __forceinline__ float probability_and_ds(float dot, float lse_log2, f
     dscore_ddot = p.softmax_scale;
   }
   ds = prob * (dp - delta) * dscore_ddot;
+  return prob;
+}
+
+// probability_and_ds under a score modifier: the modified score of dot * scale replaces the scaled
+// dot (the forward's LSE is over it), and dS picks up the modifier's derivative. The modifier runs
+// only where `inside` (an element of the sequence); elsewhere, and where it returns -inf, P is 0.
+// (Run on clamped indices without the branch, ptxas spilled more.)
+template <class Mods>
+__device__ __forceinline__ float modified_probability_and_ds(float dot, float lse_log2, float dp, float delta, bool inside,
+                                                             const AttentionFwdParams& p, int batch, int head, int query,
+                                                             int key, float& ds) {
+  constexpr float kLog2e = 1.4426950408889634f;
+  float gradient = 0.f, modified = -positive_infinity();
+  if (inside) modified = Mods::score_and_gradient(p, dot * p.softmax_scale, batch, head, query, key, gradient);
+  const float prob = modified > -positive_infinity() ? exp2_approx(fmaf(modified, kLog2e, -lse_log2)) : 0.f;
+  ds = prob * (dp - delta) * gradient * p.softmax_scale;
   return prob;
 }
 

@@ -8,12 +8,100 @@
 
 #include "common/types.cuh"
 
+// Bodies may hide an element by returning -INFINITY from the score function; NVRTC's headers do
+// not define it.
+#ifndef INFINITY
+#define INFINITY (__int_as_float(0x7f800000))
+#endif
+
 namespace flashjit::kernels {
+
+// The backward's derivative of a score modifier the user gave no gradient for: the score body
+// is a template over the score's type, run on a dual number (value, derivative with respect to the
+// score) carried through the arithmetic and the math functions below (forward-mode automatic
+// differentiation: exact, not a finite difference). Own namespace: the overloads are found by
+// argument-dependent lookup for dual arguments only, and never hide the float functions from the
+// rest of the kernels. A body that turns the score into a float (`float t = score;`) does not
+// compile this way; its user writes `auto` or gives the gradient body.
+namespace score_autodiff {
+
+struct ScoreDual {
+  float value, derivative;
+  __device__ __forceinline__ ScoreDual(float v, float d = 0.f) : value(v), derivative(d) {}  // NOLINT: constants convert
+  __device__ __forceinline__ ScoreDual& operator+=(ScoreDual o) { return *this = ScoreDual(value + o.value, derivative + o.derivative); }
+  __device__ __forceinline__ ScoreDual& operator-=(ScoreDual o) { return *this = ScoreDual(value - o.value, derivative - o.derivative); }
+  __device__ __forceinline__ ScoreDual& operator*=(ScoreDual o) {
+    return *this = ScoreDual(value * o.value, derivative * o.value + value * o.derivative);
+  }
+  __device__ __forceinline__ ScoreDual& operator/=(ScoreDual o) {
+    return *this = ScoreDual(value / o.value, (derivative * o.value - value * o.derivative) / (o.value * o.value));
+  }
+};
+__device__ __forceinline__ ScoreDual operator+(ScoreDual a) { return a; }
+__device__ __forceinline__ ScoreDual operator-(ScoreDual a) { return ScoreDual(-a.value, -a.derivative); }
+__device__ __forceinline__ ScoreDual operator+(ScoreDual a, ScoreDual b) { return a += b; }
+__device__ __forceinline__ ScoreDual operator-(ScoreDual a, ScoreDual b) { return a -= b; }
+__device__ __forceinline__ ScoreDual operator*(ScoreDual a, ScoreDual b) { return a *= b; }
+__device__ __forceinline__ ScoreDual operator/(ScoreDual a, ScoreDual b) { return a /= b; }
+__device__ __forceinline__ bool operator<(ScoreDual a, ScoreDual b) { return a.value < b.value; }
+__device__ __forceinline__ bool operator>(ScoreDual a, ScoreDual b) { return a.value > b.value; }
+__device__ __forceinline__ bool operator<=(ScoreDual a, ScoreDual b) { return a.value <= b.value; }
+__device__ __forceinline__ bool operator>=(ScoreDual a, ScoreDual b) { return a.value >= b.value; }
+__device__ __forceinline__ bool operator==(ScoreDual a, ScoreDual b) { return a.value == b.value; }
+__device__ __forceinline__ bool operator!=(ScoreDual a, ScoreDual b) { return a.value != b.value; }
+
+// f(a) with f'(a): the chain rule.
+__device__ __forceinline__ ScoreDual chain(ScoreDual a, float f, float df) { return ScoreDual(f, df * a.derivative); }
+__device__ __forceinline__ ScoreDual expf(ScoreDual a) { const float e = ::expf(a.value); return chain(a, e, e); }
+__device__ __forceinline__ ScoreDual exp2f(ScoreDual a) {
+  const float e = ::exp2f(a.value);
+  return chain(a, e, e * 0.6931471805599453f);
+}
+__device__ __forceinline__ ScoreDual logf(ScoreDual a) { return chain(a, ::logf(a.value), 1.f / a.value); }
+__device__ __forceinline__ ScoreDual log2f(ScoreDual a) { return chain(a, ::log2f(a.value), 1.4426950408889634f / a.value); }
+__device__ __forceinline__ ScoreDual tanhf(ScoreDual a) { const float t = ::tanhf(a.value); return chain(a, t, 1.f - t * t); }
+__device__ __forceinline__ ScoreDual sqrtf(ScoreDual a) { const float r = ::sqrtf(a.value); return chain(a, r, 0.5f / r); }
+__device__ __forceinline__ ScoreDual rsqrtf(ScoreDual a) {
+  const float r = ::rsqrtf(a.value);
+  return chain(a, r, -0.5f * r * r * r);
+}
+__device__ __forceinline__ ScoreDual sinf(ScoreDual a) { return chain(a, ::sinf(a.value), ::cosf(a.value)); }
+__device__ __forceinline__ ScoreDual cosf(ScoreDual a) { return chain(a, ::cosf(a.value), -::sinf(a.value)); }
+__device__ __forceinline__ ScoreDual fabsf(ScoreDual a) { return a.value < 0.f ? -a : a; }
+__device__ __forceinline__ ScoreDual powf(ScoreDual a, float e) {
+  return chain(a, ::powf(a.value, e), e * ::powf(a.value, e - 1.f));
+}
+__device__ __forceinline__ ScoreDual fminf(ScoreDual a, ScoreDual b) { return b.value < a.value ? b : a; }
+__device__ __forceinline__ ScoreDual fmaxf(ScoreDual a, ScoreDual b) { return b.value > a.value ? b : a; }
+// The spellings without the f suffix, as CUDA's float overloads have them.
+__device__ __forceinline__ ScoreDual exp(ScoreDual a) { return expf(a); }
+__device__ __forceinline__ ScoreDual exp2(ScoreDual a) { return exp2f(a); }
+__device__ __forceinline__ ScoreDual log(ScoreDual a) { return logf(a); }
+__device__ __forceinline__ ScoreDual log2(ScoreDual a) { return log2f(a); }
+__device__ __forceinline__ ScoreDual tanh(ScoreDual a) { return tanhf(a); }
+__device__ __forceinline__ ScoreDual sqrt(ScoreDual a) { return sqrtf(a); }
+__device__ __forceinline__ ScoreDual sin(ScoreDual a) { return sinf(a); }
+__device__ __forceinline__ ScoreDual cos(ScoreDual a) { return cosf(a); }
+__device__ __forceinline__ ScoreDual fabs(ScoreDual a) { return fabsf(a); }
+__device__ __forceinline__ ScoreDual abs(ScoreDual a) { return fabsf(a); }
+__device__ __forceinline__ ScoreDual pow(ScoreDual a, float e) { return powf(a, e); }
+__device__ __forceinline__ ScoreDual fmin(ScoreDual a, ScoreDual b) { return fminf(a, b); }
+__device__ __forceinline__ ScoreDual fmax(ScoreDual a, ScoreDual b) { return fmaxf(a, b); }
+__device__ __forceinline__ ScoreDual min(ScoreDual a, ScoreDual b) { return fminf(a, b); }
+__device__ __forceinline__ ScoreDual max(ScoreDual a, ScoreDual b) { return fmaxf(a, b); }
+
+}  // namespace score_autodiff
+using score_autodiff::ScoreDual;
 
 struct NoModifiers {
   static constexpr bool kHasMask = false, kHasScore = false, kBlockSparse = false;
   static __device__ __forceinline__ bool mask(const AttentionFwdParams&, int, int, int, int) { return true; }
   static __device__ __forceinline__ float score(const AttentionFwdParams&, float s, int, int, int, int) { return s; }
+  static __device__ __forceinline__ float score_and_gradient(const AttentionFwdParams&, float s, int, int, int, int,
+                                                             float& gradient) {
+    gradient = 1.f;
+    return s;
+  }
 };
 template <class T>
 struct VoidOf {
@@ -29,48 +117,49 @@ struct ModifiersOf<Config, typename VoidOf<typename Config::Modifiers>::type> {
   using type = typename Config::Modifiers;
 };
 
-// The key tiles a query tile visits under a block mask, as steps 0 .. count - 1: its row's fully
-// visible blocks, then the partly visible ones, each block kv_tiles_per_block kernel tiles in turn.
-// sm90_fwd walks the steps from the last, so the partly visible tiles come first (where the
-// built-in causal mask puts its diagonal tile), each list from its highest id. (The row is the
-// query block holding the tile: block_m divides q_block_size.)
-struct SparseKeyTiles {
-  // The row's lists as element offsets into kv_indices and full_kv_indices (32-bit, to spare the
-  // producer thread's few registers: with 64-bit pointers it spilled).
+// The tiles a CTA's row visits under one side of a block mask (BlockSparseParams: a query tile's
+// key tiles in the forward, a key tile's query steps in the backward), as steps 0 .. count - 1: the
+// row's fully visible blocks, then the partly visible ones, each block tiles_per_block kernel tiles
+// in turn. sm90_fwd walks the steps from the last, so the partly visible tiles come first (where
+// the built-in causal mask puts its diagonal tile), each list from its highest id.
+struct SparseRow {
+  // The row's lists as element offsets into indices and full_indices (32-bit, to spare the producer
+  // thread's few registers: with 64-bit pointers it spilled).
   int partial_offset, full_offset;
   int full_steps, count;
 };
-__device__ __forceinline__ SparseKeyTiles sparse_key_tiles(const BlockSparseParams& b, int batch, int head, int m0) {
-  const int row = m0 / b.q_block_size;
+// `row`: the row block (the CTA's tile lies in it: the kernel's tile divides row_block_size).
+__device__ __forceinline__ SparseRow sparse_row(const BlockSparseParams& b, int batch, int head, int row) {
   auto clamped = [&](int n) { return min(max(n, 0), b.list_capacity); };
-  SparseKeyTiles t;
-  const int partial_blocks = clamped(__ldg(b.kv_num_blocks + batch * b.num_batch_stride + head * b.num_head_stride + row));
+  SparseRow t;
+  const int partial_blocks = clamped(__ldg(b.num_blocks + batch * b.num_batch_stride + head * b.num_head_stride + row));
   t.partial_offset = static_cast<int>(batch * b.indices_batch_stride + head * b.indices_head_stride + row * b.indices_row_stride);
   int full_blocks = 0;
   t.full_offset = 0;
-  if (b.full_kv_num_blocks != nullptr) {
-    full_blocks = clamped(__ldg(b.full_kv_num_blocks + batch * b.full_num_batch_stride + head * b.full_num_head_stride + row));
+  if (b.full_num_blocks != nullptr) {
+    full_blocks = clamped(__ldg(b.full_num_blocks + batch * b.full_num_batch_stride + head * b.full_num_head_stride + row));
     t.full_offset = static_cast<int>(batch * b.full_indices_batch_stride + head * b.full_indices_head_stride +
                                      row * b.full_indices_row_stride);
   }
-  t.full_steps = full_blocks * b.kv_tiles_per_block;
-  t.count = t.full_steps + partial_blocks * b.kv_tiles_per_block;
+  t.full_steps = full_blocks * b.tiles_per_block;
+  t.count = t.full_steps + partial_blocks * b.tiles_per_block;
   return t;
 }
-// Step `step`'s first key and whether the mask modifier decides its elements. An id outside the
-// key blocks yields a tile past the keys, which the element mask hides whole.
-struct KeyTileInfo {
-  int n0;
+// Step `step`'s first index along the columns (a key in the forward, a query in the backward) and
+// whether the mask modifier decides its elements. An id outside the column blocks yields a tile
+// one block past their end, which the element mask hides whole.
+struct SparseTile {
+  int start;
   int partial;
 };
-template <int kBlockN>
-__device__ __forceinline__ KeyTileInfo sparse_key_tile(const BlockSparseParams& b, const SparseKeyTiles& t, int step) {
+template <int kTile>
+__device__ __forceinline__ SparseTile sparse_tile(const BlockSparseParams& b, const SparseRow& t, int step) {
   const bool partial = step >= t.full_steps;
   const int within = partial ? step - t.full_steps : step;
-  const int entry = within / b.kv_tiles_per_block, sub = within - entry * b.kv_tiles_per_block;
-  const int id = __ldg(partial ? b.kv_indices + t.partial_offset + entry : b.full_kv_indices + t.full_offset + entry);
-  if (id < 0 || id >= b.num_kv_blocks) return {0x40000000, 1};
-  return {id * b.kv_block_size + sub * kBlockN, partial ? 1 : 0};
+  const int entry = within / b.tiles_per_block, sub = within - entry * b.tiles_per_block;
+  const int id = __ldg(partial ? b.indices + t.partial_offset + entry : b.full_indices + t.full_offset + entry);
+  if (id < 0 || id >= b.num_column_blocks) return {b.num_column_blocks * b.column_block_size, 1};
+  return {id * b.column_block_size + sub * kTile, partial ? 1 : 0};
 }
 
 // The modifiers on one score tile in the mma.sync C layout (Shape::kMFrags m16 tiles of rows from

@@ -4,25 +4,27 @@
 
 namespace flashjit {
 
-// A block mask in FlexAttention's format, int32: per query block (`q_block_size` rows), the count
-// and the ascending list of the key blocks (`kv_block_size` keys) it partly sees (the mask modifier
-// decides per element) and of those it fully sees (no element mask). Counts are (batch, heads,
-// q_blocks) and lists (batch, heads, q_blocks, list_capacity); batch and heads may be 1 (stride 0)
-// to share one mask. A kernel key tile of block_n keys covers part of a block: the block's
-// kv_tiles_per_block tiles are walked in turn. Ids outside [0, num_kv_blocks) contribute nothing.
+// One side of a block mask in FlexAttention's format, int32. Rows are the blocks of the side a
+// CTA walks from (query blocks in the forward, key blocks in the backward), columns those of the
+// other side: per row block, the count and the ascending list of the column blocks it partly sees
+// (the mask modifier decides per element) and of those it fully sees (no element mask). Counts are
+// (batch, heads, rows) and lists (batch, heads, rows, list_capacity); batch and heads may be 1
+// (stride 0) to share one mask. A kernel tile of the column side covers part of a block: the
+// block's tiles_per_block tiles are walked in turn. Ids outside [0, num_column_blocks) contribute
+// nothing.
 struct BlockSparseParams {
-  const int* kv_num_blocks;  // null: no block mask
-  const int* kv_indices;
-  const int* full_kv_num_blocks;  // null: no fully visible blocks
-  const int* full_kv_indices;
-  long long num_batch_stride, num_head_stride;  // of both counts (q blocks contiguous)
+  const int* num_blocks;  // null: no block mask
+  const int* indices;
+  const int* full_num_blocks;  // null: no fully visible blocks
+  const int* full_indices;
+  long long num_batch_stride, num_head_stride;  // of num_blocks (rows contiguous)
   long long full_num_batch_stride, full_num_head_stride;
-  long long indices_batch_stride, indices_head_stride, indices_row_stride;  // of kv_indices (ids contiguous)
+  long long indices_batch_stride, indices_head_stride, indices_row_stride;  // of indices (ids contiguous)
   long long full_indices_batch_stride, full_indices_head_stride, full_indices_row_stride;
-  int q_block_size, kv_block_size;
-  int kv_tiles_per_block;  // kv_block_size / the kernel's block_n
-  int num_kv_blocks;       // ceil(seqlen_k / kv_block_size)
-  int list_capacity;       // ids per list row
+  int row_block_size, column_block_size;
+  int tiles_per_block;    // column_block_size / the kernel's tile along the columns
+  int num_column_blocks;  // ceil(column length / column_block_size)
+  int list_capacity;      // ids per list row
 };
 
 // Forward attention, all families. Tensors are (batch, seqlen, heads, head_dim) in any stride order
@@ -55,8 +57,8 @@ struct AttentionFwdParams {
   int window_right;
   float softmax_scale;       // multiplies QK^T
   float softcap;             // > 0: scores become softcap * tanh(scores / softcap)
-  // A user modifier's side tensors, in its declared order (read-only, flat), and the block mask:
-  // read only by specs that render them.
+  // A user modifier's side tensors, in its declared order (read-only, flat), and the block mask by
+  // query block (rows: query blocks, columns: key blocks): read only by specs that render them.
   const void* modifier_tensors[8];
   BlockSparseParams block_mask;
 };
@@ -121,6 +123,9 @@ struct AttentionBwdParams {
   long long dk_batch_stride, dk_row_stride, dk_head_stride;
   long long dv_batch_stride, dv_row_stride, dv_head_stride;
   int workspace_rows;
+  // The block mask by key block (FlexAttention's q_num_blocks/q_indices lists: rows are key blocks,
+  // columns query blocks), for block-sparse specs.
+  BlockSparseParams transposed_block_mask;
 };
 
 // Backward attention (sm90_bwd): TMA maps of q, k, v and dO (laid out as the forward's maps, with

@@ -11,6 +11,7 @@
 #include <random>
 
 #include "support/attention_checks.hpp"
+#include "support/backward_case.hpp"
 
 using namespace flashjit;
 using namespace flashjit::test;
@@ -24,10 +25,11 @@ bool hopper_or_skip() {
 }
 
 std::shared_ptr<const AttentionModifier> modifier(std::string mask, std::string score,
-                                                  std::vector<ModifierTensor> tensors = {}) {
+                                                  std::vector<ModifierTensor> tensors = {}, std::string score_grad = {}) {
   auto m = std::make_shared<AttentionModifier>();
   m->mask = std::move(mask);
   m->score = std::move(score);
+  m->score_grad = std::move(score_grad);
   m->tensors = std::move(tensors);
   return m;
 }
@@ -60,6 +62,10 @@ struct DeviceBlockMask {
     mask.kv_indices = buffers.kv_indices;
     mask.full_kv_num_blocks = &buffers.full_kv_num_blocks;
     mask.full_kv_indices = &buffers.full_kv_indices;
+    mask.q_num_blocks = &buffers.q_num_blocks;
+    mask.q_indices = &buffers.q_indices;
+    mask.full_q_num_blocks = &buffers.full_q_num_blocks;
+    mask.full_q_indices = &buffers.full_q_indices;
     mask.q_block_size = mask.kv_block_size = block;
   }
   size_t rows() const { return size_t(batch) * heads * q_blocks; }
@@ -127,11 +133,12 @@ struct ModifierRun {
   bool block_mask = false;  // build one with create_block_mask and pass it
 };
 
-void check_modifier(ModifierRun r, uint64_t seed) {
-  AttentionMod mod{r.code, r.tensors};
+// Builds the run's block mask (checking its lists against the host's) into `mask` and returns the
+// options of the run.
+AttentionOptions modifier_options(const ModifierRun& r, AttentionMod& mod, std::unique_ptr<DeviceBlockMask>& mask) {
+  mod = AttentionMod{r.code, r.tensors};
   AttentionOptions options;
   options.mod = &mod;
-  std::unique_ptr<DeviceBlockMask> mask;
   if (r.block_mask) {
     mask = std::make_unique<DeviceBlockMask>(r.shape.batch, r.shape.heads_q, r.shape.seqlen_q, r.shape.seqlen_k);
     test_runtime().create_block_mask(mod, r.shape.batch, r.shape.heads_q, r.shape.seqlen_q, r.shape.seqlen_k, mask->buffers);
@@ -139,11 +146,44 @@ void check_modifier(ModifierRun r, uint64_t seed) {
     mask->check_lists(host_tile_states(r.shape.batch, r.shape.heads_q, r.shape.seqlen_q, r.shape.seqlen_k, 128, r.shape.mask_fn));
     options.block_mask = &mask->mask;
   }
+  return options;
+}
+
+std::string describe_modifier(const ModifierRun& r) {
+  return std::string(r.block_mask ? " with a block mask" : "") + " mask {" + r.code->mask + "} score {" + r.code->score +
+         "}" + (r.code->has_score_grad() ? " score_grad {" + r.code->score_grad + "}" : "");
+}
+
+void check_modifier(ModifierRun r, uint64_t seed) {
+  AttentionMod mod;
+  std::unique_ptr<DeviceBlockMask> mask;
+  const AttentionOptions options = modifier_options(r, mod, mask);
   AttentionCase c(r.shape, DType::bf16, seed);
   c.run(test_runtime(), options);
-  INFO(c.describe() << (r.block_mask ? " with a block mask" : "") << " mask {" << r.code->mask << "} score {"
-                    << r.code->score << "}");
+  INFO(c.describe() << describe_modifier(r));
   check_against_oracle(c, tensor_core_output_tolerance(DType::bf16), tensor_core_lse_tolerance());
+}
+
+// The backward of a run (after its forward, itself checked) against the float64 reference
+// gradients, whose score derivative is a central difference of the shape's score_fn.
+GradientComparison backward_of(const ModifierRun& r, uint64_t seed) {
+  AttentionMod mod;
+  std::unique_ptr<DeviceBlockMask> mask;
+  const AttentionOptions options = modifier_options(r, mod, mask);
+  BackwardCase c(r.shape, DType::bf16, seed);
+  c.run(test_runtime(), options);
+  return c.check(tensor_core_gradient_tolerance(DType::bf16));
+}
+
+void check_modifier_backward(const ModifierRun& r, uint64_t seed) {
+  const GradientComparison g = backward_of(r, seed);
+  INFO("backward b" << r.shape.batch << " sq" << r.shape.seqlen_q << " sk" << r.shape.seqlen_k << " hq" << r.shape.heads_q
+                    << " hkv" << r.shape.heads_kv << " d" << r.shape.head_dim << describe_modifier(r));
+  for (auto [name, cmp] : {std::pair{"forward out", &g.forward_out}, {"dq", &g.dq}, {"dk", &g.dk}, {"dv", &g.dv}}) {
+    INFO(name << ": " << cmp->bad << " of " << cmp->checked << " outside tolerance; first " << cmp->first_bad
+              << "; max abs error " << cmp->max_abs);
+    CHECK(cmp->ok());
+  }
 }
 
 // Document ids of a packed batch: documents of lengths cycling through `lengths`.
@@ -158,39 +198,48 @@ std::vector<int> document_ids(int seqlen, std::vector<int> lengths) {
   return ids;
 }
 
-}  // namespace
+// The README's mask examples at one head dim, each through a block mask: document masking (`docs`:
+// the ids, on the device in `doc_view`), prefix-LM, sliding window with sinks; GQA.
+std::vector<ModifierRun> mask_examples(int head_dim, int seqlen, const std::vector<int>& docs, const TensorView& doc_view) {
+  ModifierRun document;
+  document.shape = AttentionShape::make(2, seqlen, seqlen, 4, 2, head_dim);
+  document.shape.mask_fn = [&docs](int, int, int i, int j) { return docs[i] == docs[j] && i >= j; };
+  document.code = modifier("return doc[q_idx] == doc[kv_idx] && q_idx >= kv_idx;", "", {{"doc", ModifierTensorType::int32}});
+  document.tensors = {doc_view};
 
-TEST_CASE("modifiers: document masking, prefix-LM and sliding window with sinks, through block masks", "[modifiers][quick]") {
-  if (!hopper_or_skip()) return;
+  ModifierRun prefix;
+  prefix.shape = AttentionShape::make(1, seqlen, seqlen, 8, 2, head_dim);
+  prefix.shape.mask_fn = [](int, int, int i, int j) { return j < 200 || i >= j; };
+  prefix.code = modifier("return kv_idx < 200 || q_idx >= kv_idx;", "");
+
+  ModifierRun sinks;
+  sinks.shape = AttentionShape::make(1, seqlen, seqlen, 4, 4, head_dim);
+  sinks.shape.mask_fn = [](int, int, int i, int j) { return j <= i && (i - j < 256 || j < 4); };
+  sinks.code = modifier("return kv_idx <= q_idx && (q_idx - kv_idx < 256 || kv_idx < 4);", "");
+  std::vector<ModifierRun> runs{document, prefix, sinks};
+  for (ModifierRun& r : runs) r.block_mask = true;
+  return runs;
+}
+
+// Runs `check` on the mask examples at head dims 64, 128 (seqlen_128) and 256 (seqlen_other).
+template <class Check>
+void for_mask_examples(int seqlen_128, int seqlen_other, Check check) {
   for (int head_dim : {64, 128, 256}) {
-    const int seqlen = head_dim == 128 ? 1000 : 700;
+    const int seqlen = head_dim == 128 ? seqlen_128 : seqlen_other;
     const std::vector<int> docs = document_ids(seqlen, {300, 57, 129, 500});
     DeviceBuffer doc_buffer(docs.size() * 4);
     doc_buffer.upload(docs);
     const TensorView doc_view = TensorView::contiguous(doc_buffer.get(), ScalarType::int32, {seqlen});
-
-    ModifierRun document;
-    document.shape = AttentionShape::make(2, seqlen, seqlen, 4, 2, head_dim);
-    document.shape.mask_fn = [&](int, int, int i, int j) { return docs[i] == docs[j] && i >= j; };
-    document.code = modifier("return doc[q_idx] == doc[kv_idx] && q_idx >= kv_idx;", "", {{"doc", ModifierTensorType::int32}});
-    document.tensors = {doc_view};
-    document.block_mask = true;
-    check_modifier(document, 1);
-
-    ModifierRun prefix;
-    prefix.shape = AttentionShape::make(1, seqlen, seqlen, 8, 2, head_dim);
-    prefix.shape.mask_fn = [](int, int, int i, int j) { return j < 200 || i >= j; };
-    prefix.code = modifier("return kv_idx < 200 || q_idx >= kv_idx;", "");
-    prefix.block_mask = true;
-    check_modifier(prefix, 2);
-
-    ModifierRun sinks;
-    sinks.shape = AttentionShape::make(1, seqlen, seqlen, 4, 4, head_dim);
-    sinks.shape.mask_fn = [](int, int, int i, int j) { return j <= i && (i - j < 256 || j < 4); };
-    sinks.code = modifier("return kv_idx <= q_idx && (q_idx - kv_idx < 256 || kv_idx < 4);", "");
-    sinks.block_mask = true;
-    check_modifier(sinks, 3);
+    uint64_t seed = head_dim;
+    for (const ModifierRun& run : mask_examples(head_dim, seqlen, docs, doc_view)) check(run, seed++);
   }
+}
+
+}  // namespace
+
+TEST_CASE("modifiers: document masking, prefix-LM and sliding window with sinks, through block masks", "[modifiers][quick]") {
+  if (!hopper_or_skip()) return;
+  for_mask_examples(1000, 700, [](const ModifierRun& run, uint64_t seed) { check_modifier(run, seed); });
 }
 
 TEST_CASE("modifiers: ALiBi and tanh softcap as score modifiers, a user mask without a block mask", "[modifiers][quick]") {
@@ -292,4 +341,124 @@ TEST_CASE("modifiers: bad block masks and side tensors are refused by name", "[m
   CHECK_THROWS_WITH(test_runtime().forward(qv, qv, qv, ov, nullptr, options), Catch::Contains("3 query blocks"));
   options.causal = true;
   CHECK_THROWS_WITH(test_runtime().forward(qv, qv, qv, ov, nullptr, options), Catch::Contains("replaces causal"));
+}
+
+// ---------------------------------------------------------------------------------------------
+// The backward (sm90_bwd): the same modifiers and block masks, dq, dk and dv against the float64
+// reference gradients.
+
+TEST_CASE("modifiers backward: document masking, prefix-LM and sliding window with sinks, through block masks",
+          "[modifiers][quick]") {
+  if (!hopper_or_skip()) return;
+  for_mask_examples(700, 520, [](const ModifierRun& run, uint64_t seed) { check_modifier_backward(run, seed + 20); });
+}
+
+TEST_CASE("modifiers backward: ALiBi and tanh softcap with derived gradients, rows that see no key", "[modifiers][quick]") {
+  if (!hopper_or_skip()) return;
+  const int heads = 4;
+  std::vector<float> slopes(heads);
+  for (int h = 0; h < heads; ++h) slopes[h] = std::pow(2.f, -8.f * (h + 1) / heads);
+  DeviceBuffer slope_buffer(heads * 4);
+  slope_buffer.upload(slopes);
+  for (int head_dim : {64, 128, 256}) {
+    ModifierRun alibi;
+    alibi.shape = AttentionShape::make(2, 333, 333, heads, 2, head_dim);
+    alibi.shape.causal = true;
+    alibi.shape.score_fn = [&](double s, int, int h, int i, int j) { return s - double(slopes[h]) * (i - j); };
+    alibi.code = modifier("", "return score - slopes[head] * float(q_idx - kv_idx);", {{"slopes", ModifierTensorType::float32}});
+    alibi.tensors = {TensorView::contiguous(slope_buffer.get(), ScalarType::float32, {heads})};
+    check_modifier_backward(alibi, 24);
+
+    // Softcap 2 on unit-scale scores: the tanh's derivative matters.
+    ModifierRun softcap;
+    softcap.shape = AttentionShape::make(1, 257, 450, 4, 1, head_dim);
+    softcap.shape.score_fn = [](double s, int, int, int, int) { return 2.0 * std::tanh(s / 2.0); };
+    softcap.code = modifier("", "return 2.f * tanhf(score / 2.f);");
+    check_modifier_backward(softcap, 25);
+
+    // A mask modifier on every tile (no block mask) beside a score modifier; every fifth query sees
+    // no key (output 0, LSE -inf, no gradient).
+    ModifierRun both;
+    both.shape = AttentionShape::make(1, 300, 300, 2, 2, head_dim);
+    both.shape.mask_fn = [](int, int h, int i, int j) { return i % 5 != 0 && (i + j + h) % 3 != 0; };
+    both.shape.score_fn = [](double s, int, int, int i, int j) { return s * (1.0 + 0.1 * ((i ^ j) & 3)); };
+    both.code = modifier("return q_idx % 5 != 0 && (q_idx + kv_idx + head) % 3 != 0;",
+                         "return score * (1.f + 0.1f * float((q_idx ^ kv_idx) & 3));");
+    check_modifier_backward(both, 26);
+  }
+}
+
+TEST_CASE("modifiers backward: random block masks at densities 0, 5%, 50% and 100%", "[modifiers][quick]") {
+  if (!hopper_or_skip()) return;
+  const int seqlen_q = 700, seqlen_k = 900, heads = 4, batch = 1;
+  const int q_blocks = (seqlen_q + 127) / 128, kv_blocks = (seqlen_k + 127) / 128;
+  for (int head_dim : {64, 128}) {
+    for (double density : {0.0, 0.05, 0.5, 1.0}) {
+      std::mt19937 rng(static_cast<unsigned>(density * 1000) + head_dim);
+      std::vector<uint8_t> states(size_t(batch) * heads * q_blocks * kv_blocks);
+      for (auto& s : states) {
+        const double u = std::uniform_real_distribution<double>(0, 1)(rng);
+        s = u >= density ? 0 : std::uniform_int_distribution<int>(1, 2)(rng);
+      }
+      DeviceBuffer map(states.size());
+      map.upload(states);
+      DeviceBlockMask mask(batch, heads, seqlen_q, seqlen_k);
+      test_runtime().block_mask_from_tiles(
+          TensorView::contiguous(map.get(), ScalarType::uint8, {batch, heads, q_blocks, kv_blocks}), seqlen_q, seqlen_k,
+          mask.buffers);
+      synchronize();
+
+      AttentionShape shape = AttentionShape::make(batch, seqlen_q, seqlen_k, heads, 2, head_dim);
+      shape.mask_fn = [&](int, int h, int i, int j) {
+        const int state = states[(size_t(h) * q_blocks + i / 128) * kv_blocks + j / 128];
+        return state == 2 || (state == 1 && (i * 7 + j * 13 + h) % 5 != 0);
+      };
+      AttentionMod mod{modifier("return (q_idx * 7 + kv_idx * 13 + head) % 5 != 0;", ""), {}};
+      AttentionOptions options;
+      options.mod = &mod;
+      options.block_mask = &mask.mask;
+      BackwardCase c(shape, DType::bf16, 27);
+      c.run(test_runtime(), options);
+      const GradientComparison g = c.check(tensor_core_gradient_tolerance(DType::bf16));
+      INFO(c.describe() << " block density " << density);
+      for (auto [name, cmp] : {std::pair{"forward out", &g.forward_out}, {"dq", &g.dq}, {"dk", &g.dk}, {"dv", &g.dv}}) {
+        INFO(name << ": " << cmp->bad << " of " << cmp->checked << " outside tolerance; first " << cmp->first_bad);
+        CHECK(cmp->ok());
+      }
+    }
+  }
+}
+
+TEST_CASE("modifiers backward: a wrong hand-written score gradient is caught, the right one passes", "[modifiers][quick]") {
+  if (!hopper_or_skip()) return;
+  ModifierRun run;
+  run.shape = AttentionShape::make(1, 256, 256, 2, 2, 128);
+  run.shape.score_fn = [](double s, int, int, int, int) { return 1.5 * s + 0.25 * s * s; };
+  run.code = modifier("", "return 1.5f * score + 0.25f * score * score;", {}, "return 1.5f + 0.5f * score;");
+  const GradientComparison right = backward_of(run, 28);
+  CHECK(right.ok());
+  // The derivative of the linear term only: off by 0.5 * score, which the reference's central
+  // difference exposes in dq and dk (dv, which has no dS, stays right).
+  run.code = modifier("", "return 1.5f * score + 0.25f * score * score;", {}, "return 1.5f;");
+  const GradientComparison wrong = backward_of(run, 28);
+  CHECK(wrong.forward_out.ok());
+  CHECK(wrong.dv.ok());
+  CHECK_FALSE(wrong.dq.ok());
+  CHECK_FALSE(wrong.dk.ok());
+}
+
+TEST_CASE("modifiers backward: a block mask without its transposed lists is refused by name", "[modifiers][quick]") {
+  if (!hopper_or_skip()) return;
+  const int64_t b = 1, s = 256, h = 2, d = 64;
+  DeviceBuffer q(b * s * h * d * 2), o(b * s * h * d * 2), g(b * s * h * d * 2), lse(b * h * s * 4);
+  const TensorView t = TensorView::contiguous(q.get(), ScalarType::bfloat16, {b, s, h, d});
+  const TensorView ov = TensorView::contiguous(o.get(), ScalarType::bfloat16, {b, s, h, d});
+  const TensorView gv = TensorView::contiguous(g.get(), ScalarType::bfloat16, {b, s, h, d});
+  const TensorView lv = TensorView::contiguous(lse.get(), ScalarType::float32, {b, h, s});
+  DeviceBlockMask mask(1, 1, s, s);
+  mask.mask.q_num_blocks = mask.mask.q_indices = nullptr;
+  AttentionOptions options;
+  options.block_mask = &mask.mask;
+  CHECK_THROWS_WITH(test_runtime().backward(t, t, t, ov, gv, &lv, gv, gv, gv, options),
+                    Catch::Contains("needs its transposed lists q_num_blocks and q_indices"));
 }

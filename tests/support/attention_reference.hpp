@@ -182,6 +182,7 @@ inline AttentionGradients reference_attention_backward(const AttentionShape& s, 
           const long long diagonal = static_cast<long long>(i) + sk - sq;
           if (window_right >= 0 && j > diagonal + window_right) continue;
           if (s.window_left >= 0 && j < diagonal - s.window_left) continue;
+          if (s.mask_fn && !s.mask_fn(b, h, i, j)) continue;
           const double* kj = &k[(size_t(k_row0 + j) * s.heads_kv + hk) * d];
           double dot = 0;
           for (int c = 0; c < d; ++c) dot += qi[c] * kj[c];
@@ -191,6 +192,14 @@ inline AttentionGradients reference_attention_backward(const AttentionShape& s, 
             const double t = std::tanh(score / s.softcap);
             score = s.softcap * t;
             dscore_ddot[j] = scale * (1 - t * t);
+          }
+          if (s.score_fn) {
+            // The modifier's derivative by a central difference (its error, ~1e-10 relative, is far
+            // below the kernels' tolerance): the reference needs no hand-written gradient to trust.
+            const double step = 1e-5 * std::max(1.0, std::fabs(score));
+            const double derivative = (s.score_fn(score + step, b, h, i, j) - s.score_fn(score - step, b, h, i, j)) / (2 * step);
+            dscore_ddot[j] *= std::isfinite(derivative) ? derivative : 0.0;
+            score = s.score_fn(score, b, h, i, j);
           }
           scores[j] = score;
           row_max = std::max(row_max, score);

@@ -38,18 +38,26 @@ std::vector<KernelSpec> sweep_specs(const Arch& arch) {
         for (const KernelSpec& s : heuristic_kvcache_specs(arch, DType::bf16, d, mask, softcap))
           if (std::find(specs.begin(), specs.end(), s) == specs.end()) specs.push_back(s);
   // User modifiers: a document mask with a side tensor through a block mask, and a score modifier
-  // beside the causal mask; the block mask builder with that mask. (Head dim 256 with a block mask
-  // spills 8-12 bytes: left out, see sm90_fwd's register split.)
+  // beside the causal mask; the block mask builder with that mask.
   auto document = std::make_shared<AttentionModifier>();
   document->mask = "return doc[q_idx] == doc[kv_idx] && q_idx >= kv_idx;";
   document->tensors = {{"doc", ModifierTensorType::int32}};
   auto alibi = std::make_shared<AttentionModifier>();
   alibi->score = "return score - slopes[head] * float(q_idx - kv_idx);";
   alibi->tensors = {{"slopes", ModifierTensorType::float32}};
-  for (int d : {64, 128})
+  for (int d : {64, 128, 256})
     if (family_covers(Family::sm90_fwd, arch, d)) {
       specs.push_back(default_spec(Family::sm90_fwd, arch, DType::bf16, d, MaskKind::none, false, document, true));
-      specs.push_back(default_spec(Family::sm90_fwd, arch, DType::bf16, d, MaskKind::causal, false, alibi));
+      if (d <= 128) specs.push_back(default_spec(Family::sm90_fwd, arch, DType::bf16, d, MaskKind::causal, false, alibi));
+    }
+  // The backward: the document mask through a block mask, and a score modifier whose gradient is
+  // derived (dual numbers). (ALiBi at head dim 128 spills 8-40 bytes there: left out.)
+  auto softcap = std::make_shared<AttentionModifier>();
+  softcap->score = "return 30.f * tanhf(score / 30.f);";
+  for (int d : {64, 128, 256})
+    if (family_covers(Family::sm90_bwd, arch, d)) {
+      specs.push_back(default_spec(Family::sm90_bwd, arch, DType::bf16, d, MaskKind::none, false, document, true));
+      specs.push_back(default_spec(Family::sm90_bwd, arch, DType::bf16, d, MaskKind::none, false, softcap));
     }
   if (arch.sm == 80 || arch.sm == 90)
     specs.push_back(default_spec(Family::block_mask, arch, DType::bf16, 0, MaskKind::none, false, document));

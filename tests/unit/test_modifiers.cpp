@@ -46,6 +46,20 @@ TEST_CASE("modifiers: validation names what is wrong", "[modifiers]") {
   m.tensors.assign(9, {"t", ModifierTensorType::int32});
   for (int i = 0; i < 9; ++i) m.tensors[i].name = "t" + std::to_string(i);
   CHECK_THAT(*m.validate(), Catch::Contains("at most 8 side tensors"));
+  m.tensors.clear();
+  m.score_grad = "return 1.f;";
+  CHECK_THAT(*m.validate(), Catch::Contains("needs the score body it is the derivative of"));
+}
+
+TEST_CASE("modifiers: a score gradient body is part of the hash and the JSON, optional in both", "[modifiers]") {
+  AttentionModifier m;
+  m.score = "return 2.f * score;";
+  const std::string without = m.hash();
+  CHECK(AttentionModifier::from_json(m.to_json()) == m);
+  CHECK_FALSE(m.to_json().contains("score_grad"));  // modifiers without one keep their JSON and names
+  m.score_grad = "return 2.f;";
+  CHECK(m.hash() != without);
+  CHECK(AttentionModifier::from_json(m.to_json()) == m);
 }
 
 TEST_CASE("modifiers: specs carry them in names, JSON, equality and hashes", "[modifiers]") {
@@ -118,6 +132,31 @@ TEST_CASE("modifiers: rendered as functions numbered with the user's lines", "[m
   CHECK(source.user_files[0].first == "mask_mod");
 }
 
+// The backward's score functions: the user's gradient body, or the score body run on dual numbers
+// (which compiles for arithmetic and math functions, and says why where a float holds the score).
+TEST_CASE("modifiers: the backward's score gradient, given or derived", "[modifiers][compile]") {
+  auto backward_spec = [](std::string score, std::string score_grad) {
+    auto m = std::make_shared<AttentionModifier>();
+    m->score = std::move(score);
+    m->score_grad = std::move(score_grad);
+    return default_spec(Family::sm90_bwd, Arch::parse("sm_90a"), DType::bf16, 64, MaskKind::none, false, m);
+  };
+  const Source given = render(backward_spec("return 2.f * score;", "return 2.f;"));
+  CHECK_THAT(given.text, Catch::Contains("#line 1 \"score_grad\"\nreturn 2.f;"));
+  CHECK_THAT(given.text, Catch::Contains("gradient = score_grad(p, s, batch, head, q_idx, kv_idx);"));
+  const Source derived = render(backward_spec("return q_idx >= kv_idx ? 30.f * tanhf(score / 30.f) : -INFINITY;", ""));
+  CHECK_THAT(derived.text, Catch::Contains("flashjit::kernels::ScoreDual(s, 1.f)"));
+  CHECK_NOTHROW(detail::compile_source(derived, Arch::parse("sm_90a")));
+  try {
+    detail::compile_source(render(backward_spec("float t = score * 2.f;\nreturn t;", "")), Arch::parse("sm_90a"));
+    FAIL("a float holding the score compiled on dual numbers");
+  } catch (const Error& e) {
+    const std::string message = e.what();
+    CHECK_THAT(message, Catch::Contains("score_mod(1): error"));
+    CHECK_THAT(message, Catch::Contains("dual numbers"));
+  }
+}
+
 TEST_CASE("modifiers: a body that does not compile is quoted at the user's line", "[modifiers][compile]") {
   const Source source = render(sparse_spec(document_mask("return doc[q_idx] == doc[kv_idx] &&\n  q_idx >= kv_idx + undefined_name;")));
   try {
@@ -136,12 +175,12 @@ TEST_CASE("modifiers: the C API's handle and bad block masks, before anything ru
   flashjit_modifier* modifier = nullptr;
   const char* names[] = {"doc"};
   const int32_t dtypes[] = {FLASHJIT_INT32};
-  CHECK(flashjit_modifier_create(nullptr, nullptr, 0, nullptr, nullptr, &modifier) == FLASHJIT_ERROR_INVALID_ARGUMENT);
+  CHECK(flashjit_modifier_create(nullptr, nullptr, nullptr, 0, nullptr, nullptr, &modifier) == FLASHJIT_ERROR_INVALID_ARGUMENT);
   CHECK_THAT(flashjit_last_error(), Catch::Contains("needs a mask body"));
   const int32_t bad_dtypes[] = {FLASHJIT_BFLOAT16};
-  CHECK(flashjit_modifier_create("return true;", nullptr, 1, names, bad_dtypes, &modifier) == FLASHJIT_ERROR_INVALID_ARGUMENT);
+  CHECK(flashjit_modifier_create("return true;", nullptr, nullptr, 1, names, bad_dtypes, &modifier) == FLASHJIT_ERROR_INVALID_ARGUMENT);
   CHECK_THAT(flashjit_last_error(), Catch::Contains("is not int32, int64 or float32"));
-  REQUIRE(flashjit_modifier_create("return doc[q_idx] == doc[kv_idx];", nullptr, 1, names, dtypes, &modifier) == FLASHJIT_OK);
+  REQUIRE(flashjit_modifier_create("return doc[q_idx] == doc[kv_idx];", nullptr, nullptr, 1, names, dtypes, &modifier) == FLASHJIT_OK);
   REQUIRE(modifier != nullptr);
 
   // Host memory stands in for device memory: every check below comes before the driver is asked.
@@ -149,6 +188,7 @@ TEST_CASE("modifiers: the C API's handle and bad block masks, before anything ru
   unsigned char* arena = test::FakeTensors::arena;
   const flashjit_tensor q = tensor(FLASHJIT_BFLOAT16, {1, 256, 2, 64}), out = q;
   const flashjit_tensor doc = tensor(FLASHJIT_INT32, {256});
+  const flashjit_tensor lse_tensor = tensor(FLASHJIT_FLOAT32, {1, 2, 256});
   flashjit_attention_options options;
   flashjit_attention_options_init(&options);
   CHECK(flashjit_forward_mod(&q, &q, &q, &out, nullptr, modifier, nullptr, 0, nullptr, &options) ==
@@ -178,14 +218,24 @@ TEST_CASE("modifiers: the C API's handle and bad block masks, before anything ru
         FLASHJIT_ERROR_INVALID_ARGUMENT);
   CHECK_THAT(flashjit_last_error(), Catch::Contains("replaces causal and window_size"));
   options.causal = 0;
-  // The backward and forward_kvcache say they do not take them yet.
+  // The backward walks the transposed lists, and says so when they are missing.
+  CHECK(flashjit_backward_mod(&q, &q, &q, &out, &out, &lse_tensor, &q, &q, &q, modifier, &doc, 1, &mask, &options) ==
+        FLASHJIT_ERROR_INVALID_ARGUMENT);
+  CHECK_THAT(flashjit_last_error(), Catch::Contains("needs its transposed lists q_num_blocks and q_indices"));
+  mask.q_num_blocks = tensor(FLASHJIT_INT32, {1, 1, 3});  // 256 keys make 2 key blocks
+  mask.q_indices = tensor(FLASHJIT_INT32, {1, 1, 3, 2});
+  CHECK(flashjit_backward_mod(&q, &q, &q, &out, &out, &lse_tensor, &q, &q, &q, modifier, &doc, 1, &mask, &options) ==
+        FLASHJIT_ERROR_INVALID_ARGUMENT);
+  CHECK_THAT(flashjit_last_error(), Catch::Contains("block_mask.q_num_blocks: 3 key blocks, but seqlen_k 256 in blocks of 128 makes 2"));
+  // forward_kvcache says it does not take them yet.
   flashjit::AttentionMod mod{std::make_shared<AttentionModifier>(*document_mask()), {}};
   flashjit::AttentionOptions cpp_options;
   cpp_options.mod = &mod;
   const flashjit::TensorView view = flashjit::TensorView::contiguous(arena, flashjit::ScalarType::bfloat16, {1, 256, 2, 64});
-  const flashjit::TensorView lse = flashjit::TensorView::contiguous(arena, flashjit::ScalarType::float32, {1, 2, 256});
-  CHECK_THROWS_WITH(flashjit::Runtime::global().backward(view, view, view, view, view, &lse, view, view, view, cpp_options),
-                    Catch::Contains("backward of user modifiers and block masks is not implemented yet"));
+  flashjit::KvCache cache;
+  cache.k_cache = cache.v_cache = view;
+  CHECK_THROWS_WITH(flashjit::Runtime::global().forward_kvcache(view, cache, view, nullptr, cpp_options),
+                    Catch::Contains("forward_kvcache does not take user modifiers or block masks yet"));
 
   flashjit_block_mask_buffers buffers{};
   buffers.kv_num_blocks = tensor(FLASHJIT_INT32, {1, 1, 2});

@@ -21,7 +21,9 @@ int smem_bytes_without_dq_buffer(const KernelSpec& s) {
   const int kv_tile = panels(s) * s.block_n * 128, step_tile = panels(s) * s.block_m * 128;
   const int ds = s.block_n * s.block_m * 2, rows = s.num_stages * s.block_m * 4;
   const int exchanged_tiles = split_head_dim(s) ? 4 : 2;  // dS^T double-buffered, and P^T at head dim 256
-  return 1024 + 2 * kv_tile + 2 * s.num_stages * step_tile + exchanged_tiles * ds + 2 * rows +
+  // Each stage's query step, recorded for the consumers under a block mask or modifiers.
+  const int step_info = s.block_sparse || s.modifier != nullptr ? 16 * s.num_stages : 0;
+  return 1024 + 2 * kv_tile + 2 * s.num_stages * step_tile + exchanged_tiles * ds + 2 * rows + step_info +
          8 * (1 + 2 * s.num_stages);
 }
 
@@ -70,8 +72,9 @@ void set_default_tiles(KernelSpec& s) {
 int threads(const KernelSpec& s) { return 32 * s.num_warps; }
 
 // The dkdv entry's shared memory and setmaxnreg split (FlashAttention-3's for two consumer
-// warpgroups). The row passes use none: launched with the main kernel's (up to 224 KB) they ran
-// one CTA per SM, at half the memory bandwidth.
+// warpgroups; under a block mask too: the producer's list walk fits its 24 registers, and 40/232
+// spilled the consumers of a document mask at head dim 128). The row passes use none: launched with
+// the main kernel's (up to 224 KB) they ran one CTA per SM, at half the memory bandwidth.
 std::vector<KernelConstant> constants(const KernelSpec& s) {
   return {{"kDqWriters", dq_writers(s) ? 1 : 0},
           {"kSmemBytes", smem_bytes(s)},
@@ -114,6 +117,9 @@ const FamilyRules kSm90BwdRules{
     threads,
     constants,
     config_members,
+    /*min_blocks_per_sm=*/nullptr,
+    /*takes_modifiers=*/true,
+    /*takes_block_mask=*/true,
 };
 
 }  // namespace flashjit::codegen_detail

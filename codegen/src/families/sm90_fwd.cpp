@@ -35,8 +35,8 @@ int smem_bytes(const KernelSpec& s) { return smem_bytes_with(s, q_stages(s)); }
 // The split must stay within what the launch allocates (168 x 384 = 64512 with two consumers):
 // setmaxnreg.inc waits until the registers are free, so a split over it hangs the consumers. A
 // block mask's walk (list offsets, counts, the step's id) needs more of the producer: 40 with two
-// consumers (24 spilled 40 bytes; head dim 256 still spills 8-12 bytes at 40/232, 48/224 alike),
-// so the consumers get 232.
+// consumers (24 spilled 40 bytes), so the consumers get 232. (Head dim 256 spilled 8-12 bytes
+// until only lane 0 of a consumer warp read each stage's recorded key tile.)
 int consumer_register_budget(const KernelSpec& s) { return consumers(s) == 2 ? (s.block_sparse ? 232 : 240) : 160; }
 int producer_registers(const KernelSpec& s) { return consumers(s) == 2 ? (s.block_sparse ? 40 : 24) : 32; }
 int consumer_registers_needed(const KernelSpec& s) {

@@ -112,18 +112,22 @@ flashjit_status flashjit_backward_varlen(const flashjit_tensor* q, const flashji
 
 /* A user modifier (flashjit::AttentionModifier): mask_body is the body of
  * bool mask(int batch, int head, int q_idx, int kv_idx), score_body of
- * float score(float score, int batch, int head, int q_idx, int kv_idx) (either may be NULL or "");
- * the side tensors they read are named by tensor_names, with dtypes FLASHJIT_INT32, FLASHJIT_INT64 or
- * FLASHJIT_FLOAT32. Nothing compiles here: the first forward with it does. */
+ * float score(float score, int batch, int head, int q_idx, int kv_idx), score_grad_body (for the
+ * backward; NULL or "": derived from score_body) of its derivative with respect to score, same
+ * parameters (any body may be NULL or "", but not both mask and score); the side tensors they read
+ * are named by tensor_names, with dtypes FLASHJIT_INT32, FLASHJIT_INT64 or FLASHJIT_FLOAT32.
+ * Nothing compiles here: the first call with it does. */
 typedef struct flashjit_modifier flashjit_modifier;
-flashjit_status flashjit_modifier_create(const char* mask_body, const char* score_body, int32_t num_tensors,
-                                         const char* const* tensor_names, const int32_t* tensor_dtypes,
-                                         flashjit_modifier** out);
+flashjit_status flashjit_modifier_create(const char* mask_body, const char* score_body, const char* score_grad_body,
+                                         int32_t num_tensors, const char* const* tensor_names,
+                                         const int32_t* tensor_dtypes, flashjit_modifier** out);
 void flashjit_modifier_destroy(flashjit_modifier* modifier);
 
-/* FlexAttention's BlockMask arrays (see flashjit::BlockMask); full_* with data NULL: none. */
+/* FlexAttention's BlockMask arrays (see flashjit::BlockMask); full_* and q_* (the backward's
+ * transposes) with data NULL: none. */
 typedef struct flashjit_block_mask {
   flashjit_tensor kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices;
+  flashjit_tensor q_num_blocks, q_indices, full_q_num_blocks, full_q_indices;
   int32_t q_block_size, kv_block_size;
 } flashjit_block_mask;
 
@@ -134,6 +138,15 @@ flashjit_status flashjit_forward_mod(const flashjit_tensor* q, const flashjit_te
                                      const flashjit_modifier* modifier, const flashjit_tensor* mod_tensors,
                                      int32_t num_mod_tensors, const flashjit_block_mask* block_mask,
                                      const flashjit_attention_options* options);
+
+/* flashjit_backward of a flashjit_forward_mod call: the same modifier, side tensors and block mask
+ * (whose q_num_blocks and q_indices it needs). */
+flashjit_status flashjit_backward_mod(const flashjit_tensor* q, const flashjit_tensor* k, const flashjit_tensor* v,
+                                      const flashjit_tensor* out, const flashjit_tensor* dout,
+                                      const flashjit_tensor* lse, const flashjit_tensor* dq, const flashjit_tensor* dk,
+                                      const flashjit_tensor* dv, const flashjit_modifier* modifier,
+                                      const flashjit_tensor* mod_tensors, int32_t num_mod_tensors,
+                                      const flashjit_block_mask* block_mask, const flashjit_attention_options* options);
 
 /* Where a block mask is built (see flashjit::BlockMaskBuffers); q_* with data NULL: not built. */
 typedef struct flashjit_block_mask_buffers {

@@ -59,11 +59,17 @@ struct AttentionMod {
 // full_kv_num_blocks / full_kv_indices (same shapes, optional) its fully visible ones. B may be 1
 // or the batch, H 1 or heads_q. q_blocks = ceil(seqlen_q / q_block_size); the kernel's query tile
 // must divide q_block_size and its key tile kv_block_size (128 x 128, FlexAttention's default,
-// suits every head dim). Tiles listed in neither are never loaded.
+// suits every head dim). Tiles listed in neither are never loaded. The backward walks the
+// transposes: q_num_blocks (B, H, kv_blocks) and q_indices (B, H, kv_blocks, capacity), and
+// full_q_num_blocks / full_q_indices exactly when the full kv lists are given.
 struct BlockMask {
   TensorView kv_num_blocks, kv_indices;
   const TensorView* full_kv_num_blocks = nullptr;
   const TensorView* full_kv_indices = nullptr;
+  const TensorView* q_num_blocks = nullptr;  // backward only
+  const TensorView* q_indices = nullptr;
+  const TensorView* full_q_num_blocks = nullptr;
+  const TensorView* full_q_indices = nullptr;
   int q_block_size = 128;
   int kv_block_size = 128;
 };

@@ -25,7 +25,8 @@ std::vector<KernelSpec> tuning_candidates(const KernelSpec& base) {
   return candidates;
 }
 
-// fa2_bwd's arguments and the TMA maps of q, k, v and dout.
+// fa2_bwd's arguments and the TMA maps of q, k, v and dout; under a block mask its walk by key
+// block fitted to the kernel's tiles.
 AttentionSm90BwdParams hopper_params(const KernelSpec& spec, const ForwardProblem& f, const AttentionBwdParams& bwd) {
   const AttentionFwdParams& a = bwd.fwd;
   const auto [rows_q, rows_k, batches] = tma_extents(f);
@@ -39,6 +40,9 @@ AttentionSm90BwdParams hopper_params(const KernelSpec& spec, const ForwardProble
                                         a.k_head_stride, a.k_batch_stride, spec.block_n);
   params.v_map = make_attention_tma_map(a.v, f.dtype, a.head_dim, rows_k, a.num_heads_kv, batches, a.v_row_stride,
                                         a.v_head_stride, a.v_batch_stride, spec.block_n);
+  if (f.block_sparse)
+    fit_block_mask_to_tiles(params.bwd.transposed_block_mask, spec, /*rows_are_queries=*/false, spec.block_n,
+                            spec.block_m, "backward");
   return params;
 }
 

@@ -109,17 +109,8 @@ AttentionSm90FwdParams hopper_params(const KernelSpec& spec, const ForwardProble
     split = choose_tail_split(tiles, persistent_ctas(problem, device), key_blocks, problem.num_splits);
   params.num_split_tiles = static_cast<int>(split.tiles);
   params.splits = split.splits;
-  if (problem.block_sparse) {
-    // A query tile lies in one query block, and a key block is whole key tiles.
-    BlockSparseParams& b = params.fwd.block_mask;
-    if (b.q_block_size % spec.block_m != 0 || b.kv_block_size % spec.block_n != 0)
-      throw Error(ErrorCode::invalid_argument, "forward",
-                  fmt::format("block_mask: blocks of ({}, {}) do not hold whole tiles of kernel {} ({} x {}): the query "
-                              "block size must be a multiple of {} and the key block size of {}",
-                              b.q_block_size, b.kv_block_size, spec.name(), spec.block_m, spec.block_n, spec.block_m,
-                              spec.block_n));
-    b.kv_tiles_per_block = b.kv_block_size / spec.block_n;
-  }
+  if (problem.block_sparse)
+    fit_block_mask_to_tiles(params.fwd.block_mask, spec, /*rows_are_queries=*/true, spec.block_m, spec.block_n, "forward");
   return params;
 }
 

@@ -32,10 +32,16 @@ struct AttentionModifier {
   // Body of `float score(float score, int batch, int head, int q_idx, int kv_idx)`: the score to use
   // instead of `score` (q.k times the softmax scale). Empty: the score is kept.
   std::string score;
+  // Body of `float score_grad(float score, int batch, int head, int q_idx, int kv_idx)`: the
+  // derivative of the score body with respect to `score`, for the backward. Empty: the backward
+  // derives it, running the score body on dual numbers (templates/common/modifiers.cuh), which
+  // takes the arithmetic operators and the usual math functions (expf, tanhf, logf, fabsf, ...).
+  std::string score_grad;
   std::vector<ModifierTensor> tensors;  // side tensors, in the order their pointers are passed
 
   bool has_mask() const { return !mask.empty(); }
   bool has_score() const { return !score.empty(); }
+  bool has_score_grad() const { return !score_grad.empty(); }
   // Why the modifier cannot be rendered (no body, a bad or reserved tensor name, too many tensors).
   std::optional<std::string> validate() const;
   // 16 hex digits over every field: what spec names carry (FNV-1a, 64 bits).
@@ -45,7 +51,7 @@ struct AttentionModifier {
   static AttentionModifier from_json(const nlohmann::json& j);  // strict, as KernelSpec::from_json
 
   bool operator==(const AttentionModifier& o) const {
-    return mask == o.mask && score == o.score && tensors == o.tensors;
+    return mask == o.mask && score == o.score && score_grad == o.score_grad && tensors == o.tensors;
   }
   bool operator!=(const AttentionModifier& o) const { return !(*this == o); }
 };
@@ -57,5 +63,6 @@ ModifierTensorType parse_modifier_tensor_type(std::string_view text);
 // the user's own line numbers.
 constexpr std::string_view kMaskModFile = "mask_mod";
 constexpr std::string_view kScoreModFile = "score_mod";
+constexpr std::string_view kScoreGradFile = "score_grad";
 
 }  // namespace flashjit
