@@ -91,7 +91,8 @@ struct BlockMaskBuffers {
 // Which kernel family serves a call. `automatic` is the dispatcher's choice; the others force a
 // family (tests, benchmarks) and fail with Error(unsupported) where it cannot serve the problem.
 // The forward family: automatic = sm90 on sm_90 devices when TMA can read q, k and v (16-byte
-// aligned bases and strides), fa2 otherwise. The backward is fa2_bwd whatever the backend.
+// aligned bases and strides), fa2 otherwise. The backward: sm90_bwd on sm_90 devices where TMA
+// can read q, k, v and dout (atomic dQ), fa2_bwd otherwise (and in deterministic mode).
 enum class Backend { automatic, reference, fa2, sm90 };
 
 struct AttentionOptions {
@@ -102,9 +103,9 @@ struct AttentionOptions {
   float softcap = 0.f;                 // > 0: scores = softcap * tanh(scores / softcap)
   Backend backend = Backend::automatic;
   // Run exactly this kernel (tuning, tests, benchmarks). It must fit the problem: a forward
-  // family for forward(), fa2_bwd for backward(), the problem's dtype, mask kind and softcap, a
-  // head dim at least the problem's, and the device's arch; Error(invalid_argument) says which
-  // field does not.
+  // family for forward(), a backward one (fa2_bwd, sm90_bwd) for backward(), the problem's dtype,
+  // mask kind, softcap and modifier, a head dim at least the problem's, and the device's arch;
+  // Error(invalid_argument) says which field does not.
   std::optional<KernelSpec> kernel;
   // backward(): accumulate dQ in a fixed order (a second, query-outer kernel recomputes the scores
   // instead of atomics), so reruns are bitwise identical; the backward takes 1.27-1.38x as long
@@ -119,9 +120,10 @@ struct AttentionOptions {
   // depend on the SM count; n > 1: the last round's tiles in n each. Fixed-length batches only.
   int num_splits = 0;
   void* stream = nullptr;              // CUstream; nullptr = the legacy default stream
-  // forward() on sm_90: user mask/score functions compiled into the kernel (the first call with a
-  // new modifier compiles it), and a block mask whose empty tiles are skipped. A block mask
-  // replaces causal and window (write them into the mask modifier and the block mask).
+  // forward() and backward() on sm_90: user mask/score functions compiled into the kernel (the
+  // first call with a new modifier compiles it), and a block mask whose empty tiles are skipped
+  // (the backward walks its transposed lists). A block mask replaces causal and window (write them
+  // into the mask modifier and the block mask). The backward takes the forward's mod and mask.
   const AttentionMod* mod = nullptr;
   const BlockMask* block_mask = nullptr;
 };
