@@ -14,8 +14,12 @@
 //   overlaps PV. kNumStages >= 2: a ring of K/V tiles, kNumStages - 1 loads in flight.
 //   Preconditions: kHeadDim % 32 == 0 and >= head_dim; head_dim % 8 == 0; 16-byte aligned base
 //   pointers and row/head/batch strides multiple of 8 elements (checked on the host).
+//   User modifiers (common/modifiers.cuh): the score modifier on every tile, the mask modifier on
+//   every tile or, under a block mask, on its partly visible tiles; a block mask's row lists replace
+//   the key range (walked from the last step, as sm90_fwd walks them).
 #pragma once
 
+#include "common/modifiers.cuh"
 #include "common/softmax.cuh"
 #include "common/tile_sm80.cuh"
 
@@ -85,6 +89,7 @@ __device__ void fa2_fwd_kernel(const AttentionFwdParams& p) {
   using Element = typename Shape::Element;
   constexpr int kBlockM = Shape::kBlockM, kBlockN = Shape::kBlockN, kStages = Shape::kStages;
   constexpr MaskKind kMask = Config::kMask;
+  using Mods = typename ModifiersOf<Config>::type;
   constexpr float kLog2e = 1.4426950408889634f;
 
   extern __shared__ __align__(16) unsigned char smem[];
@@ -125,17 +130,27 @@ __device__ void fa2_fwd_kernel(const AttentionFwdParams& p) {
     return n0 + kBlockN > seq.seqlen_k || (has_right && n0 + kBlockN - 1 > m0 + diagonal + p.window_right) ||
            (has_left && n0 < m0 + kBlockM - 1 + diagonal - p.window_left);
   };
-  const int n_block_min = keys.begin / kBlockN;
-  const int n_block_max = keys.end > keys.begin ? (keys.end + kBlockN - 1) / kBlockN : n_block_min;
+  int n_block_min = keys.begin / kBlockN;
+  int n_block_max = keys.end > keys.begin ? (keys.end + kBlockN - 1) / kBlockN : n_block_min;
+  // Under a block mask, steps 0 .. count - 1 of the row's lists instead (n_block below is a step).
+  SparseRow sparse{};
+  if constexpr (Mods::kBlockSparse) {
+    sparse = sparse_row(p.block_mask, batch, head, m0 / p.block_mask.row_block_size);
+    n_block_min = 0;
+    n_block_max = sparse.count;
+  }
   const int num_tiles = n_block_max - n_block_min;
+  // Key tile n_block: its first key and whether the mask modifier decides its elements.
+  auto tile_at = [&](int n_block) -> SparseTile {
+    if constexpr (Mods::kBlockSparse) return sparse_tile<kBlockN>(p.block_mask, sparse, n_block);
+    else return {n_block * kBlockN, 1};
+  };
 
-  auto load_k = [&](int n_block, int buffer) {
-    const int n0 = n_block * kBlockN;
+  auto load_k = [&](int n0, int buffer) {
     load_tile_async<Shape, kBlockN>(sK + buffer * Shape::kTileElements * 2, gK + n0 * p.k_row_stride,
                                     p.k_row_stride, seq.seqlen_k - n0, p.head_dim, tid);
   };
-  auto load_v = [&](int n_block, int buffer) {
-    const int n0 = n_block * kBlockN;
+  auto load_v = [&](int n0, int buffer) {
     load_tile_async<Shape, kBlockN>(sV + buffer * Shape::kTileElements * 2, gV + n0 * p.v_row_stride,
                                     p.v_row_stride, seq.seqlen_k - n0, p.head_dim, tid);
   };
@@ -150,13 +165,15 @@ __device__ void fa2_fwd_kernel(const AttentionFwdParams& p) {
 #pragma unroll
       for (int e = 0; e < 4; ++e) o[mi][nd][e] = 0.f;
 
-  const float scale_log2 = Config::kHasSoftcap ? kLog2e : p.softmax_scale * kLog2e;
+  // Softcap and a score modifier leave final scores (the softmax scale applied).
+  constexpr bool kFinalScores = Config::kHasSoftcap || Mods::kHasScore;
+  const float scale_log2 = kFinalScores ? kLog2e : p.softmax_scale * kLog2e;
   const float softcap_scale = Config::kHasSoftcap ? p.softmax_scale / p.softcap : 0.f;
   const int warp_row0 = warp * Shape::kWarpRows;
   const int thread_row0 = m0 + warp_row0 + lane / 4;
   float s[Shape::kMFrags][Shape::kSFrags][4];
 
-  auto scores_to_probabilities = [&](int n_block) {
+  auto scores_to_probabilities = [&](const SparseTile& tile) {
     if constexpr (Config::kHasSoftcap) {
 #pragma unroll
       for (int mi = 0; mi < Shape::kMFrags; ++mi)
@@ -165,26 +182,39 @@ __device__ void fa2_fwd_kernel(const AttentionFwdParams& p) {
 #pragma unroll
           for (int e = 0; e < 4; ++e) s[mi][ni][e] = p.softcap * tanh_accurate(s[mi][ni][e] * softcap_scale);
     }
-    const int n0 = n_block * kBlockN;
-    if (tile_cut(n0)) mask.template mask_tile<Shape>(s, p, thread_row0, n0, lane);
+    const int n0 = tile.start;
+    if constexpr (Mods::kBlockSparse) {
+      // A partly visible block's elements go through the mask modifier; a fully visible one's are
+      // hidden only past the keys' end.
+      const bool partial = tile.partial != 0, tail = n0 + kBlockN > seq.seqlen_k;
+      if (Mods::kHasScore || partial || tail)
+        modify_scores<Mods, Shape>(s, p, batch, head, seq.seqlen_q, seq.seqlen_k, thread_row0, n0, lane, partial || tail,
+                                   partial);
+    } else {
+      if constexpr (Mods::kHasScore || Mods::kHasMask)
+        modify_scores<Mods, Shape>(s, p, batch, head, seq.seqlen_q, seq.seqlen_k, thread_row0, n0, lane, Mods::kHasMask,
+                                   true);
+      if (tile_cut(n0)) mask.template mask_tile<Shape>(s, p, thread_row0, n0, lane);
+    }
     online_softmax<Shape>(st, o, s, scale_log2);
   };
 
   load_tile_async<Shape, kBlockM>(sQ, gQ, p.q_row_stride, seq.seqlen_q - m0, p.head_dim, tid);
   if constexpr (kStages == 1) {
     // Single K and V buffers: V(n) streams in during QK^T(n), K(n-1) during PV(n).
-    if (num_tiles > 0) load_k(n_block_max - 1, 0);
+    if (num_tiles > 0) load_k(tile_at(n_block_max - 1).start, 0);
     cp_async_commit();
     for (int n_block = n_block_max - 1; n_block >= n_block_min; --n_block) {
+      const SparseTile tile = tile_at(n_block);
       cp_async_wait<0>();
       __syncthreads();  // K(n) landed for everyone; every warp is done with V(n+1)
-      load_v(n_block, 0);
+      load_v(tile.start, 0);
       cp_async_commit();
       warp_scores<Shape>(s, sQ, sK, warp_row0, lane);
-      scores_to_probabilities(n_block);
+      scores_to_probabilities(tile);
       cp_async_wait<0>();
       __syncthreads();  // V(n) landed; every warp is done with K(n)
-      if (n_block > n_block_min) load_k(n_block - 1, 0);
+      if (n_block > n_block_min) load_k(tile_at(n_block - 1).start, 0);
       cp_async_commit();
       warp_accumulate_pv<Element, Shape::kBlockN / 16>(o, s, sV, Shape::kRowStride, lane);
     }
@@ -194,8 +224,9 @@ __device__ void fa2_fwd_kernel(const AttentionFwdParams& p) {
 #pragma unroll
     for (int i = 0; i < kStages - 1; ++i) {
       if (i < num_tiles) {
-        load_k(n_block_max - 1 - i, i);
-        load_v(n_block_max - 1 - i, i);
+        const int n0 = tile_at(n_block_max - 1 - i).start;
+        load_k(n0, i);
+        load_v(n0, i);
       }
       cp_async_commit();
     }
@@ -206,12 +237,13 @@ __device__ void fa2_fwd_kernel(const AttentionFwdParams& p) {
       const int ahead = t + kStages - 1;
       const int ahead_buffer = buffer == 0 ? kStages - 1 : buffer - 1;  // == ahead % kStages
       if (ahead < num_tiles) {
-        load_k(n_block_max - 1 - ahead, ahead_buffer);
-        load_v(n_block_max - 1 - ahead, ahead_buffer);
+        const int n0 = tile_at(n_block_max - 1 - ahead).start;
+        load_k(n0, ahead_buffer);
+        load_v(n0, ahead_buffer);
       }
       cp_async_commit();
       warp_scores<Shape>(s, sQ, sK + buffer * Shape::kTileElements * 2, warp_row0, lane);
-      scores_to_probabilities(n_block_max - 1 - t);
+      scores_to_probabilities(tile_at(n_block_max - 1 - t));
       warp_accumulate_pv<Element, Shape::kBlockN / 16>(o, s, sV + buffer * Shape::kTileElements * 2,
                                                         Shape::kRowStride, lane);
       buffer = buffer == kStages - 1 ? 0 : buffer + 1;
@@ -239,7 +271,7 @@ __device__ void fa2_fwd_kernel(const AttentionFwdParams& p) {
       if (p.lse != nullptr && lane % 4 == 0 && row < seq.seqlen_q) {
         const long long lse_row = p.cu_seqlens_q != nullptr ? seq.q_start + row : row;
         p.lse[batch * p.lse_batch_stride + head * p.lse_head_stride + lse_row] =
-            row_logsumexp<Config::kHasSoftcap>(p, st.row_max[mi][h], sum);
+            row_logsumexp<kFinalScores, Mods::kHasMask || Mods::kBlockSparse>(p, st.row_max[mi][h], sum);
       }
     }
   __syncthreads();

@@ -131,6 +131,7 @@ struct ModifierRun {
   std::shared_ptr<const AttentionModifier> code;
   std::vector<TensorView> tensors;
   bool block_mask = false;  // build one with create_block_mask and pass it
+  Backend backend = Backend::automatic;
 };
 
 // Builds the run's block mask (checking its lists against the host's) into `mask` and returns the
@@ -139,6 +140,7 @@ AttentionOptions modifier_options(const ModifierRun& r, AttentionMod& mod, std::
   mod = AttentionMod{r.code, r.tensors};
   AttentionOptions options;
   options.mod = &mod;
+  options.backend = r.backend;
   if (r.block_mask) {
     mask = std::make_unique<DeviceBlockMask>(r.shape.batch, r.shape.heads_q, r.shape.seqlen_q, r.shape.seqlen_k);
     test_runtime().create_block_mask(mod, r.shape.batch, r.shape.heads_q, r.shape.seqlen_q, r.shape.seqlen_k, mask->buffers);
@@ -150,7 +152,7 @@ AttentionOptions modifier_options(const ModifierRun& r, AttentionMod& mod, std::
 }
 
 std::string describe_modifier(const ModifierRun& r) {
-  return std::string(r.block_mask ? " with a block mask" : "") + " mask {" + r.code->mask + "} score {" + r.code->score +
+  return std::string(r.backend == Backend::fa2 ? " fa2_fwd" : "") + (r.block_mask ? " with a block mask" : "") + " mask {" + r.code->mask + "} score {" + r.code->score +
          "}" + (r.code->has_score_grad() ? " score_grad {" + r.code->score_grad + "}" : "");
 }
 
@@ -283,6 +285,26 @@ TEST_CASE("modifiers: causal as a user mask matches the built-in causal mask", "
   user.code = modifier("return q_idx >= kv_idx;", "");
   user.block_mask = true;
   check_modifier(user, 7);
+}
+
+TEST_CASE("modifiers: the sm_80 family (fa2_fwd) with modifiers and block masks", "[modifiers][quick]") {
+  // fa2_fwd runs on every sm_80+ device: forced here, it is the path of sm_80/sm_89 GPUs and of
+  // tensors TMA cannot read.
+  for_mask_examples(600, 600, [](ModifierRun run, uint64_t seed) {
+    run.backend = Backend::fa2;
+    check_modifier(run, seed + 30);
+  });
+  for (int head_dim : {64, 128, 256}) {
+    // A score modifier and a mask modifier on every tile; every fifth query sees no key.
+    ModifierRun both;
+    both.shape = AttentionShape::make(1, 300, 333, 2, 2, head_dim);
+    both.shape.mask_fn = [](int, int h, int i, int j) { return i % 5 != 0 && (i + j + h) % 3 != 0; };
+    both.shape.score_fn = [](double s, int, int, int i, int j) { return 2.0 * std::tanh(s / 2.0) + 0.01 * ((i ^ j) & 7); };
+    both.code = modifier("return q_idx % 5 != 0 && (q_idx + kv_idx + head) % 3 != 0;",
+                         "return 2.f * tanhf(score / 2.f) + 0.01f * float((q_idx ^ kv_idx) & 7);");
+    both.backend = Backend::fa2;
+    check_modifier(both, 40);
+  }
 }
 
 TEST_CASE("modifiers: random block masks at densities 0, 5%, 50% and 100%", "[modifiers][quick]") {

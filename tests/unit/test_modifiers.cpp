@@ -86,9 +86,12 @@ TEST_CASE("modifiers: specs carry them in names, JSON, equality and hashes", "[m
 }
 
 TEST_CASE("modifiers: the rules say which specs may carry them", "[modifiers]") {
-  KernelSpec fa2 = default_spec(Family::fa2_fwd, Arch::parse("sm_80"), DType::bf16, 128);
+  KernelSpec fa2 = default_spec(Family::fa2_bwd, Arch::parse("sm_80"), DType::bf16, 128);
   fa2.modifier = document_mask();
   CHECK_THAT(*fa2.validate(), Catch::Contains("does not compile user modifiers"));
+  KernelSpec fa2_forward = default_spec(Family::fa2_fwd, Arch::parse("sm_80"), DType::bf16, 128, MaskKind::none, false,
+                                        document_mask(), true);
+  CHECK_FALSE(fa2_forward.validate().has_value());
   KernelSpec causal = sparse_spec(document_mask());
   causal.mask = MaskKind::causal;
   CHECK_THAT(*causal.validate(), Catch::Contains("a block mask replaces the causal mask"));

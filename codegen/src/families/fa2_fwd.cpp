@@ -87,6 +87,10 @@ const FamilyRules kFa2FwdRules{
     set_default_tiles,
     threads,
     constants,
+    /*config_members=*/nullptr,
+    /*min_blocks_per_sm=*/nullptr,
+    /*takes_modifiers=*/true,
+    /*takes_block_mask=*/true,
 };
 
 }  // namespace flashjit::codegen_detail

@@ -1,6 +1,6 @@
 // fa2_fwd at run time: one CTA per block_m query rows of each (head, batch). It runs any layout on
 // any sm_80+ arch: the forward wherever a faster family cannot (sm_80/sm_89, or tensors TMA cannot
-// read on sm_90).
+// read on sm_90), user modifiers and block masks included.
 #include "../family.hpp"
 
 namespace flashjit::detail {
@@ -9,7 +9,14 @@ namespace {
 std::optional<std::string> unusable_reason(const PassProblem&, const Arch&) { return std::nullopt; }
 
 void run(const FamilyCall& call) {
-  call.launch("forward", query_block_grid(call.forward(), call.spec.block_m), call.forward().params);
+  if (!call.forward().block_sparse) {
+    call.launch("forward", query_block_grid(call.forward(), call.spec.block_m), call.forward().params);
+    return;
+  }
+  AttentionFwdParams params = call.forward().params;
+  fit_block_mask_to_tiles(params.block_mask, call.spec, /*rows_are_queries=*/true, call.spec.block_m, call.spec.block_n,
+                          "forward");
+  call.launch("forward", query_block_grid(call.forward(), call.spec.block_m), params);
 }
 
 }  // namespace
