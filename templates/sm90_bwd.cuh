@@ -394,6 +394,31 @@ __device__ void sm90_bwd_dkdv_atomic_dq_kernel(const AttentionSm90BwdParams& par
     }
   };
 
+  // The user's mask on this thread's elements of a partly visible step, as a bit set in the element
+  // loop's order (i = 4 j + 2 h + c), computed ahead of it: one pass whose side-tensor loads issue
+  // together, unguarded where the whole step lies inside the sequence. (Asked element by element
+  // inside the loop, each load sat in a branch of its own.)
+  static_assert(kScoreQueries / 2 <= 64, "the user's mask bits fit 64 bits");
+  auto user_mask_hidden = [&](int query_head, int first_query) {
+    unsigned long long hidden = 0;
+    auto pass = [&](auto bounded) {
+#pragma unroll
+      for (int j = 0; j < kScoreQueries / 8; ++j)
+#pragma unroll
+        for (int h = 0; h < 2; ++h)
+#pragma unroll
+          for (int c = 0; c < 2; ++c) {
+            const int q = first_query + consumer_queries + j * 8 + (lane % 4) * 2 + c;
+            const int key = n0 + key_row0 + lane / 4 + h * 8;
+            const bool inside = !decltype(bounded)::value || (q < seq.seqlen_q && key < seq.seqlen_k);
+            if (inside && !Mods::mask(f, batch, query_head, q, key)) hidden |= 1ull << (4 * j + 2 * h + c);
+          }
+    };
+    if (first_query + kBlockM <= seq.seqlen_q && n0 + kBlockN <= seq.seqlen_k) pass(BoolConstant<false>{});
+    else pass(BoolConstant<true>{});
+    return hidden;
+  };
+
   // The step's queries: computed (before the wait, as ever), or where the producer records them,
   // read once the stage is full.
   auto recorded_query_step = [&](int stage) -> QueryStep {
@@ -420,6 +445,10 @@ __device__ void sm90_bwd_dkdv_atomic_dq_kernel(const AttentionSm90BwdParams& par
     issue_scores(s, sK, sQ(stage));
     issue_scores(dp, sV, sDo(stage));
     wgmma_commit();
+    // (While the GEMMs run.)
+    unsigned long long user_hidden = 0;
+    if constexpr (Mods::kHasMask)
+      if (at.partial != 0) user_hidden = user_mask_hidden(head, m0);
     wgmma_wait<0>();
     fence_operands(s);
     fence_operands(dp);
@@ -452,7 +481,7 @@ __device__ void sm90_bwd_dkdv_atomic_dq_kernel(const AttentionSm90BwdParams& par
           const bool inside = q < seq.seqlen_q && n0 + key < seq.seqlen_k;
           bool visible =
               !needs_mask || (q < seq.seqlen_q && AttentionMask<kMask>::visible(f, q, n0 + key, seq.seqlen_k, diagonal));
-          if constexpr (Mods::kHasMask) visible = visible && (!asks_mask || Mods::mask(f, batch, head, q, n0 + key));
+          if constexpr (Mods::kHasMask) visible = visible && !((user_hidden >> i) & 1);
           // Computed for every element, then selected: a branch around the exponential would keep
           // both paths' values alive across it (the causal variant spilled).
           float ds, prob;

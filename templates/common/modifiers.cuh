@@ -162,15 +162,18 @@ __device__ __forceinline__ SparseTile sparse_tile(const BlockSparseParams& b, co
   return {id * b.column_block_size + sub * kTile, partial ? 1 : 0};
 }
 
-// The modifiers on one score tile in the mma.sync C layout (Shape::kMFrags m16 tiles of rows from
-// thread_row0, kSFrags n8 tiles of keys from n0), after q.k: with a score modifier every score
-// becomes score(q.k * scale); with `hide`, elements past the sequence become -inf, and with
-// `ask_mask` too those the mask modifier hides. Elements outside the sequence are never given to
-// the user's functions.
-template <class Mods, class Shape>
-__device__ __forceinline__ void modify_scores(float (&s)[Shape::kMFrags][Shape::kSFrags][4], const AttentionFwdParams& p,
-                                              int batch, int head, int seqlen_q, int seqlen_k, int thread_row0, int n0,
-                                              int lane, bool hide, bool ask_mask) {
+// One pass of the modifiers over a score tile in the mma.sync C layout (Shape::kMFrags m16 tiles of
+// rows from thread_row0, kSFrags n8 tiles of keys from n0). kBounded: elements past the sequence
+// are skipped by the user's functions and, with `hide`, become -inf; without it every element lies
+// inside and the user's functions run unguarded on all of them, so that their loads of side tensors
+// issue together and repeated ones (a row's doc[q_idx]) are loaded once. (Guarded element by
+// element, each load sat in its own branch: a document mask's partly visible tile took seven times
+// a full one's time at head dim 64.)
+template <class Mods, class Shape, bool kBounded>
+__device__ __forceinline__ void modify_scores_pass(float (&s)[Shape::kMFrags][Shape::kSFrags][4],
+                                                   const AttentionFwdParams& p, int batch, int head, int seqlen_q,
+                                                   int seqlen_k, int thread_row0, int n0, int lane, bool hide,
+                                                   bool ask_mask) {
 #pragma unroll
   for (int mi = 0; mi < Shape::kMFrags; ++mi)
 #pragma unroll
@@ -179,7 +182,7 @@ __device__ __forceinline__ void modify_scores(float (&s)[Shape::kMFrags][Shape::
       for (int e = 0; e < 4; ++e) {
         const int row = thread_row0 + mi * 16 + (e / 2) * 8;
         const int col = n0 + ni * 8 + (lane % 4) * 2 + e % 2;
-        const bool inside = row < seqlen_q && col < seqlen_k;
+        const bool inside = !kBounded || (row < seqlen_q && col < seqlen_k);
         if constexpr (Mods::kHasScore) {
           if (inside) s[mi][ni][e] = Mods::score(p, s[mi][ni][e] * p.softmax_scale, batch, head, row, col);
         }
@@ -189,6 +192,27 @@ __device__ __forceinline__ void modify_scores(float (&s)[Shape::kMFrags][Shape::
           if (!visible) s[mi][ni][e] = -positive_infinity();
         }
       }
+}
+
+// The modifiers on one score tile, after q.k: with a score modifier every score becomes
+// score(q.k * scale); with `hide`, elements past the sequence become -inf, and with `ask_mask` too
+// those the mask modifier hides. Elements outside the sequence are never given to the user's
+// functions. A warp whose elements all lie inside (every tile but the sequence's last) takes the
+// unguarded pass, its flags fixed at compile time.
+template <class Mods, class Shape>
+__device__ __forceinline__ void modify_scores(float (&s)[Shape::kMFrags][Shape::kSFrags][4], const AttentionFwdParams& p,
+                                              int batch, int head, int seqlen_q, int seqlen_k, int thread_row0, int n0,
+                                              int lane, bool hide, bool ask_mask) {
+  const int last_row = thread_row0 + (Shape::kMFrags - 1) * 16 + 8;
+  const bool interior = __all_sync(0xffffffffu, last_row < seqlen_q) && n0 + Shape::kSFrags * 8 <= seqlen_k;
+  if (!interior) {
+    modify_scores_pass<Mods, Shape, /*kBounded=*/true>(s, p, batch, head, seqlen_q, seqlen_k, thread_row0, n0, lane,
+                                                      hide, ask_mask);
+  } else if (Mods::kHasMask && hide && ask_mask) {
+    modify_scores_pass<Mods, Shape, false>(s, p, batch, head, seqlen_q, seqlen_k, thread_row0, n0, lane, true, true);
+  } else if (Mods::kHasScore) {
+    modify_scores_pass<Mods, Shape, false>(s, p, batch, head, seqlen_q, seqlen_k, thread_row0, n0, lane, false, false);
+  }
 }
 
 }  // namespace flashjit::kernels

@@ -48,6 +48,12 @@ __device__ __forceinline__ bfloat16_t from_float<bfloat16_t>(float f) {
   return x;
 }
 
+// A compile-time flag as a value, for generic lambdas that specialise on it (NVRTC has no <type_traits>).
+template <bool kValue>
+struct BoolConstant {
+  static constexpr bool value = kValue;
+};
+
 // NVRTC has no <cmath>: INFINITY and friends are spelled out.
 __device__ __forceinline__ float positive_infinity() { return __int_as_float(0x7f800000); }
 
