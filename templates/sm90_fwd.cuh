@@ -43,6 +43,10 @@
 //   tail; the host decides, see choose_tail_split). An item ends with the drain, writes its
 //   unnormalised O and row statistics to global memory and counts itself in per warp; the warp that
 //   completes its rows' count merges all the items in item order and stores O and the LSE.
+//   Continuing specs (Config::kContinues; ring attention's steps): each row's O and LSE merge by the
+//   logsumexp rule into a running fp32 state (AttentionFwdParams::state_o and lse) from the
+//   registers, which are written back, or where the row ends, as the output; O is never staged for
+//   TMA there.
 //   Varlen: the maps cover the packed rows as one batch entry; rows past a sequence's end belong
 //   to the next sequence, so its edge tiles are always masked and its rows past the end never
 //   written.
@@ -194,8 +198,10 @@ __device__ void sm90_fwd_kernel(const AttentionSm90FwdParams& params) {
   const int warp = warp_uniform(tid / 32), group = warp / 4;
   const int num_work_items = sm90_whole_tiles(params) + params.num_split_tiles * params.splits;
   const bool varlen = p.cu_seqlens_q != nullptr;
-  const bool o_via_tma = Shape::kStagesOutputInQSlot && params.o_via_tma != 0;
-  const bool o_via_v_stage = Shape::kStagesOutputInVStage && params.o_via_tma != 0;
+  // A continuing spec merges O into its running state from the registers: no staging for TMA.
+  constexpr bool kContinues = ContinuesOf<Config>::value;
+  const bool o_via_tma = !kContinues && Shape::kStagesOutputInQSlot && params.o_via_tma != 0;
+  const bool o_via_v_stage = !kContinues && Shape::kStagesOutputInVStage && params.o_via_tma != 0;
 
   if (tid == 0) {
     // The producer thread fills a stage; lane 0 of each consumer warp frees it.
@@ -469,6 +475,55 @@ __device__ void sm90_fwd_kernel(const AttentionSm90FwdParams& params) {
     st.row_max[0][1] = row_max[1];
     return true;
   };
+  // A continuing spec's rows (ring attention's steps): this step's O and LSE merged by the
+  // logsumexp rule into the running state (p.lse and p.state_o, read where p.state_read; see
+  // AttentionFwdParams), then written back in fp32, or where the row ends (below
+  // p.state_final_rows) as the output, normalised, with the final LSE. A row's four lanes share its
+  // LSE; lane 0 of the quad reads and writes it.
+  auto continue_output = [&](const Sm90WorkTile& work, const RowStatistics<Warp>& st,
+                             const float (&o)[Shape::kHeadDim / 2]) {
+    const SequenceExtent seq = sequence_extent(p, work.batch);
+    const int tid = fresh_thread_index(), lane = tid % 32;
+    const int thread_row0 = work.m_block * kBlockM + tid / 32 % 4 * 16 + (tid / 128 - 1) * 64 + lane / 4;
+    const int col0 = (lane % 4) * 2;
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int row = thread_row0 + h * 8;
+      const bool in_sequence = row < seq.seqlen_q;
+      const long long lse_index = work.batch * p.lse_batch_stride + work.head * p.lse_head_stride +
+                                  (varlen ? seq.q_start + row : row);
+      const float sum = quad_sum(st.row_sum[0][h]);
+      float state_lse = -positive_infinity();
+      if (p.state_read && in_sequence && lane % 4 == 0) state_lse = p.lse[lse_index];
+      state_lse = __shfl_sync(0xffffffffu, state_lse, lane & ~3);
+      if (!in_sequence) continue;
+      const LseMerge merged =
+          merge_logsumexp(state_lse, row_logsumexp<kFinalScores, /*kEmptyRowNegative=*/true>(p, st.row_max[0][h], sum));
+      const float step_factor = sum > 0.f ? merged.weight_b / sum : 0.f;  // O here is unnormalised
+      const bool ends = row < p.state_final_rows;
+      float* state_row = p.state_o + lse_index * p.head_dim + col0;
+      Element* out_row = static_cast<Element*>(p.o) + seq.o_batch_offset + (seq.q_start + row) * p.o_row_stride +
+                         work.head * p.o_head_stride + col0;
+#pragma unroll
+      for (int nd = 0; nd < Warp::kOFrags; ++nd) {
+        if (col0 + nd * 8 >= p.head_dim) continue;
+        float2 value = make_float2(o[4 * nd + 2 * h] * step_factor, o[4 * nd + 2 * h + 1] * step_factor);
+        if (p.state_read) {
+          const float2 before = *reinterpret_cast<const float2*>(state_row + nd * 8);
+          value.x = fmaf(before.x, merged.weight_a, value.x);
+          value.y = fmaf(before.y, merged.weight_a, value.y);
+        }
+        if (ends) *reinterpret_cast<unsigned*>(out_row + nd * 8) = pack2<Element>(value.x, value.y);
+        else *reinterpret_cast<float2*>(state_row + nd * 8) = value;
+      }
+      // The final LSE of a row that saw no key follows the kernel's convention (+inf, or -inf under
+      // a user's mask); the state keeps -inf, the empty sum's.
+      if (lane % 4 == 0)
+        p.lse[lse_index] = ends && merged.lse == -positive_infinity()
+                               ? row_logsumexp<kFinalScores, kEmptyRowLse>(p, merged.lse, 0.f)
+                               : merged.lse;
+    }
+  };
   // Normalise the O of work tile `work` and store it with its LSE. Through TMA (`box` nonzero: the
   // consumer's 64-row box in a Q slot or a V tile, panels `panel_bytes` apart): stmatrix writes the
   // rows in the 128-byte-swizzled panel layout TMA reads, and the consumer's first thread sends them
@@ -477,6 +532,10 @@ __device__ void sm90_fwd_kernel(const AttentionSm90FwdParams& params) {
   // again (finished_tile): cheaper than keeping them live beside the next tile's across a step.
   auto store_output = [&](const Sm90WorkTile& work, const RowStatistics<Warp>& st,
                           const float (&o)[Shape::kHeadDim / 2], unsigned box, unsigned panel_bytes) {
+    if constexpr (kContinues) {
+      continue_output(work, st, o);
+      return;
+    }
     const SequenceExtent seq = sequence_extent(p, work.batch);
     const int tid = fresh_thread_index(), lane = tid % 32;  // (consumer threads start at 128)
     const int consumer = tid / 128 - 1;

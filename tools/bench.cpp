@@ -3,6 +3,7 @@
 // against the reference kernel.
 #include <algorithm>
 #include <chrono>
+#include <cstdlib>
 #include <cmath>
 #include <functional>
 #include <numeric>
@@ -13,6 +14,7 @@
 
 #include "cli_common.hpp"
 #include "flashjit/flashjit.hpp"
+#include "flashjit/ring.hpp"
 #include "flashjit/tuning.hpp"
 #include "tool_support.hpp"
 
@@ -49,6 +51,9 @@ struct Options {
   std::vector<int> batches{1, 16, 64};
   int heads_q = 32, heads_kv = 8, seqlen_q = 1;
   int page_size = 0;  // 0: a contiguous cache
+  // --ring: ring attention over these numbers of virtual ranks, beside one call (batch 1).
+  std::vector<int> ring_sizes;
+  std::string ring_layout = "zigzag";
 };
 
 // Dense bf16 tensor-core rates measured on real GPUs (a GEMM on random data), the ceiling the
@@ -230,8 +235,150 @@ int run_decode(const Options& o) {
   return cli::kExitOk;
 }
 
+// --ring: ring attention over N virtual ranks on this GPU (LocalRing: each rank on its own thread
+// and stream, K/V moved by device copies) beside one call on the whole sequence, batch 1, per row
+// (head dim, seqlen, causal), timed in turn. A ring call's ranks start after an event on the timing
+// stream and are joined back into it. ms: shapes not re-checked (Options::check_shapes off, a
+// training loop's steady state); checked_ms: with the header exchange and its wait on every call.
+int run_ring(const Options& o) {
+  const DType dtype = parse_dtype(o.dtype);
+  const ScalarType scalar = dtype == DType::bf16 ? ScalarType::bfloat16 : ScalarType::float16;
+  const ring::Layout layout = o.ring_layout == "zigzag" ? ring::Layout::zigzag : ring::Layout::contiguous;
+  if (o.ring_layout != "zigzag" && o.ring_layout != "contiguous")
+    throw Error(ErrorCode::invalid_argument, "--ring-layout", fmt::format("'{}' is not zigzag or contiguous", o.ring_layout));
+  // 2N + 1 streams at once: past the driver's 8 default hardware queues, streams share queues and
+  // wait on each other's work (read when the driver starts: only if no CUDA call came before).
+  setenv("CUDA_DEVICE_MAX_CONNECTIONS", "32", /*overwrite=*/0);
+  const DeviceProperties& device = device_properties(o.device);
+  detail::make_context_current(o.device);
+  Runtime& runtime = Runtime::global();
+  CUevent start, stop, ring_start;
+  FLASHJIT_CU(cuEventCreate, &start, CU_EVENT_DEFAULT);
+  FLASHJIT_CU(cuEventCreate, &stop, CU_EVENT_DEFAULT);
+  FLASHJIT_CU(cuEventCreate, &ring_start, CU_EVENT_DISABLE_TIMING);
+  const std::vector<uint16_t> random = detail::random_half_bits(size_t(1) << 22, dtype, 11);
+  auto fill = [&](const detail::DeviceMemory& m, size_t bytes) {
+    for (size_t at = 0; at < bytes; at += random.size() * 2)
+      FLASHJIT_CU(cuMemcpyHtoD, m.address() + at, random.data(), std::min(random.size() * 2, bytes - at));
+  };
+  if (!o.json_output)
+    fmt::print("{} --ring on {}: {} layout, {}, {} memory, batch 1, heads = {} / head dim\n", kTool, device.name,
+               o.ring_layout, o.dtype, o.layout, o.hidden);
+  json rows = json::array();
+  for (int d : o.head_dims)
+    for (int seqlen : o.seqlens)
+      for (const auto& c : o.causal) {
+        const bool causal = c == "on";
+        const int heads = o.hidden / d;
+        auto view = [&](const detail::DeviceMemory& m, int rows) {
+          return o.layout == "bhsd" ? TensorView::head_major(m.get(), scalar, 1, rows, heads, d, o.device)
+                                    : TensorView::contiguous(m.get(), scalar, {1, rows, heads, d}, o.device);
+        };
+        const size_t n = size_t(seqlen) * heads * d;
+        detail::DeviceMemory q(n * 2), k(n * 2), v(n * 2), out(n * 2), lse(size_t(heads) * seqlen * 4);
+        for (const auto* m : {&q, &k, &v}) fill(*m, n * 2);
+        const TensorView lse_view = TensorView::contiguous(lse.get(), ScalarType::float32, {1, heads, seqlen}, o.device);
+        AttentionOptions single_options;
+        single_options.causal = causal;
+        // The whole sequence as one continuing call (the kernel variant's own cost): a first step (no
+        // state read, every row final) and a middle one (fp32 state read and written).
+        detail::DeviceMemory state(n * 4);
+        ForwardContinuation first, middle;
+        first.o_state = middle.o_state = TensorView::contiguous(state.get(), ScalarType::float32, {1, heads, seqlen, d}, o.device);
+        first.final_rows = seqlen;
+        middle.has_state = true;
+        AttentionOptions first_options = single_options, middle_options = single_options;
+        first_options.continuation = &first;
+        middle_options.continuation = &middle;
+        auto whole_call = [&](const AttentionOptions& options) {
+          runtime.forward(view(q, seqlen), view(k, seqlen), view(v, seqlen), view(out, seqlen), &lse_view, options);
+        };
+        std::vector<std::function<void()>> calls{[&] { whole_call(single_options); }, [&] { whole_call(first_options); },
+                                                  [&] { whole_call(middle_options); }};
+        struct RankSet {
+          int world;
+          std::unique_ptr<ring::LocalRing> local;
+          std::vector<std::unique_ptr<detail::DeviceMemory>> memory;  // q, k, v, out, lse per rank
+          std::vector<CUstream> streams;
+          std::vector<CUevent> done;
+        };
+        std::vector<std::unique_ptr<RankSet>> sets;
+        for (int world : o.ring_sizes) {
+          const int chunks = layout == ring::Layout::zigzag ? 2 * world : world;
+          if (world < 1 || seqlen % chunks != 0)
+            throw Error(ErrorCode::invalid_argument, "--ring",
+                        fmt::format("seqlen {} does not split into the {} layout's {} chunks", seqlen, o.ring_layout, chunks));
+          auto set = std::make_unique<RankSet>();
+          set->world = world;
+          set->local = std::make_unique<ring::LocalRing>(world);
+          const int rows = seqlen / world;
+          for (int r = 0; r < world; ++r) {
+            for (int t = 0; t < 4; ++t) {
+              set->memory.push_back(std::make_unique<detail::DeviceMemory>(n / world * 2));
+              fill(*set->memory.back(), n / world * 2);
+            }
+            set->memory.push_back(std::make_unique<detail::DeviceMemory>(size_t(heads) * rows * 4));
+            CUstream s = nullptr;
+            FLASHJIT_CU(cuStreamCreate, &s, CU_STREAM_NON_BLOCKING);
+            set->streams.push_back(s);
+            CUevent e = nullptr;
+            FLASHJIT_CU(cuEventCreate, &e, CU_EVENT_DISABLE_TIMING);
+            set->done.push_back(e);
+          }
+          for (bool checked : {false, true})
+            calls.push_back([&, set = set.get(), rows, checked] {
+              FLASHJIT_CU(cuEventRecord, ring_start, nullptr);
+              set->local->run([&](int r, ring::Transport& transport) {
+                const auto& m = set->memory;
+                FLASHJIT_CU(cuStreamWaitEvent, set->streams[r], ring_start, 0);
+                const TensorView rank_lse = TensorView::contiguous(m[5 * r + 4]->get(), ScalarType::float32, {1, heads, rows}, o.device);
+                ring::Options options;
+                options.layout = layout;
+                options.causal = causal;
+                options.check_shapes = checked;
+                options.stream = set->streams[r];
+                ring::forward(runtime, transport, view(*m[5 * r], rows), view(*m[5 * r + 1], rows), view(*m[5 * r + 2], rows),
+                              view(*m[5 * r + 3], rows), &rank_lse, options);
+                FLASHJIT_CU(cuEventRecord, set->done[r], set->streams[r]);
+              });
+              for (CUevent e : set->done) FLASHJIT_CU(cuStreamWaitEvent, nullptr, e, 0);
+            });
+          sets.push_back(std::move(set));
+        }
+        const std::vector<double> ms = median_ms(calls, o.warmup, o.iters, start, stop);
+        const double flops = 4.0 * heads * double(seqlen) * seqlen * d / (causal ? 2 : 1);
+        json row{{"head_dim", d}, {"seqlen", seqlen}, {"heads", heads}, {"causal", causal}, {"single_ms", ms[0]},
+                 {"single_tflops", flops / (ms[0] * 1e-3) / 1e12}, {"continued_first_over_single", ms[1] / ms[0]},
+                 {"continued_middle_over_single", ms[2] / ms[0]}, {"ring", json::array()}};
+        if (!o.json_output)
+          fmt::print("d{:<4} s{:<6} h{:<3} {:<7} one call {:9.1f} us {:6.1f} TFLOP/s, continuing {:.3f}x (state read {:.3f}x)",
+                     d, seqlen, heads, causal ? "causal" : "full", ms[0] * 1e3, flops / (ms[0] * 1e-3) / 1e12,
+                     ms[1] / ms[0], ms[2] / ms[0]);
+        for (size_t i = 0; i < sets.size(); ++i) {
+          const double ring_ms = ms[3 + 2 * i], checked_ms = ms[4 + 2 * i];
+          row["ring"].push_back({{"world", sets[i]->world}, {"ms", ring_ms}, {"over_single", ring_ms / ms[0]},
+                                 {"checked_ms", checked_ms}, {"checked_over_single", checked_ms / ms[0]}});
+          if (!o.json_output)
+            fmt::print("  N={} {:.3f}x ({:.3f}x checked)", sets[i]->world, ring_ms / ms[0], checked_ms / ms[0]);
+          for (CUstream s : sets[i]->streams) detail::driver().cuStreamDestroy(s);
+          for (CUevent e : sets[i]->done) detail::driver().cuEventDestroy(e);
+        }
+        if (!o.json_output) {
+          fmt::print("\n");
+          std::fflush(stdout);
+        }
+        rows.push_back(row);
+      }
+  for (CUevent e : {start, stop, ring_start}) detail::driver().cuEventDestroy(e);
+  if (o.json_output)
+    fmt::print("{}\n", json{{"device", device.name}, {"mode", "ring"}, {"dtype", o.dtype}, {"layout", o.layout},
+                            {"ring_layout", o.ring_layout}, {"hidden", o.hidden}, {"rows", rows}}.dump(2));
+  return cli::kExitOk;
+}
+
 int run(const Options& o) {
   if (o.decode) return run_decode(o);
+  if (!o.ring_sizes.empty()) return run_ring(o);
   const DType dtype = parse_dtype(o.dtype);
   const ScalarType scalar = dtype == DType::bf16 ? ScalarType::bfloat16 : ScalarType::float16;
   Backend backend = Backend::automatic;
@@ -478,6 +625,9 @@ int main(int argc, char** argv) {
   app.add_option("--heads-kv", o.heads_kv, "--decode: KV heads");
   app.add_option("--seqlen-q", o.seqlen_q, "--decode: query tokens per sequence");
   app.add_option("--page-size", o.page_size, "--decode: tokens per page of a paged cache (0: contiguous)");
+  app.add_option("--ring", o.ring_sizes, "Ring attention over these numbers of virtual ranks on one GPU, beside one call (batch 1)")
+      ->delimiter(',');
+  app.add_option("--ring-layout", o.ring_layout, "--ring: zigzag (the default) or contiguous");
   app.add_flag("--json", o.json_output, "Print JSON");
   return cli::run_tool(kTool, app, argc, argv, [&] { return run(o); });
 }

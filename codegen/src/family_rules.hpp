@@ -50,6 +50,7 @@ struct FamilyRules {
   int (*min_blocks_per_sm)(const KernelSpec&) = nullptr;
   bool takes_modifiers = false;   // renders a spec's AttentionModifier into its Config
   bool takes_block_mask = false;  // walks block-mask lists where the spec is block_sparse
+  bool takes_continuation = false;  // merges into a running fp32 (O, LSE) where the spec continues
 };
 
 // The family table, in the order of the Family enum (src/render.cpp).

@@ -60,6 +60,7 @@ bool is_forward_family(Family family) { return !family_rules(family).computes_gr
 
 bool family_takes_modifiers(Family family) { return family_rules(family).takes_modifiers; }
 bool family_takes_block_mask(Family family) { return family_rules(family).takes_block_mask; }
+bool family_takes_continuation(Family family) { return family_rules(family).takes_continuation; }
 
 bool family_covers(Family family, const Arch& arch, int head_dim) {
   const auto& rules = family_rules(family);
@@ -128,15 +129,18 @@ std::optional<std::string> KernelSpec::validate() const {
       return fmt::format("a block mask replaces the {} mask: write it into the block mask and its mask modifier",
                          to_string(mask));
   }
+  if (continues && !rules.takes_continuation)
+    return fmt::format("{} does not continue partial results (ring attention's steps run on sm90_fwd)", rules.name);
   return rules.validate_tiles(*this);
 }
 
 std::string KernelSpec::name() const {
   std::string mask_part = mask == MaskKind::none ? "" : fmt::format("_{}", to_string(mask));
   const std::string modifier_part = modifier != nullptr ? "_mod" + modifier->hash().substr(0, 12) : "";
-  return fmt::format("{}_{}_d{}_m{}n{}w{}s{}{}{}{}{}_sm{}{}", to_string(family), to_string(dtype),
+  return fmt::format("{}_{}_d{}_m{}n{}w{}s{}{}{}{}{}{}_sm{}{}", to_string(family), to_string(dtype),
                      head_dim, block_m, block_n, num_warps, num_stages, mask_part,
-                     has_softcap ? "_softcap" : "", modifier_part, block_sparse ? "_sparse" : "", arch.sm,
+                     has_softcap ? "_softcap" : "", modifier_part, block_sparse ? "_sparse" : "",
+                     continues ? "_cont" : "", arch.sm,
                      arch.arch_specific ? "a" : "");
 }
 
@@ -149,13 +153,15 @@ json KernelSpec::to_json() const {
   // Only where set, so plain specs keep the JSON they always had.
   if (modifier != nullptr) j["modifier"] = modifier->to_json();
   if (block_sparse) j["block_sparse"] = true;
+  if (continues) j["continues"] = true;
   return j;
 }
 
 KernelSpec KernelSpec::from_json(const json& j) {
   static const std::vector<std::string> kFields{"family",  "arch",      "dtype",      "head_dim",
                                                 "block_m", "block_n",   "num_warps",  "num_stages",
-                                                "mask",    "softcap",   "modifier",   "block_sparse"};
+                                                "mask",    "softcap",   "modifier",   "block_sparse",
+                                                "continues"};
   auto fail = [](const std::string& message) {
     return Error(ErrorCode::invalid_argument, "spec JSON", message);
   };
@@ -202,6 +208,10 @@ KernelSpec KernelSpec::from_json(const json& j) {
     if (!it->is_boolean()) throw fail(fmt::format("field 'block_sparse' must be true or false, got {}", it->dump()));
     s.block_sparse = it->get<bool>();
   }
+  if (auto it = j.find("continues"); it != j.end()) {
+    if (!it->is_boolean()) throw fail(fmt::format("field 'continues' must be true or false, got {}", it->dump()));
+    s.continues = it->get<bool>();
+  }
   return s;
 }
 
@@ -209,7 +219,7 @@ bool KernelSpec::operator==(const KernelSpec& o) const {
   return family == o.family && arch == o.arch && dtype == o.dtype && head_dim == o.head_dim &&
          block_m == o.block_m && block_n == o.block_n && num_warps == o.num_warps &&
          num_stages == o.num_stages && mask == o.mask && has_softcap == o.has_softcap &&
-         block_sparse == o.block_sparse &&
+         block_sparse == o.block_sparse && continues == o.continues &&
          (modifier == o.modifier || (modifier != nullptr && o.modifier != nullptr && *modifier == *o.modifier));
 }
 
@@ -219,7 +229,7 @@ size_t KernelSpecHash::operator()(const KernelSpec& s) const noexcept {
   for (uint64_t v : {uint64_t(s.arch.sm), uint64_t(s.arch.arch_specific), uint64_t(s.dtype),
                      uint64_t(s.head_dim), uint64_t(s.block_m), uint64_t(s.block_n),
                      uint64_t(s.num_warps), uint64_t(s.num_stages), uint64_t(s.mask),
-                     uint64_t(s.has_softcap), uint64_t(s.block_sparse)})
+                     uint64_t(s.has_softcap), uint64_t(s.block_sparse), uint64_t(s.continues)})
     packed = packed * 0x100000001b3ull ^ v;
   if (s.modifier != nullptr) packed = packed * 0x100000001b3ull ^ std::hash<std::string>{}(s.modifier->hash());
   return std::hash<uint64_t>{}(packed);

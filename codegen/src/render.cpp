@@ -141,6 +141,7 @@ Source render(const KernelSpec& spec) {
                  spec.head_dim, spec.block_m, spec.block_n, spec.num_warps, spec.num_stages,
                  mask_constant(spec.mask), spec.has_softcap ? "true" : "false", spec.arch.sm, constants,
                  rules.config_members ? rules.config_members(spec) : std::string());
+  if (spec.continues) out += "  static constexpr bool kContinues = true;\n";
   if (spec.modifier != nullptr || spec.block_sparse)
     out += modifiers_struct(spec, rules.computes_gradients, source,
                             1 + static_cast<int>(std::count(out.begin(), out.end(), '\n')));

@@ -46,6 +46,9 @@ std::optional<std::string> unusable_reason(const RuntimeFamily& family, const Pa
     return fmt::format("{} does not compile user modifiers (mod)", to_string(family.family));
   if (problem.forward.block_sparse && !family_takes_block_mask(family.family))
     return fmt::format("{} does not walk block masks", to_string(family.family));
+  if (problem.forward.continues && !family_takes_continuation(family.family))
+    return fmt::format("{} does not continue running results (continuation needs sm90_fwd, an sm_90 device)",
+                       to_string(family.family));
   if (auto reason = family.unusable_reason(problem, arch)) return reason;
   const int head_dim = kernel_head_dim(family.tuning_key, problem.forward.head_dim);
   if (!family_covers(family.family, arch, head_dim))
@@ -87,6 +90,7 @@ KernelSpec heuristic_spec(const RuntimeFamily& family, const PassProblem& proble
   const ForwardProblem& f = problem.forward;
   KernelSpec spec = default_spec(family.family, arch, f.dtype, kernel_head_dim(family.family, f.head_dim), f.mask,
                                  f.has_softcap, f.modifier, f.block_sparse);
+  spec.continues = f.continues;
   if (family.fit_to_problem != nullptr) family.fit_to_problem(spec, problem);
   if (auto reason = spec.validate())
     throw Error(ErrorCode::unsupported, problem.operation(),
@@ -117,6 +121,9 @@ void check_forced_kernel(const KernelSpec& spec, const PassProblem& problem, con
   if (!same_modifier) throw bad("its modifier is not the options' mod");
   if (spec.block_sparse != f.block_sparse)
     throw bad(spec.block_sparse ? "it walks a block mask and the options have none" : "it cannot walk the options' block mask");
+  if (spec.continues != f.continues)
+    throw bad(spec.continues ? "it continues a running result and the options have no continuation"
+                             : "it cannot continue the options' running result");
   if (spec.head_dim < f.head_dim)
     throw bad(fmt::format("head_dim {} is smaller than the problem's {}", spec.head_dim, f.head_dim));
   if (spec.arch != arch) throw bad(fmt::format("arch {} but the device is {}", spec.arch.name(), arch.name()));
@@ -175,7 +182,10 @@ KernelSpec select_kernel(const PassProblem& problem, const DeviceProperties& dev
     return *forced;
   }
   const std::vector<const RuntimeFamily*> usable = usable_families(problem, arch);
-  if (auto spec = tuned_spec(tuning, problem, device, usable)) return *spec;
+  if (auto spec = tuned_spec(tuning, problem, device, usable)) {
+    spec->continues = problem.forward.continues;  // (the dense tuned tiles serve a continuation too)
+    if (!spec->validate()) return *spec;
+  }
   return heuristic_spec(*usable.front(), problem, arch);
 }
 

@@ -47,6 +47,9 @@ namespace flashjit::detail {
   X(cuMemcpyDtoHAsync, 3020)            \
   X(cuMemsetD8, 3020)                   \
   X(cuMemsetD32Async, 3020)             \
+  X(cuMemcpyHtoDAsync, 3020)            \
+  X(cuMemcpyDtoDAsync, 3020)            \
+  X(cuMemcpy2DAsync, 3020)              \
   X(cuMemPoolCreate, 11020)             \
   X(cuMemPoolSetAttribute, 11020)       \
   X(cuMemAllocFromPoolAsync, 11020)     \
@@ -54,6 +57,7 @@ namespace flashjit::detail {
   X(cuStreamCreate, 2000)               \
   X(cuStreamDestroy, 4000)              \
   X(cuStreamSynchronize, 2000)          \
+  X(cuStreamWaitEvent, 3020)            \
   X(cuStreamBeginCapture, 10010)        \
   X(cuStreamEndCapture, 10000)          \
   X(cuGraphInstantiateWithFlags, 11040) \

@@ -44,6 +44,7 @@ Environment read_environment() {
   env.dump_dir = read("FLASHJIT_DUMP_DIR");
   env.verbose = read_flag("FLASHJIT_VERBOSE");
   env.lock_timeout_ms = read_int("FLASHJIT_LOCK_TIMEOUT_MS", env.lock_timeout_ms);
+  env.nccl_library = read("FLASHJIT_NCCL_LIBRARY");
   return env;
 }
 

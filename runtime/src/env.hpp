@@ -13,6 +13,7 @@ struct Environment {
   std::optional<std::string> dump_dir;   // FLASHJIT_DUMP_DIR: write each compiled source + PTX
   bool verbose = false;                  // FLASHJIT_VERBOSE=1: compile log and cache decisions
   int lock_timeout_ms = 120000;          // FLASHJIT_LOCK_TIMEOUT_MS: wait for another compiler
+  std::optional<std::string> nccl_library;  // FLASHJIT_NCCL_LIBRARY: NCCL's path (else libnccl.so.2)
 };
 
 // Read once, on first use.

@@ -235,6 +235,36 @@ void apply_options(ForwardProblem& p, const AttentionOptions& options) {
   a.softcap = options.softcap;
 }
 
+// options.continuation: the running O beside the running LSE (the lse argument), row for row.
+void bind_continuation(ForwardProblem& p, const ForwardContinuation& c, const TensorView* lse, const TensorView& q) {
+  if (p.is_varlen) throw bad("continuation: not with a varlen batch yet");
+  if (lse == nullptr)
+    throw bad("continuation: lse is required (the running logsumexp, float32 (batch, heads_q, seqlen_q))");
+  const TensorView& state = c.o_state;
+  if (state.data == nullptr) throw bad("continuation.o_state: data pointer is null");
+  if (state.dtype != ScalarType::float32)
+    throw bad(fmt::format("continuation.o_state: expected dtype float32, got {}", to_string(state.dtype)));
+  if (state.device != q.device)
+    throw bad(fmt::format("continuation.o_state: on device {}, but q is on device {}", state.device, q.device));
+  check_shape(state, "continuation.o_state", {q.shape[0], p.heads_q, q.shape[1], p.head_dim},
+              "(batch, heads_q, seqlen_q, head_dim)");
+  const int64_t d = p.head_dim;
+  const int64_t expected[4] = {lse->strides[0] * d, lse->strides[1] * d, d, 1};
+  for (int i = 0; i < 4; ++i)
+    if (state.strides[i] != expected[i] && state.shape[i] > 1)
+      throw bad(fmt::format("continuation.o_state: strides ({}, {}, {}, {}) must be lse's times head_dim, ({}, {}, {}, 1)",
+                            state.strides[0], state.strides[1], state.strides[2], state.strides[3], expected[0],
+                            expected[1], expected[2]));
+  if (reinterpret_cast<uintptr_t>(state.data) % 8 != 0)
+    throw bad(fmt::format("continuation.o_state: data pointer {} is not 8-byte aligned", state.data));
+  p.continues = true;
+  p.params.state_o = static_cast<float*>(state.data);
+  p.params.state_read = c.has_state ? 1 : 0;
+  if (c.final_rows < 0 || c.final_rows > q.shape[1])
+    throw bad(fmt::format("continuation.final_rows: {} is outside 0 .. seqlen_q {}", c.final_rows, q.shape[1]));
+  p.params.state_final_rows = static_cast<int>(c.final_rows);
+}
+
 ScalarType scalar_type(ModifierTensorType t) {
   switch (t) {
     case ModifierTensorType::int32: return ScalarType::int32;
@@ -579,6 +609,7 @@ ForwardProblem make_forward_problem(const TensorView& q, const TensorView& k, co
   apply_options(p, options);
   if (options.mod != nullptr) bind_modifier(p, *options.mod, q.device);
   if (options.block_mask != nullptr) bind_block_mask(p, *options.block_mask, q.device);
+  if (options.continuation != nullptr) bind_continuation(p, *options.continuation, lse, q);
 
   a.q = q.data;
   a.k = k.data;
@@ -782,6 +813,7 @@ KvCacheProblem make_kvcache_problem(const TensorView& q, const KvCache& cache, c
     apply_options(p, options);
     if (options.mod != nullptr || options.block_mask != nullptr)
       throw bad("mod and block_mask: forward_kvcache does not take user modifiers or block masks yet");
+    if (options.continuation != nullptr) throw bad("continuation: forward_kvcache does not continue running results");
 
     AttentionFwdParams& f = p.params;
     f.q = q.data;
@@ -815,6 +847,7 @@ BackwardProblem make_backward_problem(const TensorView& q, const TensorView& k, 
     if (lse == nullptr)
       throw bad("lse: the backward needs the forward's logsumexp (float32 (batch, heads_q, seqlen_q), or "
                 "(heads_q, total_q) when varlen); it is missing");
+    if (options.continuation != nullptr) throw bad("continuation: the forward's option; the backward takes the final O and LSE");
     b.forward = make_forward_problem(q, k, v, out, lse, varlen, options);
     if (options.block_mask != nullptr)
       bind_transposed_block_mask(b.params.transposed_block_mask, b.forward, *options.block_mask, q.device);

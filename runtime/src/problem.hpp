@@ -23,6 +23,7 @@ struct ForwardProblem {
   bool has_softcap = false;
   std::shared_ptr<const AttentionModifier> modifier;  // options.mod's code
   bool block_sparse = false;                          // options.block_mask given (params.block_mask)
+  bool continues = false;                             // options.continuation given (params.state_*)
   Backend backend = Backend::automatic;
   int sm_margin = 0;
   int num_splits = 0;  // tail splits of the persistent forward (AttentionOptions::num_splits)

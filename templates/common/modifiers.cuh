@@ -103,10 +103,6 @@ struct NoModifiers {
     return s;
   }
 };
-template <class T>
-struct VoidOf {
-  using type = void;
-};
 // Config::Modifiers where codegen rendered one, else NoModifiers.
 template <class Config, class = void>
 struct ModifiersOf {

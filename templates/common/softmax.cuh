@@ -122,6 +122,29 @@ __device__ __forceinline__ void rescale_output(float (&o)[Shape::kOFrags * 4], c
   for (int i = 0; i < Shape::kOFrags * 4; ++i) o[i] *= rescale.factor[0][(i % 4) / 2];
 }
 
+// The logsumexp merge of two partial results over disjoint key sets (a continuing forward's step
+// and its running state): the combined LSE and each part's weight exp(lse_part - lse), by which its
+// normalised O is scaled. An empty part (LSE -inf) weighs 0; two make an empty result.
+struct LseMerge {
+  float lse, weight_a, weight_b;
+};
+__device__ __forceinline__ LseMerge merge_logsumexp(float lse_a, float lse_b) {
+  const float high = fmaxf(lse_a, lse_b);
+  if (high == -positive_infinity()) return {high, 0.f, 0.f};
+  const float a = expf(lse_a - high), b = expf(lse_b - high), total = a + b;
+  return {high + logf(total), a / total, b / total};
+}
+
+// Config::kContinues where codegen rendered it (specs that continue a running result), else false.
+template <class Config, class = void>
+struct ContinuesOf {
+  static constexpr bool value = false;
+};
+template <class Config>
+struct ContinuesOf<Config, typename VoidOf<decltype(Config::kContinues)>::type> {
+  static constexpr bool value = Config::kContinues;
+};
+
 template <class Shape>
 __device__ __forceinline__ void online_softmax(RowStatistics<Shape>& st, float (&o)[Shape::kMFrags][Shape::kOFrags][4],
                                                float (&s)[Shape::kMFrags][Shape::kSFrags][4], float scale_log2) {

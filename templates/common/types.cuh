@@ -53,6 +53,11 @@ template <bool kValue>
 struct BoolConstant {
   static constexpr bool value = kValue;
 };
+// void for any type: detects an optional member of a rendered Config (SFINAE).
+template <class T>
+struct VoidOf {
+  using type = void;
+};
 
 // NVRTC has no <cmath>: INFINITY and friends are spelled out.
 __device__ __forceinline__ float positive_infinity() { return __int_as_float(0x7f800000); }

@@ -26,13 +26,6 @@ struct Run {
 
 bool on_hopper() { return device_properties(0).arch().name() == "sm_90a"; }
 
-// For cases that only sm90_fwd has: false, with a warning, elsewhere.
-bool hopper_or_skip() {
-  if (on_hopper()) return true;
-  CaseLedger::get().skipped(Catch::getResultCapture().getCurrentTestName(), "sm90_fwd needs an sm_90 device");
-  return false;
-}
-
 // The families this device runs: fa2_fwd, and sm90_fwd on sm_90.
 std::vector<Backend> forward_backends() {
   if (on_hopper()) return {Backend::fa2, Backend::sm90};

@@ -18,12 +18,6 @@ using namespace flashjit::test;
 
 namespace {
 
-bool hopper_or_skip() {
-  if (device_properties(0).arch().name() == "sm_90a") return true;
-  CaseLedger::get().skipped(Catch::getResultCapture().getCurrentTestName(), "sm90_fwd needs an sm_90 device");
-  return false;
-}
-
 std::shared_ptr<const AttentionModifier> modifier(std::string mask, std::string score,
                                                   std::vector<ModifierTensor> tensors = {}, std::string score_grad = {}) {
   auto m = std::make_shared<AttentionModifier>();

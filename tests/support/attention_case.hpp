@@ -243,6 +243,13 @@ class AttentionCase {
   }
 
   const std::vector<uint16_t>& output_bits() const { return got_out_; }
+  // The rounded inputs (bits and values) and the float64 truth, packed (rows, heads, head_dim), for
+  // tests that split the problem themselves (ring attention's shards).
+  const std::vector<uint16_t>& input_bits(Role role) const { return role == Role::q ? q_bits_ : role == Role::k ? k_bits_ : v_bits_; }
+  const std::vector<double>& input_values(Role role) const { return role == Role::q ? q_ : role == Role::k ? k_ : v_; }
+  const std::vector<double>& want_output() const { return want_out_; }
+  const std::vector<double>& want_lse() const { return want_lse_; }
+  const std::vector<double>& want_magnitude() const { return want_magnitude_; }
   const std::vector<float>& lse_values() const { return got_lse_; }
   std::string describe() const {
     std::ostringstream s;

@@ -1,5 +1,5 @@
 // Catch2 assertions over an AttentionCase that has run: output and LSE within tolerance, with the
-// first bad element and the largest error in the failure message.
+// first bad element and the largest error in the failure message; and the gate of Hopper-only cases.
 #pragma once
 
 #include <catch2/catch.hpp>
@@ -17,6 +17,13 @@ inline void check_against_oracle(const AttentionCase& c, Tolerance out_tolerance
   const Comparison lse = c.check_lse(lse_tolerance);
   INFO("lse: " << lse.bad << " of " << lse.checked << " bad; first " << lse.first_bad);
   CHECK(lse.ok());
+}
+
+// For cases only the Hopper families run: false, with the case recorded as skipped, elsewhere.
+inline bool hopper_or_skip(const char* why = "sm90_fwd needs an sm_90 device") {
+  if (device_properties(0).arch().name() == "sm_90a") return true;
+  CaseLedger::get().skipped(Catch::getResultCapture().getCurrentTestName(), why);
+  return false;
 }
 
 }  // namespace flashjit::test

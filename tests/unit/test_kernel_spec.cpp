@@ -118,6 +118,27 @@ TEST_CASE("JSON round trip preserves every field", "[spec]") {
   CHECK(KernelSpec::from_json(json::parse(j.dump())) == s);
 }
 
+TEST_CASE("a continuing spec: sm90_fwd only, its own name, hash and JSON", "[spec]") {
+  KernelSpec s = default_spec(Family::sm90_fwd, Arch::parse("sm_90a"), DType::bf16, 128, MaskKind::causal);
+  const KernelSpec plain = s;
+  s.continues = true;
+  CHECK(!s.validate());
+  CHECK(s.name() == plain.name().substr(0, plain.name().size() - 6) + "_cont_sm90a");
+  CHECK(s != plain);
+  CHECK(KernelSpecHash{}(s) != KernelSpecHash{}(plain));
+  const json j = s.to_json();
+  CHECK(j.at("continues") == true);
+  CHECK(KernelSpec::from_json(j) == s);
+  CHECK(plain.to_json().count("continues") == 0);  // plain specs keep the JSON they always had
+  json bad = j;
+  bad["continues"] = 1;
+  CHECK_THROWS_WITH(KernelSpec::from_json(bad), Catch::Contains("'continues' must be true or false"));
+  KernelSpec fa2 = default_spec(Family::fa2_fwd, Arch::parse("sm_80"), DType::bf16, 128);
+  fa2.continues = true;
+  REQUIRE(fa2.validate());
+  CHECK_THAT(*fa2.validate(), Catch::Contains("does not continue partial results"));
+}
+
 TEST_CASE("JSON with unknown, missing or mistyped fields is rejected", "[spec]") {
   const json good = reference().to_json();
   auto rejects = [&](json j, const char* message) {

@@ -88,6 +88,20 @@ struct BlockMaskBuffers {
   int kv_block_size = 128;
 };
 
+// A forward that continues a running result over further keys (ring attention's steps, ring.hpp;
+// any attention split over key blocks): the step's rows merge into the running O and LSE in fp32 by
+// the logsumexp rule, so no step rounds O to 16 bits. `o_state` holds O so far, normalised,
+// float32 (batch, heads_q, seqlen_q, head_dim) laid out as `lse` is, times head_dim (strides
+// lse.strides[0] * head_dim, lse.strides[1] * head_dim, head_dim, 1); lse, required, is the
+// running LSE (-inf: no key yet). The first step (has_state false) starts the state; rows whose
+// last step this is, the first `final_rows` of q's, write `out`, normalised, and their final LSE
+// instead of the state. sm_90 (sm90_fwd).
+struct ForwardContinuation {
+  TensorView o_state;
+  bool has_state = false;
+  int64_t final_rows = 0;
+};
+
 // Which kernel family serves a call. `automatic` is the dispatcher's choice; the others force a
 // family (tests, benchmarks) and fail with Error(unsupported) where it cannot serve the problem.
 // The forward family: automatic = sm90 on sm_90 devices when TMA can read q, k and v (16-byte
@@ -126,6 +140,8 @@ struct AttentionOptions {
   // into the mask modifier and the block mask). The backward takes the forward's mod and mask.
   const AttentionMod* mod = nullptr;
   const BlockMask* block_mask = nullptr;
+  // forward() on sm_90: continue a running result (ForwardContinuation above).
+  const ForwardContinuation* continuation = nullptr;
 };
 
 // A packed variable-length batch: sequence b of q occupies rows [cu_seqlens_q[b], cu_seqlens_q[b+1]).

@@ -86,7 +86,7 @@ AttentionSm90FwdParams hopper_params(const KernelSpec& spec, const ForwardProble
                                         a.v_row_stride, a.v_head_stride, a.v_batch_stride, spec.block_n);
   // O through TMA stores, one consumer warpgroup's 64 rows per box (the kernel uses it where it
   // can stage O in shared memory).
-  params.o_via_tma = !problem.is_varlen && !tma_unusable_reason("out", a.o, a.o_row_stride, a.o_head_stride,
+  params.o_via_tma = !problem.is_varlen && !problem.continues && !tma_unusable_reason("out", a.o, a.o_row_stride, a.o_head_stride,
                                                                   a.o_batch_stride, rows_q, a.num_heads_q, batches);
   if (params.o_via_tma)
     params.o_map = make_attention_tma_map(a.o, problem.dtype, a.head_dim, rows_q, a.num_heads_q, batches,

@@ -62,6 +62,9 @@ struct KernelSpec {
   // The key tiles come from a block mask's lists (FlexAttention's kv_num_blocks/kv_indices and their
   // full_* twins) instead of the whole key range.
   bool block_sparse = false;
+  // The forward continues a running result (ring attention's steps): it merges its rows' O and LSE
+  // into an fp32 state by the logsumexp rule, and writes the state or, on the last step, the output.
+  bool continues = false;
 
   bool has_mask_modifier() const { return modifier != nullptr && modifier->has_mask(); }
   bool has_score_modifier() const { return modifier != nullptr && modifier->has_score(); }
@@ -69,11 +72,11 @@ struct KernelSpec {
   // The reason this spec cannot be compiled, or nullopt when it is legal.
   std::optional<std::string> validate() const;
   // Readable, unique and stable across versions: fa2_fwd_bf16_d128_m128n64w4s2_causal_sm80 (a
-  // modifier adds _mod<its hash>, a block mask _sparse).
+  // modifier adds _mod<its hash>, a block mask _sparse, a continuation _cont).
   std::string name() const;
 
   nlohmann::json to_json() const;
-  // Strict: every field required (but "modifier" and "block_sparse", absent in plain specs), unknown
+  // Strict: every field required (but "modifier", "block_sparse" and "continues", absent in plain specs), unknown
   // fields and bad values rejected with Error(invalid_argument).
   static KernelSpec from_json(const nlohmann::json& j);
 
@@ -103,6 +106,8 @@ bool is_forward_family(Family family);
 // Whether `family` compiles user modifiers in, and walks block-mask lists.
 bool family_takes_modifiers(Family family);
 bool family_takes_block_mask(Family family);
+// Whether `family` continues running results (KernelSpec::continues).
+bool family_takes_continuation(Family family);
 // Whether `family` has kernels for this arch and kernel head dim (its arch floor, the 'a' suffix
 // where it needs one, and its list of head dims); tile fields aside.
 bool family_covers(Family family, const Arch& arch, int head_dim);

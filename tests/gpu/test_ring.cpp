@@ -1,0 +1,287 @@
+// Ring attention on one GPU: N = 2, 4 and 8 virtual ranks (LocalRing) over contiguous and zigzag
+// shards, causal and not, GQA, sequence- and head-major memory. The ranks' outputs and LSEs,
+// unsharded, must match the float64 reference as a single flashjit call on the whole sequence does,
+// with an RMS error at most 1.2x that call's. Beside them each case prints the error of the same
+// steps run as plain calls whose 16-bit outputs are merged in fp32 (what ring libraries built on
+// stock kernels compute).
+#include <catch2/catch.hpp>
+
+#include <cmath>
+#include <cstdio>
+
+#include "flashjit/ring.hpp"
+#include "module_cache.hpp"
+
+#include "support/attention_case.hpp"
+#include "support/attention_checks.hpp"
+
+using namespace flashjit;
+using namespace flashjit::test;
+
+namespace {
+
+struct RingRun {
+  int world = 2;
+  ring::Layout layout = ring::Layout::zigzag;
+  bool causal = true;
+  int batch = 2, seqlen = 0, heads_q = 4, heads_kv = 2, head_dim = 128;
+  DType dtype = DType::bf16;
+  bool head_major = false;
+};
+
+// RMS of (got - want) over the elements the reference computed (large shapes: every few rows).
+double rms_error(DType dtype, const std::vector<uint16_t>& got, const std::vector<double>& want) {
+  double sum = 0;
+  size_t count = 0;
+  for (size_t i = 0; i < want.size(); ++i) {
+    if (std::isnan(want[i])) continue;
+    const double e = from_storage(dtype, got[i]) - want[i];
+    sum += e * e;
+    ++count;
+  }
+  return std::sqrt(sum / std::max<size_t>(count, 1));
+}
+
+// Rank shards of one packed (batch, seqlen, heads, head_dim) tensor, in the run's memory layout.
+std::vector<uint16_t> shard_bits(const RingRun& r, const std::vector<uint16_t>& whole, int heads, int rank) {
+  const ring::Shard shard = ring::shard_of(r.layout, rank, r.world, r.seqlen);
+  const int d = r.head_dim, rows = static_cast<int>(shard.rows());
+  std::vector<uint16_t> out(size_t(r.batch) * rows * heads * d);
+  for (int b = 0; b < r.batch; ++b)
+    for (int local = 0; local < rows; ++local)
+      for (int h = 0; h < heads; ++h) {
+        const uint16_t* from = &whole[((size_t(b) * r.seqlen + shard.global_row(local)) * heads + h) * d];
+        const size_t to = r.head_major ? ((size_t(b) * heads + h) * rows + local) * d : ((size_t(b) * rows + local) * heads + h) * d;
+        std::copy(from, from + d, &out[to]);
+      }
+  return out;
+}
+
+TensorView shard_view(const RingRun& r, void* data, int rows, int heads) {
+  const ScalarType t = r.dtype == DType::bf16 ? ScalarType::bfloat16 : ScalarType::float16;
+  return r.head_major ? TensorView::head_major(data, t, r.batch, rows, heads, r.head_dim)
+                      : TensorView::contiguous(data, t, {r.batch, rows, heads, r.head_dim});
+}
+
+// Rows [begin, begin + rows) of a (batch, rows, heads, head_dim) view.
+TensorView rows_of(TensorView t, int64_t begin, int64_t rows) {
+  t.data = static_cast<char*>(t.data) + begin * t.strides[1] * element_size(t.dtype);
+  t.shape[1] = rows;
+  return t;
+}
+
+struct RankBuffers {
+  std::unique_ptr<DeviceBuffer> q, k, v, out, lse;
+};
+
+// What a ring library on stock kernels computes: each step's calls run as plain flashjit calls
+// whose O comes back in 16 bits, merged on the host in fp32 by the logsumexp rule (ring-flash-attn's
+// update). Packed (batch, seqlen, heads, head_dim) as AttentionCase keeps its outputs.
+std::vector<uint16_t> merge_16_bit_steps(const RingRun& r, const std::vector<RankBuffers>& ranks, int shard_rows) {
+  const int d = r.head_dim;
+  std::vector<uint16_t> merged(size_t(r.batch) * r.seqlen * r.heads_q * d);
+  for (int rank = 0; rank < r.world; ++rank) {
+    std::vector<float> out(size_t(r.batch) * shard_rows * r.heads_q * d, 0.f);  // (b, row, h, d)
+    std::vector<float> lse(size_t(r.batch) * r.heads_q * shard_rows, -INFINITY);  // (b, h, row)
+    for (int step = 0; step < r.world; ++step) {
+      const int source = (rank - step + r.world) % r.world;
+      for (const ring::StepCall& call : ring::step_calls(r.layout, r.causal, rank, source, r.world, shard_rows)) {
+        const int rows = static_cast<int>(call.q_rows);
+        DeviceBuffer part(size_t(r.batch) * rows * r.heads_q * d * 2), part_lse(size_t(r.batch) * r.heads_q * rows * 4);
+        const TensorView part_view = TensorView::contiguous(
+            part.get(), r.dtype == DType::bf16 ? ScalarType::bfloat16 : ScalarType::float16, {r.batch, rows, r.heads_q, d});
+        const TensorView part_lse_view = TensorView::contiguous(part_lse.get(), ScalarType::float32, {r.batch, r.heads_q, rows});
+        AttentionOptions options;
+        options.causal = call.causal;
+        test_runtime().forward(rows_of(shard_view(r, ranks[rank].q->get(), shard_rows, r.heads_q), call.q_begin, rows),
+                               rows_of(shard_view(r, ranks[source].k->get(), shard_rows, r.heads_kv), call.kv_begin, call.kv_rows),
+                               rows_of(shard_view(r, ranks[source].v->get(), shard_rows, r.heads_kv), call.kv_begin, call.kv_rows),
+                               part_view, &part_lse_view, options);
+        const auto part_bits = part.download<uint16_t>();
+        const auto part_lses = part_lse.download<float>();
+        for (int b = 0; b < r.batch; ++b)
+          for (int h = 0; h < r.heads_q; ++h)
+            for (int i = 0; i < rows; ++i) {
+              const int row = static_cast<int>(call.q_begin) + i;
+              float& running = lse[(size_t(b) * r.heads_q + h) * shard_rows + row];
+              const float step_lse = part_lses[(size_t(b) * r.heads_q + h) * rows + i];
+              const float high = std::max(running, step_lse);
+              const float total = high + std::log(std::exp(running - high) + std::exp(step_lse - high));
+              const float keep = std::exp(running - total), add = std::exp(step_lse - total);
+              float* o = &out[((size_t(b) * shard_rows + row) * r.heads_q + h) * d];
+              const uint16_t* p = &part_bits[((size_t(b) * rows + i) * r.heads_q + h) * d];
+              for (int c = 0; c < d; ++c) o[c] = o[c] * keep + from_storage(r.dtype, p[c]) * add;
+              running = total;
+            }
+      }
+    }
+    const ring::Shard shard = ring::shard_of(r.layout, rank, r.world, r.seqlen);
+    for (int b = 0; b < r.batch; ++b)
+      for (int local = 0; local < shard_rows; ++local)
+        for (int h = 0; h < r.heads_q; ++h)
+          for (int c = 0; c < d; ++c)
+            merged[((size_t(b) * r.seqlen + shard.global_row(local)) * r.heads_q + h) * d + c] =
+                to_storage(r.dtype, out[((size_t(b) * shard_rows + local) * r.heads_q + h) * d + c]);
+  }
+  return merged;
+}
+
+void check_ring(const RingRun& r, uint64_t seed) {
+  AttentionShape shape = AttentionShape::make(r.batch, r.seqlen, r.seqlen, r.heads_q, r.heads_kv, r.head_dim);
+  shape.causal = r.causal;
+  AttentionCase whole(shape, r.dtype, seed);
+  whole.run(test_runtime(), {});  // the single call on the whole sequence
+  const double single_rms = rms_error(r.dtype, whole.output_bits(), whole.want_output());
+
+  const int d = r.head_dim, shard_rows = static_cast<int>(ring::shard_of(r.layout, 0, r.world, r.seqlen).rows());
+  std::vector<RankBuffers> ranks(r.world);
+  for (int rank = 0; rank < r.world; ++rank) {
+    auto upload = [&](Role role, int heads) {
+      const auto bits = shard_bits(r, whole.input_bits(role), heads, rank);
+      auto buffer = std::make_unique<DeviceBuffer>(bits.size() * 2);
+      buffer->upload(bits);
+      return buffer;
+    };
+    ranks[rank].q = upload(Role::q, r.heads_q);
+    ranks[rank].k = upload(Role::k, r.heads_kv);
+    ranks[rank].v = upload(Role::v, r.heads_kv);
+    ranks[rank].out = std::make_unique<DeviceBuffer>(size_t(r.batch) * shard_rows * r.heads_q * d * 2);
+    ranks[rank].lse = std::make_unique<DeviceBuffer>(size_t(r.batch) * r.heads_q * shard_rows * 4);
+    ranks[rank].out->poison();
+    ranks[rank].lse->poison();
+  }
+  ring::LocalRing local(r.world);
+  local.run([&](int rank, ring::Transport& transport) {
+    detail::make_context_current(0);
+    CUstream stream = nullptr;
+    FLASHJIT_CU(cuStreamCreate, &stream, CU_STREAM_NON_BLOCKING);
+    const RankBuffers& b = ranks[rank];
+    const TensorView lse = TensorView::contiguous(b.lse->get(), ScalarType::float32, {r.batch, r.heads_q, shard_rows});
+    ring::Options options;
+    options.layout = r.layout;
+    options.causal = r.causal;
+    options.stream = stream;
+    ring::forward(test_runtime(), transport, shard_view(r, b.q->get(), shard_rows, r.heads_q),
+                  shard_view(r, b.k->get(), shard_rows, r.heads_kv), shard_view(r, b.v->get(), shard_rows, r.heads_kv),
+                  shard_view(r, b.out->get(), shard_rows, r.heads_q), &lse, options);
+    FLASHJIT_CU(cuStreamSynchronize, stream);
+    FLASHJIT_CU(cuStreamDestroy, stream);
+  });
+
+  // Unshard into the whole sequence's packed rows.
+  std::vector<uint16_t> got(whole.want_output().size());
+  std::vector<double> got_lse(whole.want_lse().size());
+  for (int rank = 0; rank < r.world; ++rank) {
+    const ring::Shard shard = ring::shard_of(r.layout, rank, r.world, r.seqlen);
+    const auto out = ranks[rank].out->download<uint16_t>();
+    const auto lse = ranks[rank].lse->download<float>();
+    for (int b = 0; b < r.batch; ++b)
+      for (int local = 0; local < shard_rows; ++local)
+        for (int h = 0; h < r.heads_q; ++h) {
+          const size_t row = size_t(b) * r.seqlen + shard.global_row(local);
+          const size_t from = r.head_major ? ((size_t(b) * r.heads_q + h) * shard_rows + local) * d
+                                           : ((size_t(b) * shard_rows + local) * r.heads_q + h) * d;
+          std::copy(&out[from], &out[from] + d, &got[(row * r.heads_q + h) * d]);
+          got_lse[(size_t(b) * r.heads_q + h) * r.seqlen + shard.global_row(local)] =
+              lse[(size_t(b) * r.heads_q + h) * shard_rows + local];
+        }
+  }
+  const double ring_rms = rms_error(r.dtype, got, whole.want_output());
+  const double rounded_rms = rms_error(r.dtype, merge_16_bit_steps(r, ranks, shard_rows), whole.want_output());
+  std::printf("ring N=%d %-10s %-6s %s b%d s%d hq%d hkv%d d%d %s: RMS error vs float64 %.3g (single call %.3g, "
+              "16-bit steps merged %.3g)\n",
+              r.world, ring::to_string(r.layout), r.causal ? "causal" : "full", to_string(r.dtype).data(), r.batch,
+              r.seqlen, r.heads_q, r.heads_kv, d, r.head_major ? "bhsd" : "bshd", ring_rms, single_rms, rounded_rms);
+  INFO("ring N=" << r.world << " " << ring::to_string(r.layout) << (r.causal ? " causal" : "") << " s" << r.seqlen
+                 << " hq" << r.heads_q << " hkv" << r.heads_kv << " d" << d << (r.head_major ? " bhsd" : " bshd"));
+  const Comparison output = compare_output(shape, r.dtype, got, whole.want_output(), whole.want_magnitude(),
+                                           tensor_core_output_tolerance(r.dtype));
+  INFO(output.first_bad << " (" << output.bad << " of " << output.checked << " elements; worst " << output.worst_head
+                        << " " << output.worst_head_rms << ")");
+  CHECK(output.ok());
+  Comparison lse;
+  for (size_t i = 0; i < got_lse.size(); ++i)
+    if (!std::isnan(whole.want_lse()[i]))
+      compare(lse, got_lse[i], whole.want_lse()[i], tensor_core_lse_tolerance(), "lse[" + std::to_string(i) + "]");
+  INFO(lse.first_bad);
+  CHECK(lse.bad == 0);
+  CHECK(ring_rms <= 1.2 * single_rms);
+}
+
+}  // namespace
+
+TEST_CASE("ring: zigzag causal over 2 and 4 virtual ranks", "[ring][quick]") {
+  if (!hopper_or_skip("ring attention needs an sm_90 device")) return;
+  for (int world : {2, 4}) {
+    RingRun r;
+    r.world = world;
+    r.seqlen = world * 2 * 136;  // chunks of 136 rows: no tile boundary lines up
+    check_ring(r, 1000 + world);
+  }
+}
+
+TEST_CASE("ring: 2, 4 and 8 ranks, contiguous and zigzag, causal and not", "[ring]") {
+  if (!hopper_or_skip("ring attention needs an sm_90 device")) return;
+  for (int world : {2, 4, 8})
+    for (ring::Layout layout : {ring::Layout::contiguous, ring::Layout::zigzag})
+      for (bool causal : {false, true}) {
+        RingRun r;
+        r.world = world;
+        r.layout = layout;
+        r.causal = causal;
+        r.seqlen = world * 144;
+        check_ring(r, 2000 + world * 4 + int(layout) * 2 + causal);
+      }
+}
+
+TEST_CASE("ring: head dims 64 and 256, fp16, MQA and GQA 4, head-major shards", "[ring]") {
+  if (!hopper_or_skip("ring attention needs an sm_90 device")) return;
+  RingRun a;
+  a.world = 4;
+  a.seqlen = 4 * 2 * 100;
+  a.head_dim = 64;
+  a.dtype = DType::fp16;
+  a.heads_q = 8;
+  a.heads_kv = 2;
+  check_ring(a, 31);
+  RingRun b;
+  b.world = 2;
+  b.layout = ring::Layout::contiguous;
+  b.seqlen = 2 * 200;
+  b.head_dim = 256;
+  b.heads_kv = 1;
+  b.batch = 1;
+  check_ring(b, 32);
+  RingRun c;
+  c.world = 8;
+  c.seqlen = 8 * 2 * 40;
+  c.head_major = true;
+  c.batch = 3;
+  check_ring(c, 33);
+}
+
+TEST_CASE("ring: shards that differ between ranks are refused on every rank, no hang", "[ring][quick]") {
+  if (!hopper_or_skip("ring attention needs an sm_90 device")) return;
+  const int world = 3, rows = 64, heads = 2, d = 64;
+  std::vector<std::unique_ptr<DeviceBuffer>> buffers;
+  for (int rank = 0; rank < world; ++rank) buffers.push_back(std::make_unique<DeviceBuffer>(size_t(rows + 2) * heads * d * 2));
+  ring::LocalRing local(world);
+  std::vector<std::string> messages(world);
+  REQUIRE_THROWS_WITH(local.run([&](int rank, ring::Transport& transport) {
+                        detail::make_context_current(0);
+                        const int shard_rows = rank == 1 ? rows + 2 : rows;  // rank 1 holds more rows
+                        const TensorView t = TensorView::contiguous(buffers[rank]->get(), ScalarType::bfloat16,
+                                                                    {1, shard_rows, heads, d});
+                        try {
+                          ring::forward(test_runtime(), transport, t, t, t, t, nullptr, {});
+                        } catch (const Error& e) {
+                          messages[rank] = e.what();
+                          throw;
+                        }
+                      }),
+                      Catch::Contains("shard rows"));
+  for (int rank = 0; rank < world; ++rank) {
+    INFO("rank " << rank << ": " << messages[rank]);
+    CHECK(messages[rank].find("shard rows") != std::string::npos);
+  }
+}

@@ -1,0 +1,182 @@
+// Ring attention's host side without a GPU: the layouts' shards, the steps' calls (every visible
+// (query, key) pair of the whole sequence computed exactly once, nothing hidden computed), zigzag's
+// balance, the continuing forward's argument checks, the local ring's checks, and NCCL's loading.
+#include <catch2/catch.hpp>
+
+#include <algorithm>
+#include <set>
+
+#include "flashjit/ring.hpp"
+#include "problem.hpp"
+
+using namespace flashjit;
+using ring::Layout;
+
+TEST_CASE("ring: shards of the contiguous and zigzag layouts", "[ring]") {
+  const ring::Shard c = ring::shard_of(Layout::contiguous, 2, 4, 400);
+  CHECK(c.chunk == 100);
+  CHECK(c.rows() == 100);
+  CHECK(c.global_row(0) == 200);
+  CHECK(c.global_row(99) == 299);
+  const ring::Shard z = ring::shard_of(Layout::zigzag, 1, 4, 800);  // chunks 1 and 6 of 8
+  CHECK(z.rows() == 200);
+  CHECK(z.global_row(0) == 100);
+  CHECK(z.global_row(99) == 199);
+  CHECK(z.global_row(100) == 600);
+  CHECK(z.global_row(199) == 699);
+  // Every row of the sequence on exactly one rank.
+  for (Layout layout : {Layout::contiguous, Layout::zigzag})
+    for (int world : {1, 2, 3, 8}) {
+      const int64_t seqlen = 2 * world * 5;
+      std::multiset<int64_t> rows;
+      for (int r = 0; r < world; ++r) {
+        const ring::Shard s = ring::shard_of(layout, r, world, seqlen);
+        for (int64_t i = 0; i < s.rows(); ++i) rows.insert(s.global_row(i));
+      }
+      REQUIRE(rows.size() == size_t(seqlen));
+      CHECK(std::set<int64_t>(rows.begin(), rows.end()).size() == size_t(seqlen));
+    }
+}
+
+TEST_CASE("ring: a sequence that does not divide into the layout's chunks is refused", "[ring]") {
+  CHECK_THROWS_WITH(ring::shard_of(Layout::zigzag, 0, 4, 100), Catch::Contains("does not divide into the zigzag layout's 8"));
+  CHECK_THROWS_WITH(ring::shard_of(Layout::contiguous, 0, 3, 100), Catch::Contains("3 equal chunks"));
+  CHECK_THROWS_WITH(ring::shard_of(Layout::contiguous, 3, 3, 99), Catch::Contains("rank 3 is outside"));
+  CHECK_THROWS_WITH(ring::shard_of(Layout::contiguous, 0, 0, 99), Catch::Contains("at least one"));
+}
+
+// Every (query, key) pair of the whole sequence that the mask shows is computed by exactly one call
+// of one step on the query's rank, and no hidden pair by any.
+TEST_CASE("ring: the steps' calls cover the visible pairs exactly once", "[ring]") {
+  for (Layout layout : {Layout::contiguous, Layout::zigzag})
+    for (bool causal : {false, true})
+      for (int world = 1; world <= 8; ++world) {
+        const int64_t chunk = 3, seqlen = 2 * world * chunk;
+        std::vector<int> covered(seqlen * seqlen, 0);
+        for (int rank = 0; rank < world; ++rank) {
+          const ring::Shard own = ring::shard_of(layout, rank, world, seqlen);
+          for (int step = 0; step < world; ++step) {
+            const int source = (rank - step + world) % world;
+            const ring::Shard visiting = ring::shard_of(layout, source, world, seqlen);
+            for (const ring::StepCall& call : ring::step_calls(layout, causal, rank, source, world, own.rows()))
+              for (int64_t i = 0; i < call.q_rows; ++i)
+                for (int64_t j = 0; j < call.kv_rows; ++j) {
+                  // A causal call is top-left aligned over the same rows of both shards.
+                  if (call.causal && j > i) continue;
+                  const int64_t q = own.global_row(call.q_begin + i), k = visiting.global_row(call.kv_begin + j);
+                  ++covered[q * seqlen + k];
+                }
+          }
+        }
+        int wrong = 0;
+        for (int64_t q = 0; q < seqlen; ++q)
+          for (int64_t k = 0; k < seqlen; ++k) wrong += covered[q * seqlen + k] != ((!causal || k <= q) ? 1 : 0);
+        INFO(ring::to_string(layout) << (causal ? " causal" : "") << ", " << world << " ranks");
+        CHECK(wrong == 0);
+      }
+}
+
+TEST_CASE("ring: zigzag balances causal work across ranks, contiguous does not", "[ring]") {
+  auto work = [](Layout layout, int world, int rank) {
+    const int64_t seqlen = 2 * world * 1024, rows = ring::shard_of(layout, rank, world, seqlen).rows();
+    double pairs = 0;
+    for (int step = 0; step < world; ++step)
+      for (const auto& call : ring::step_calls(layout, true, rank, (rank - step + world) % world, world, rows))
+        pairs += call.causal ? call.q_rows * (call.q_rows + 1) / 2.0 : double(call.q_rows) * call.kv_rows;
+    return pairs;
+  };
+  for (int world : {2, 4, 8}) {
+    double zig_max = 0, zig_min = 1e300, contiguous_max = 0, contiguous_min = 1e300;
+    for (int r = 0; r < world; ++r) {
+      zig_max = std::max(zig_max, work(Layout::zigzag, world, r));
+      zig_min = std::min(zig_min, work(Layout::zigzag, world, r));
+      contiguous_max = std::max(contiguous_max, work(Layout::contiguous, world, r));
+      contiguous_min = std::min(contiguous_min, work(Layout::contiguous, world, r));
+    }
+    INFO(world << " ranks: zigzag max/min " << zig_max / zig_min << ", contiguous " << contiguous_max / contiguous_min);
+    CHECK(zig_max / zig_min <= 1.05);
+    CHECK(contiguous_max / contiguous_min > 2);
+  }
+}
+
+TEST_CASE("ring: a local ring's size and endpoints are checked", "[ring]") {
+  CHECK_THROWS_WITH(ring::LocalRing(0), Catch::Contains("expected 1 to 64"));
+  ring::LocalRing local(3);
+  CHECK(local.size() == 3);
+  CHECK(local.endpoint(2).rank() == 2);
+  CHECK(local.endpoint(2).size() == 3);
+  CHECK_THROWS_WITH(local.endpoint(3), Catch::Contains("rank 3 is outside"));
+  // The first failure comes back from run(), after every thread has joined.
+  CHECK_THROWS_WITH(local.run([](int rank, ring::Transport&) {
+                      if (rank == 1) throw Error(ErrorCode::invalid_argument, "test", "rank 1 failed");
+                    }),
+                    Catch::Contains("rank 1 failed"));
+}
+
+TEST_CASE("ring: NCCL loads where it is installed, and says how to get it where not", "[ring]") {
+  std::string why;
+  if (const auto version = ring::nccl_version(&why)) {
+    CHECK(*version >= 20700);
+  } else {
+    CHECK(why.find("FLASHJIT_NCCL_LIBRARY") != std::string::npos);
+    CHECK_THROWS_AS(ring::NcclTransport(reinterpret_cast<void*>(1)), Error);
+  }
+  CHECK_THROWS_WITH(ring::NcclTransport(std::vector<char>(5), 0, 2), Catch::Contains("128 bytes"));
+  CHECK_THROWS_WITH(ring::NcclTransport(nullptr), Catch::Contains("null"));
+}
+
+namespace {
+
+// Views over a fake, aligned device address: the checks here run before any pointer is touched.
+void* fake(size_t offset = 0) { return reinterpret_cast<void*>(uintptr_t(1) << 32 | offset); }
+
+struct Continuing {
+  TensorView q = TensorView::contiguous(fake(), ScalarType::bfloat16, {2, 64, 4, 128});
+  TensorView kv = TensorView::contiguous(fake(), ScalarType::bfloat16, {2, 32, 2, 128});
+  TensorView lse = TensorView::contiguous(fake(), ScalarType::float32, {2, 4, 64});
+  ForwardContinuation continuation;
+  Continuing() { continuation.o_state = TensorView::contiguous(fake(), ScalarType::float32, {2, 4, 64, 128}); }
+  detail::ForwardProblem problem(const TensorView* with_lse) const {
+    AttentionOptions options;
+    options.continuation = &continuation;
+    return detail::make_forward_problem(q, kv, kv, q, with_lse, nullptr, options);
+  }
+};
+
+}  // namespace
+
+TEST_CASE("ring: a continuing forward's arguments", "[ring]") {
+  Continuing c;
+  c.continuation.has_state = true;
+  c.continuation.final_rows = 10;
+  const auto problem = c.problem(&c.lse);
+  CHECK(problem.continues);
+  CHECK(problem.params.state_read == 1);
+  CHECK(problem.params.state_final_rows == 10);
+  CHECK(problem.params.state_o == c.continuation.o_state.data);
+  // A slice of the rows: the state's strides follow the LSE's.
+  Continuing slice;
+  slice.q.shape[1] = slice.lse.shape[2] = slice.continuation.o_state.shape[2] = 32;
+  CHECK(slice.problem(&slice.lse).continues);
+
+  auto refused = [](const Continuing& bad, const TensorView* lse, const char* message) {
+    CHECK_THROWS_WITH(bad.problem(lse), Catch::Contains(message));
+  };
+  refused(c, nullptr, "lse is required");
+  Continuing wrong = c;
+  wrong.continuation.o_state.dtype = ScalarType::bfloat16;
+  refused(wrong, &wrong.lse, "expected dtype float32");
+  wrong = c;
+  wrong.continuation.o_state.shape[3] = 64;
+  refused(wrong, &wrong.lse, "(batch, heads_q, seqlen_q, head_dim)");
+  wrong = c;
+  wrong.continuation.o_state.strides[1] *= 2;
+  wrong.continuation.o_state.strides[0] *= 2;
+  refused(wrong, &wrong.lse, "must be lse's times head_dim");
+  wrong = c;
+  wrong.continuation.final_rows = 65;
+  refused(wrong, &wrong.lse, "final_rows: 65 is outside 0 .. seqlen_q 64");
+  wrong = c;
+  wrong.continuation.o_state.data = static_cast<char*>(fake()) + 4;
+  refused(wrong, &wrong.lse, "not 8-byte aligned");
+}
