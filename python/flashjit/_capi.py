@@ -49,6 +49,19 @@ class BlockMaskBuffers(ctypes.Structure):  # flashjit_block_mask_buffers
         ("q_block_size", ctypes.c_int32), ("kv_block_size", ctypes.c_int32)]
 
 
+class RingOptions(ctypes.Structure):  # flashjit_ring_options
+    _fields_ = [
+        ("layout", ctypes.c_int32),
+        ("causal", ctypes.c_int32),
+        ("softmax_scale", ctypes.c_float),
+        ("softcap", ctypes.c_float),
+        ("backend", ctypes.c_int32),
+        ("sm_margin", ctypes.c_int32),
+        ("check_shapes", ctypes.c_int32),
+        ("stream", ctypes.c_void_p),
+    ]
+
+
 def _candidates():
     # The library lives in the build tree (tools/dev.sh builds it) unless FLASHJIT_LIBRARY names it.
     explicit = os.environ.get("FLASHJIT_LIBRARY")
@@ -103,6 +116,18 @@ def load():
     lib.flashjit_block_mask_from_tiles.argtypes = [P(Tensor), ctypes.c_int64, ctypes.c_int64, P(BlockMaskBuffers),
                                                    ctypes.c_void_p]
     lib.flashjit_block_mask_from_tiles.restype = ctypes.c_int
+    lib.flashjit_ring_options_init.argtypes = [P(RingOptions)]
+    lib.flashjit_ring_options_init.restype = None
+    lib.flashjit_nccl_unique_id.argtypes = [ctypes.c_char_p]
+    lib.flashjit_nccl_unique_id.restype = ctypes.c_int
+    lib.flashjit_ring_transport_nccl.argtypes = [ctypes.c_char_p, ctypes.c_int32, ctypes.c_int32, P(ctypes.c_void_p)]
+    lib.flashjit_ring_transport_nccl.restype = ctypes.c_int
+    lib.flashjit_ring_transport_destroy.argtypes = [ctypes.c_void_p]
+    lib.flashjit_ring_transport_destroy.restype = None
+    lib.flashjit_ring_forward.argtypes = [ctypes.c_void_p] + [P(Tensor)] * 5 + [P(RingOptions)]
+    lib.flashjit_ring_forward.restype = ctypes.c_int
+    lib.flashjit_ring_forward_local.argtypes = [ctypes.c_int32] + [P(Tensor)] * 5 + [P(ctypes.c_void_p), P(RingOptions)]
+    lib.flashjit_ring_forward_local.restype = ctypes.c_int
     lib.flashjit_load_tuning_db.argtypes = [ctypes.c_char_p]
     lib.flashjit_load_tuning_db.restype = ctypes.c_int
     lib.flashjit_cache_stats.argtypes = [P(ctypes.c_uint64)] * 3

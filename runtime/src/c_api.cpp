@@ -12,6 +12,7 @@
 #include <fmt/format.h>
 
 #include "flashjit/flashjit.hpp"
+#include "flashjit/ring.hpp"
 
 namespace {
 
@@ -347,6 +348,101 @@ flashjit_status flashjit_forward_kvcache(const flashjit_tensor* q, const flashji
 
 flashjit_status flashjit_check_kvcache(void* stream) {
   return guarded([&] { flashjit::Runtime::global().check_kvcache(stream); });
+}
+
+namespace {
+
+flashjit::Backend backend_of(int32_t code) {
+  flashjit_attention_options o;
+  flashjit_attention_options_init(&o);
+  o.backend = code;
+  return options_of(&o).backend;
+}
+
+flashjit::ring::Options ring_options_of(const flashjit_ring_options* o) {
+  flashjit::ring::Options options;
+  if (o == nullptr) return options;
+  if (o->layout != 0 && o->layout != 1) throw invalid(fmt::format("options.layout: {} is not 0 (contiguous) or 1 (zigzag)", o->layout));
+  options.layout = o->layout == 1 ? flashjit::ring::Layout::zigzag : flashjit::ring::Layout::contiguous;
+  options.causal = o->causal != 0;
+  if (o->softmax_scale > 0.f) options.softmax_scale = o->softmax_scale;
+  options.softcap = o->softcap;
+  options.backend = backend_of(o->backend);
+  options.sm_margin = o->sm_margin;
+  options.check_shapes = o->check_shapes != 0;
+  options.stream = o->stream;
+  return options;
+}
+
+}  // namespace
+
+struct flashjit_ring_transport {
+  std::unique_ptr<flashjit::ring::Transport> transport;
+};
+
+void flashjit_ring_options_init(flashjit_ring_options* options) {
+  if (options == nullptr) return;
+  *options = flashjit_ring_options{};
+  options->layout = 1;
+  options->check_shapes = 1;
+}
+
+flashjit_status flashjit_nccl_unique_id(char* id_128_bytes) {
+  return guarded([&] {
+    if (id_128_bytes == nullptr) throw invalid("id: null");
+    const std::vector<char> id = flashjit::ring::nccl_unique_id();
+    std::copy(id.begin(), id.end(), id_128_bytes);
+  });
+}
+
+flashjit_status flashjit_ring_transport_nccl(const char* id_128_bytes, int32_t rank, int32_t world,
+                                             flashjit_ring_transport** out) {
+  return guarded([&] {
+    if (id_128_bytes == nullptr || out == nullptr) throw invalid("id and out must not be null");
+    auto made = std::make_unique<flashjit_ring_transport>();
+    made->transport = std::make_unique<flashjit::ring::NcclTransport>(
+        std::vector<char>(id_128_bytes, id_128_bytes + 128), rank, world);
+    *out = made.release();
+  });
+}
+
+void flashjit_ring_transport_destroy(flashjit_ring_transport* transport) { delete transport; }
+
+flashjit_status flashjit_ring_forward(flashjit_ring_transport* transport, const flashjit_tensor* q,
+                                      const flashjit_tensor* k, const flashjit_tensor* v, const flashjit_tensor* out,
+                                      const flashjit_tensor* lse, const flashjit_ring_options* options) {
+  return guarded([&] {
+    if (transport == nullptr) throw invalid("transport: null");
+    const Views t = views_of({{q, "q"}, {k, "k"}, {v, "v"}, {out, "out"}});
+    const flashjit::TensorView lse_view = lse ? view_of(lse, "lse") : flashjit::TensorView{};
+    flashjit::ring::forward(flashjit::Runtime::global(), *transport->transport, t[0], t[1], t[2], t[3],
+                            lse ? &lse_view : nullptr, ring_options_of(options));
+  });
+}
+
+flashjit_status flashjit_ring_forward_local(int32_t world, const flashjit_tensor* q, const flashjit_tensor* k,
+                                            const flashjit_tensor* v, const flashjit_tensor* out,
+                                            const flashjit_tensor* lse, void* const* streams,
+                                            const flashjit_ring_options* options) {
+  return guarded([&] {
+    if (world < 1) throw invalid(fmt::format("world: {} ranks, expected at least 1", world));
+    if (q == nullptr || k == nullptr || v == nullptr || out == nullptr) throw invalid("q, k, v and out must not be null");
+    std::vector<Views> shards;
+    std::vector<std::optional<flashjit::TensorView>> lses(world);
+    for (int r = 0; r < world; ++r) {
+      shards.push_back(views_of({{q + r, "q"}, {k + r, "k"}, {v + r, "v"}, {out + r, "out"}}));
+      if (lse != nullptr && lse[r].data != nullptr) lses[r] = view_of(lse + r, "lse");
+    }
+    const flashjit::ring::Options base = ring_options_of(options);
+    flashjit::ring::LocalRing ring(world);
+    ring.run([&](int r, flashjit::ring::Transport& transport) {
+      flashjit::ring::Options rank_options = base;
+      if (streams != nullptr) rank_options.stream = streams[r];
+      const Views& t = shards[r];
+      flashjit::ring::forward(flashjit::Runtime::global(), transport, t[0], t[1], t[2], t[3],
+                              lses[r] ? &*lses[r] : nullptr, rank_options);
+    });
+  });
 }
 
 flashjit_status flashjit_load_tuning_db(const char* path) {

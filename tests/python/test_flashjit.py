@@ -391,7 +391,7 @@ def test_kvcache_faults_and_argument_errors():
 
 def _hopper_or_skip():
     if torch.cuda.get_device_capability() != (9, 0):
-        pytest.skip("user modifiers and block masks run on sm_90")
+        pytest.skip("user modifiers, block masks and ring attention run on sm_90")
 
 
 def test_modifier_document_mask_with_block_mask_and_flex_block_mask():
@@ -506,3 +506,67 @@ def test_modifier_backward_matches_autograd_and_flex_under_compile():
     leaves = [t.detach().requires_grad_() for t in (q, k, v)]
     compiled(*leaves).backward()
     assert all(t.grad is not None and torch.isfinite(t.grad).all() for t in leaves)
+
+
+# Ring attention: the shards' outputs, unsharded, against the whole sequence's reference; the same
+# schedule over virtual ranks (LocalRing) and over a one-rank NCCL group.
+
+def test_ring_shard_round_trip_and_errors():
+    x = torch.arange(2 * 48 * 3, device="cuda").reshape(2, 48, 3)
+    for layout in ("zigzag", "contiguous"):
+        for world in (1, 2, 4):
+            shards = [flashjit.ring_shard(x, r, world, layout) for r in range(world)]
+            assert torch.equal(flashjit.ring_unshard(shards, layout), x)
+    assert torch.equal(flashjit.ring_shard(x, 1, 4)[:, :6], x[:, 6:12])  # zigzag: chunks 1 and 6 of 8
+    assert torch.equal(flashjit.ring_shard(x, 1, 4)[:, 6:], x[:, 36:42])
+    with pytest.raises(ValueError, match="does not divide into the zigzag layout's 10"):
+        flashjit.ring_shard(x, 0, 5)
+    with pytest.raises(ValueError, match="layout must be"):
+        flashjit.ring_shard(x, 0, 2, layout="striped")
+
+
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("layout", ["zigzag", "contiguous"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_ring_local_matches_reference(world, layout, causal):
+    _hopper_or_skip()
+    torch.manual_seed(world * 10 + causal)
+    seqlen = world * 2 * 72
+    q = torch.randn(2, seqlen, 4, 128, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(2, seqlen, 2, 128, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn(2, seqlen, 2, 128, device="cuda", dtype=torch.bfloat16)
+    shards = [[flashjit.ring_shard(t, r, world, layout) for r in range(world)] for t in (q, k, v)]
+    results = flashjit.ring_flash_attn_local(*shards, causal=causal, layout=layout, return_lse=True)
+    out = flashjit.ring_unshard([o for o, _ in results], layout)
+    lse = flashjit.ring_unshard([l for _, l in results], layout, dim=2)
+    want, want_lse = reference(q, k, v, causal=causal)
+    assert_close(out, want, torch.bfloat16)
+    assert torch.allclose(lse, want_lse, atol=1e-3, rtol=1e-4)
+
+
+def test_ring_refuses_grad_and_mismatched_shards():
+    _hopper_or_skip()
+    q = torch.randn(1, 64, 2, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    with pytest.raises(NotImplementedError, match="backward is not implemented yet"):
+        flashjit.ring_flash_attn_local([q, q], [q, q], [q, q])
+    with torch.no_grad():
+        short = torch.randn(1, 32, 2, 64, device="cuda", dtype=torch.bfloat16)
+        with pytest.raises(ValueError, match="shard rows"):
+            flashjit.ring_flash_attn_local([q, short], [q, short], [q, short])
+
+
+def test_ring_over_a_one_rank_nccl_group(tmp_path):
+    _hopper_or_skip()
+    import torch.distributed as dist
+    dist.init_process_group("nccl", init_method=f"file://{tmp_path}/store", rank=0, world_size=1,
+                            device_id=torch.device("cuda", torch.cuda.current_device()))
+    try:
+        q = torch.randn(2, 256, 4, 128, device="cuda", dtype=torch.bfloat16)
+        k = torch.randn(2, 256, 2, 128, device="cuda", dtype=torch.bfloat16)
+        v = torch.randn(2, 256, 2, 128, device="cuda", dtype=torch.bfloat16)
+        out, lse = flashjit.ring_flash_attn_func(q, k, v, causal=True, return_lse=True)
+        want, want_lse = reference(q, k, v, causal=True)
+        assert_close(out, want, torch.bfloat16)
+        assert torch.allclose(lse, want_lse, atol=1e-3, rtol=1e-4)
+    finally:
+        dist.destroy_process_group()

@@ -6,8 +6,10 @@
 #include <algorithm>
 #include <set>
 
+#include "flashjit/flashjit.h"
 #include "flashjit/ring.hpp"
 #include "problem.hpp"
+#include "support/fake_tensors.hpp"
 
 using namespace flashjit;
 using ring::Layout;
@@ -179,4 +181,23 @@ TEST_CASE("ring: a continuing forward's arguments", "[ring]") {
   wrong = c;
   wrong.continuation.o_state.data = static_cast<char*>(fake()) + 4;
   refused(wrong, &wrong.lse, "not 8-byte aligned");
+}
+
+TEST_CASE("ring: the C API's arguments are checked before anything runs", "[ring][api]") {
+  using flashjit::test::FakeTensors;
+  const flashjit_tensor t = FakeTensors::tensor(FLASHJIT_BFLOAT16, {1, 64, 2, 64});
+  flashjit_ring_options options;
+  flashjit_ring_options_init(&options);
+  CHECK(options.layout == 1);
+  CHECK(options.check_shapes == 1);
+  CHECK(flashjit_ring_forward(nullptr, &t, &t, &t, &t, nullptr, &options) == FLASHJIT_ERROR_INVALID_ARGUMENT);
+  CHECK_THAT(flashjit_last_error(), Catch::Contains("transport: null"));
+  CHECK(flashjit_ring_forward_local(0, &t, &t, &t, &t, nullptr, nullptr, &options) == FLASHJIT_ERROR_INVALID_ARGUMENT);
+  CHECK_THAT(flashjit_last_error(), Catch::Contains("world: 0 ranks"));
+  options.layout = 7;
+  CHECK(flashjit_ring_forward_local(1, &t, &t, &t, &t, nullptr, nullptr, &options) == FLASHJIT_ERROR_INVALID_ARGUMENT);
+  CHECK_THAT(flashjit_last_error(), Catch::Contains("options.layout: 7"));
+  flashjit_ring_transport* transport = nullptr;
+  CHECK(flashjit_ring_transport_nccl(nullptr, 0, 1, &transport) == FLASHJIT_ERROR_INVALID_ARGUMENT);
+  CHECK(transport == nullptr);
 }

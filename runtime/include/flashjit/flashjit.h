@@ -162,6 +162,44 @@ flashjit_status flashjit_create_block_mask(const flashjit_modifier* modifier, co
 flashjit_status flashjit_block_mask_from_tiles(const flashjit_tensor* tile_map, int64_t seqlen_q, int64_t seqlen_k,
                                                const flashjit_block_mask_buffers* out, void* stream);
 
+/* Ring attention's forward (flashjit/ring.hpp): this rank's shards q, out (batch, shard rows, heads_q,
+ * head_dim), k, v (batch, shard rows, heads_kv, head_dim), lse (float32 (batch, heads_q, shard rows))
+ * or NULL. */
+typedef struct flashjit_ring_options {
+  int32_t layout;       /* 0: contiguous, 1: zigzag */
+  int32_t causal;
+  float softmax_scale;  /* <= 0 or NaN: 1 / sqrt(head_dim) */
+  float softcap;        /* 0: off */
+  int32_t backend;      /* flashjit_backend */
+  int32_t sm_margin;    /* SMs the attention kernels leave free (for NCCL's kernels) */
+  int32_t check_shapes; /* exchange a header and refuse shards that differ between ranks */
+  void* stream;         /* CUstream, NULL = legacy default stream */
+} flashjit_ring_options;
+
+/* Fills the defaults: zigzag, not causal, default scale, shapes checked, the legacy stream. */
+void flashjit_ring_options_init(flashjit_ring_options* options);
+
+/* NCCL (dlopened): a new 128-byte unique id, on one rank, shared with the others by the caller. */
+flashjit_status flashjit_nccl_unique_id(char* id_128_bytes);
+
+/* A ring transport: NCCL from a unique id (every rank of the ring calls it at once). */
+typedef struct flashjit_ring_transport flashjit_ring_transport;
+flashjit_status flashjit_ring_transport_nccl(const char* id_128_bytes, int32_t rank, int32_t world,
+                                             flashjit_ring_transport** out);
+void flashjit_ring_transport_destroy(flashjit_ring_transport* transport);
+
+flashjit_status flashjit_ring_forward(flashjit_ring_transport* transport, const flashjit_tensor* q,
+                                      const flashjit_tensor* k, const flashjit_tensor* v, const flashjit_tensor* out,
+                                      const flashjit_tensor* lse, const flashjit_ring_options* options);
+
+/* The same over `world` virtual ranks on one GPU (flashjit::ring::LocalRing): arrays of `world` shards
+ * each (lse NULL, or entries with data NULL: none); streams: `world` CUstreams, one per rank, or NULL
+ * (every rank on options->stream). Returns when every rank has queued its work. */
+flashjit_status flashjit_ring_forward_local(int32_t world, const flashjit_tensor* q, const flashjit_tensor* k,
+                                            const flashjit_tensor* v, const flashjit_tensor* out,
+                                            const flashjit_tensor* lse, void* const* streams,
+                                            const flashjit_ring_options* options);
+
 /* Replaces the global runtime's user tuning database (see flashjit/tuning.hpp) with the JSON file
  * at path; the previous one stays on error. */
 flashjit_status flashjit_load_tuning_db(const char* path);

@@ -1,0 +1,171 @@
+"""Ring attention (context parallelism) for PyTorch: flashjit/ring.hpp through the C API.
+
+    shard = flashjit.ring_shard(x, rank, world)                  # this rank's rows of (batch, seqlen, ...)
+    out = flashjit.ring_flash_attn_func(q, k, v, group, causal=True)  # q, k, v: this rank's shards
+    x = flashjit.ring_unshard([out_0, ..., out_N-1])             # the whole sequence again
+
+Each step's rows merge into a running fp32 O and LSE inside the kernel, so no hop rounds O to 16 bits.
+Forward only so far: inputs that require grad are refused rather than returning a result autograd
+cannot differentiate.
+"""
+import ctypes
+
+from . import _capi
+
+_LAYOUTS = {"contiguous": 0, "zigzag": 1}
+
+
+def _layout_code(layout):
+    if layout not in _LAYOUTS:
+        raise ValueError(f"layout must be 'zigzag' or 'contiguous', got {layout!r}")
+    return _LAYOUTS[layout]
+
+
+def _chunks(layout, rank, world, seqlen):
+    """The (start, length) row ranges of the whole sequence that `rank` holds, in shard order."""
+    if world < 1 or not 0 <= rank < world:
+        raise ValueError(f"rank {rank} of {world} ranks: expected 0 <= rank < world")
+    count = 2 * world if _layout_code(layout) == 1 else world
+    if seqlen % count != 0:
+        raise ValueError(f"seqlen {seqlen} does not divide into the {layout} layout's {count} equal chunks "
+                         f"({world} ranks)")
+    chunk = seqlen // count
+    if count == world:
+        return [(rank * chunk, chunk)]
+    return [(rank * chunk, chunk), ((count - 1 - rank) * chunk, chunk)]
+
+
+def ring_shard(x, rank, world, layout="zigzag", dim=1):
+    """This rank's rows of `x` along `dim` (the sequence): chunk `rank` of `world` (contiguous), or
+    chunks rank and 2 world - 1 - rank of 2 world (zigzag), concatenated. A new contiguous tensor."""
+    torch = _torch()
+    parts = [x.narrow(dim, start, length) for start, length in _chunks(layout, rank, world, x.shape[dim])]
+    return torch.cat(parts, dim=dim).contiguous()
+
+
+def ring_unshard(shards, layout="zigzag", dim=1):
+    """The whole sequence from every rank's shard (in rank order), as ring_shard cut it."""
+    torch = _torch()
+    world = len(shards)
+    rows = shards[0].shape[dim]
+    seqlen = rows * world
+    pieces = {}
+    for rank, shard in enumerate(shards):
+        offset = 0
+        for start, length in _chunks(layout, rank, world, seqlen):
+            pieces[start] = shard.narrow(dim, offset, length)
+            offset += length
+    return torch.cat([pieces[start] for start in sorted(pieces)], dim=dim)
+
+
+def _torch():
+    import torch
+    return torch
+
+
+def _options(tensor, causal, layout, softmax_scale, softcap, sm_margin, check_shapes, backend="auto"):
+    from . import _lib
+    o = _capi.RingOptions()
+    _lib.flashjit_ring_options_init(ctypes.byref(o))
+    o.layout = _layout_code(layout)
+    o.causal = bool(causal)
+    if softmax_scale is not None:
+        o.softmax_scale = softmax_scale
+    o.softcap = float(softcap)
+    o.backend = _capi.BACKENDS[backend]
+    o.sm_margin = int(sm_margin)
+    o.check_shapes = bool(check_shapes)
+    o.stream = _torch().cuda.current_stream(tensor.device).cuda_stream
+    return o
+
+
+def _refuse_grad(tensors):
+    torch = _torch()
+    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+        raise NotImplementedError("ring attention's backward is not implemented yet: call it under torch.no_grad() "
+                                  "or on tensors that do not require grad")
+
+
+def _outputs(q):
+    torch = _torch()
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    lse = torch.empty((q.shape[0], q.shape[2], q.shape[1]), dtype=torch.float32, device=q.device)
+    return out, lse
+
+
+_transports = {}  # id(group) -> (group, handle): one NCCL communicator per process group
+
+
+def _transport(group):
+    """flashjit's NCCL communicator over the ranks of `group`: rank 0's unique id broadcast through it."""
+    from . import _check, _lib
+    torch = _torch()
+    import torch.distributed as dist
+    if group is None:
+        group = dist.group.WORLD
+    entry = _transports.get(id(group))
+    if entry is not None and entry[0] is group:
+        return entry[1]
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    id_buffer = ctypes.create_string_buffer(128)
+    if rank == 0:
+        _check(_lib.flashjit_nccl_unique_id(id_buffer))
+    backend = dist.get_backend(group)
+    device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+    unique_id = torch.frombuffer(bytearray(id_buffer.raw), dtype=torch.uint8).to(device)
+    dist.broadcast(unique_id, src=dist.get_global_rank(group, 0), group=group)
+    raw = bytes(unique_id.cpu().tolist())
+    handle = ctypes.c_void_p()
+    _check(_lib.flashjit_ring_transport_nccl(raw, rank, world, ctypes.byref(handle)))
+    _transports[id(group)] = (group, handle)
+    return handle
+
+
+def ring_flash_attn_func(q, k, v, group=None, causal=False, layout="zigzag", softmax_scale=None, softcap=0.0,
+                         return_lse=False, sm_margin=0, check_shapes=True):
+    """This rank's part of attention over a sequence sharded across `group` (torch.distributed, NCCL;
+    None: the default group). q (batch, shard rows, heads_q, head_dim), k, v (batch, shard rows,
+    heads_kv, head_dim): this rank's shards (ring_shard). Returns this rank's output shard (and its
+    LSE, (batch, heads_q, shard rows), with return_lse). Every rank calls it with the same shapes."""
+    from . import _check, _lib, _view
+    _refuse_grad((q, k, v))
+    handle = _transport(group)
+    out, lse = _outputs(q)
+    torch = _torch()
+    with torch.cuda.device(q.device):
+        options = _options(q, causal, layout, softmax_scale, softcap, sm_margin, check_shapes)
+        _check(_lib.flashjit_ring_forward(handle, ctypes.byref(_view(q, "q")), ctypes.byref(_view(k, "k")),
+                                          ctypes.byref(_view(v, "v")), ctypes.byref(_view(out, "out")),
+                                          ctypes.byref(_view(lse, "lse")), ctypes.byref(options)))
+    return (out, lse) if return_lse else out
+
+
+def ring_flash_attn_local(qs, ks, vs, causal=False, layout="zigzag", softmax_scale=None, softcap=0.0,
+                          return_lse=False):
+    """Ring attention over len(qs) virtual ranks on one GPU (flashjit::ring::LocalRing: the same
+    schedule, K/V moved by device copies), for tests and benchmarks: lists of every rank's shards in,
+    the list of their output shards (and LSEs) out. The ranks run on side streams that start after
+    the current stream's work and end before its next."""
+    from . import _check, _lib, _view
+    torch = _torch()
+    world = len(qs)
+    if not (len(ks) == len(vs) == world) or world < 1:
+        raise ValueError(f"qs, ks and vs must be lists of the same positive length, got {len(qs)}, {len(ks)}, {len(vs)}")
+    _refuse_grad(list(qs) + list(ks) + list(vs))
+    outputs = [_outputs(q) for q in qs]
+    device = qs[0].device
+    current = torch.cuda.current_stream(device)
+    streams = [torch.cuda.Stream(device) for _ in range(world)]
+    for s in streams:
+        s.wait_stream(current)
+    views = {name: (_capi.Tensor * world)(*(_view(t, name) for t in tensors))
+             for name, tensors in (("q", qs), ("k", ks), ("v", vs), ("out", [o for o, _ in outputs]),
+                                   ("lse", [l for _, l in outputs]))}
+    handles = (ctypes.c_void_p * world)(*(s.cuda_stream for s in streams))
+    with torch.cuda.device(device):
+        options = _options(qs[0], causal, layout, softmax_scale, softcap, 0, True)
+        _check(_lib.flashjit_ring_forward_local(world, views["q"], views["k"], views["v"], views["out"], views["lse"],
+                                                handles, ctypes.byref(options)))
+    for s in streams:  # (so everything the ranks read or wrote is freed after them)
+        current.wait_stream(s)
+    return outputs if return_lse else [o for o, _ in outputs]
