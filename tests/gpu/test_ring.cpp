@@ -215,7 +215,7 @@ TEST_CASE("ring: zigzag causal over 2 and 4 virtual ranks", "[ring][quick]") {
   for (int world : {2, 4}) {
     RingRun r;
     r.world = world;
-    r.seqlen = world * 2 * 136;  // chunks of 136 rows: no tile boundary lines up
+    r.seqlen = world * 2 * 72;  // chunks of 72 rows: no tile boundary lines up
     check_ring(r, 1000 + world);
   }
 }
