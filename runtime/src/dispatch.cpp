@@ -183,7 +183,8 @@ KernelSpec select_kernel(const PassProblem& problem, const DeviceProperties& dev
   }
   const std::vector<const RuntimeFamily*> usable = usable_families(problem, arch);
   if (auto spec = tuned_spec(tuning, problem, device, usable)) {
-    spec->continues = problem.forward.continues;  // (the dense tuned tiles serve a continuation too)
+    if (!problem.forward.continues) return *spec;
+    spec->continues = true;  // (the dense tuned tiles serve a continuing call too)
     if (!spec->validate()) return *spec;
   }
   return heuristic_spec(*usable.front(), problem, arch);
