@@ -3,10 +3,10 @@
 # carried along (the device has no -dev packages; binaries built here run there).
 #   bench/device_run.sh [build-dir] [what...]
 #   what: warm | tests | sanitize | sanitize-kvcache | python | host | sweep | grid | peers | fwdbwd |
-#   tune | profile | decode | decode-splits
+#   tune | profile | decode | decode-splits | ring
 #   (default: tests);
 #   FLASHJIT_BENCH_ARGS adds arguments to the flashjit-bench steps, PEERS_ARGS to the peers step,
-#   FWDBWD_ARGS to fwdbwd.
+#   FWDBWD_ARGS to fwdbwd, RING_ARGS to ring's flashjit-bench runs (e.g. --backward).
 #   STEP_TIMEOUT (seconds, default 480) bounds each program, so a hang costs one step, not the call;
 #   budget it generously: a fresh machine compiles every kernel first (the grid alone takes ~100 s).
 set -uo pipefail
@@ -139,6 +139,19 @@ for r in json.load(open('$out/grid_tuned.json'))['rows']:
       FLASHJIT_LIBRARY=$build/runtime/libflashjit.so bounded python3 bench/peers.py --mode fwdbwd \
           --backends flashjit,flash,cudnn ${FWDBWD_ARGS:-} > "$out/fwdbwd.json" 2> "$out/fwdbwd.log" || status=1
       tail -n 60 "$out/fwdbwd.log" ;;
+    ring)
+      # Ring attention: its GPU tests, the Python package's ring tests, and N virtual ranks beside one
+      # call in both memory layouts (bench/results/ring_h200.json's rows).
+      bounded "$build/tests/flashjit_gpu_tests" "[ring]" 2>&1 | grep -E '^ring|FAILED|passed|failed' | tail -40
+      [[ ${PIPESTATUS[0]} -eq 0 ]] || status=1
+      library=$(realpath "$build/runtime/libflashjit.so")
+      (cd tests/python && FLASHJIT_LIBRARY=$library bounded python3 -m pytest -q -k ring test_flashjit.py) \
+          > "$out/ring_python.log" 2>&1 || status=1
+      tail -5 "$out/ring_python.log"
+      for layout in bshd bhsd; do
+        bounded "$build/tools/flashjit-bench" --ring 2,4,8 --layout $layout --head-dims 128 --seqlens 16384,32768,65536 \
+            --causal off,on --iters 7 ${RING_ARGS:-} --json > "$out/ring_$layout.json" || status=1
+      done ;;
     *) echo "unknown step $step"; status=2 ;;
   esac
 done
