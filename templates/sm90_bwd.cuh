@@ -598,7 +598,41 @@ __device__ void sm90_bwd_dkdv_atomic_dq_kernel(const AttentionSm90BwdParams& par
     }
   }
 
-  // Epilogue: dK and dV straight from the registers (4-byte pairs). Keys no query sees get zeros.
+  // Epilogue: dK and dV straight from the registers (4-byte pairs). Keys no query sees get zeros. A
+  // continuing spec adds them to its fp32 running sums (8-byte pairs; the CTA owns its keys' rows),
+  // which leave as dK and dV on the last step.
+  if constexpr (ContinuesOf<Config>::value) {
+    const long long state_offset = (f.cu_seqlens_k != nullptr ? 0 : batch * p.dkv_state_batch_stride) +
+                                   (seq.k_start + n0) * p.dkv_state_row_stride + kv_head * p.dkv_state_head_stride;
+    float* sDk = p.dk_state + state_offset;
+    float* sDv = p.dv_state + state_offset;
+    const long long dk_batch = f.cu_seqlens_k != nullptr ? 0 : batch * p.dk_batch_stride;
+    const long long dv_batch = f.cu_seqlens_k != nullptr ? 0 : batch * p.dv_batch_stride;
+    Element* gDk = static_cast<Element*>(p.dk) + dk_batch + (seq.k_start + n0) * p.dk_row_stride + kv_head * p.dk_head_stride;
+    Element* gDv = static_cast<Element*>(p.dv) + dv_batch + (seq.k_start + n0) * p.dv_row_stride + kv_head * p.dv_head_stride;
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int key = key_row0 + lane / 4 + h * 8;
+      if (n0 + key >= seq.seqlen_k) continue;
+#pragma unroll
+      for (int j = 0; j < kGradCols / 8; ++j) {
+        const int col = consumer_cols + j * 8 + (lane % 4) * 2;
+        if (col >= f.head_dim) continue;
+        float2* k_state = reinterpret_cast<float2*>(sDk + key * p.dkv_state_row_stride + col);
+        float2* v_state = reinterpret_cast<float2*>(sDv + key * p.dkv_state_row_stride + col);
+        const float2 k_sum = make_float2(k_state->x + dk[4 * j + 2 * h], k_state->y + dk[4 * j + 2 * h + 1]);
+        const float2 v_sum = make_float2(v_state->x + dv[4 * j + 2 * h], v_state->y + dv[4 * j + 2 * h + 1]);
+        if (p.gradients_final) {
+          *reinterpret_cast<unsigned*>(gDk + key * p.dk_row_stride + col) = pack2<Element>(k_sum.x, k_sum.y);
+          *reinterpret_cast<unsigned*>(gDv + key * p.dv_row_stride + col) = pack2<Element>(v_sum.x, v_sum.y);
+        } else {
+          *k_state = k_sum;
+          *v_state = v_sum;
+        }
+      }
+    }
+    return;
+  }
   const long long dk_batch = f.cu_seqlens_k != nullptr ? 0 : batch * p.dk_batch_stride;
   const long long dv_batch = f.cu_seqlens_k != nullptr ? 0 : batch * p.dv_batch_stride;
   Element* gDk = static_cast<Element*>(p.dk) + dk_batch + (seq.k_start + n0) * p.dk_row_stride + kv_head * p.dk_head_stride;

@@ -7,6 +7,7 @@
 #include <cmath>
 #include <functional>
 #include <numeric>
+#include <optional>
 #include <random>
 #include <thread>
 
@@ -277,6 +278,12 @@ int run_ring(const Options& o) {
         const size_t n = size_t(seqlen) * heads * d;
         detail::DeviceMemory q(n * 2), k(n * 2), v(n * 2), out(n * 2), lse(size_t(heads) * seqlen * 4);
         for (const auto* m : {&q, &k, &v}) fill(*m, n * 2);
+        // --backward: the forward and then the backward, dout random, gradients in their own memory.
+        std::optional<detail::DeviceMemory> dout, dq, dk, dv;
+        if (o.backward) {
+          dout.emplace(n * 2), dq.emplace(n * 2), dk.emplace(n * 2), dv.emplace(n * 2);
+          fill(*dout, n * 2);
+        }
         const TensorView lse_view = TensorView::contiguous(lse.get(), ScalarType::float32, {1, heads, seqlen}, o.device);
         AttentionOptions single_options;
         single_options.causal = causal;
@@ -292,6 +299,9 @@ int run_ring(const Options& o) {
         middle_options.continuation = &middle;
         auto whole_call = [&](const AttentionOptions& options) {
           runtime.forward(view(q, seqlen), view(k, seqlen), view(v, seqlen), view(out, seqlen), &lse_view, options);
+          if (o.backward && options.continuation == nullptr)
+            runtime.backward(view(q, seqlen), view(k, seqlen), view(v, seqlen), view(out, seqlen), view(*dout, seqlen),
+                             &lse_view, view(*dq, seqlen), view(*dk, seqlen), view(*dv, seqlen), single_options);
         };
         std::vector<std::function<void()>> calls{[&] { whole_call(single_options); }, [&] { whole_call(first_options); },
                                                   [&] { whole_call(middle_options); }};
@@ -312,8 +322,9 @@ int run_ring(const Options& o) {
           set->world = world;
           set->local = std::make_unique<ring::LocalRing>(world);
           const int rows = seqlen / world;
+          const int tensors_per_rank = o.backward ? 8 : 4;  // q, k, v, out (dout, dq, dk, dv), then the LSE
           for (int r = 0; r < world; ++r) {
-            for (int t = 0; t < 4; ++t) {
+            for (int t = 0; t < tensors_per_rank; ++t) {
               set->memory.push_back(std::make_unique<detail::DeviceMemory>(n / world * 2));
               fill(*set->memory.back(), n / world * 2);
             }
@@ -326,19 +337,23 @@ int run_ring(const Options& o) {
             set->done.push_back(e);
           }
           for (bool checked : {false, true})
-            calls.push_back([&, set = set.get(), rows, checked] {
+            calls.push_back([&, set = set.get(), rows, checked, tensors_per_rank] {
               FLASHJIT_CU(cuEventRecord, ring_start, nullptr);
               set->local->run([&](int r, ring::Transport& transport) {
-                const auto& m = set->memory;
+                const int per_rank = tensors_per_rank + 1;
+                auto m = [&](int t) -> const detail::DeviceMemory& { return *set->memory[per_rank * r + t]; };
                 FLASHJIT_CU(cuStreamWaitEvent, set->streams[r], ring_start, 0);
-                const TensorView rank_lse = TensorView::contiguous(m[5 * r + 4]->get(), ScalarType::float32, {1, heads, rows}, o.device);
+                const TensorView rank_lse = TensorView::contiguous(m(tensors_per_rank).get(), ScalarType::float32, {1, heads, rows}, o.device);
                 ring::Options options;
                 options.layout = layout;
                 options.causal = causal;
                 options.check_shapes = checked;
                 options.stream = set->streams[r];
-                ring::forward(runtime, transport, view(*m[5 * r], rows), view(*m[5 * r + 1], rows), view(*m[5 * r + 2], rows),
-                              view(*m[5 * r + 3], rows), &rank_lse, options);
+                ring::forward(runtime, transport, view(m(0), rows), view(m(1), rows), view(m(2), rows), view(m(3), rows),
+                              &rank_lse, options);
+                if (o.backward)
+                  ring::backward(runtime, transport, view(m(0), rows), view(m(1), rows), view(m(2), rows), view(m(3), rows),
+                                 view(m(4), rows), rank_lse, view(m(5), rows), view(m(6), rows), view(m(7), rows), options);
                 FLASHJIT_CU(cuEventRecord, set->done[r], set->streams[r]);
               });
               for (CUevent e : set->done) FLASHJIT_CU(cuStreamWaitEvent, nullptr, e, 0);
@@ -346,14 +361,18 @@ int run_ring(const Options& o) {
           sets.push_back(std::move(set));
         }
         const std::vector<double> ms = median_ms(calls, o.warmup, o.iters, start, stop);
-        const double flops = 4.0 * heads * double(seqlen) * seqlen * d / (causal ? 2 : 1);
+        const double flops = 4.0 * heads * double(seqlen) * seqlen * d / (causal ? 2 : 1) * (o.backward ? 3.5 : 1.0);
         json row{{"head_dim", d}, {"seqlen", seqlen}, {"heads", heads}, {"causal", causal}, {"single_ms", ms[0]},
-                 {"single_tflops", flops / (ms[0] * 1e-3) / 1e12}, {"continued_first_over_single", ms[1] / ms[0]},
-                 {"continued_middle_over_single", ms[2] / ms[0]}, {"ring", json::array()}};
-        if (!o.json_output)
-          fmt::print("d{:<4} s{:<6} h{:<3} {:<7} one call {:9.1f} us {:6.1f} TFLOP/s, continuing {:.3f}x (state read {:.3f}x)",
-                     d, seqlen, heads, causal ? "causal" : "full", ms[0] * 1e3, flops / (ms[0] * 1e-3) / 1e12,
-                     ms[1] / ms[0], ms[2] / ms[0]);
+                 {"single_tflops", flops / (ms[0] * 1e-3) / 1e12}, {"ring", json::array()}};
+        if (!o.backward) {  // (the continuing calls are forwards: against the forward alone)
+          row["continued_first_over_single"] = ms[1] / ms[0];
+          row["continued_middle_over_single"] = ms[2] / ms[0];
+        }
+        if (!o.json_output) {
+          fmt::print("d{:<4} s{:<6} h{:<3} {:<7} one call {:9.1f} us {:6.1f} TFLOP/s", d, seqlen, heads,
+                     causal ? "causal" : "full", ms[0] * 1e3, flops / (ms[0] * 1e-3) / 1e12);
+          if (!o.backward) fmt::print(", continuing {:.3f}x (state read {:.3f}x)", ms[1] / ms[0], ms[2] / ms[0]);
+        }
         for (size_t i = 0; i < sets.size(); ++i) {
           const double ring_ms = ms[3 + 2 * i], checked_ms = ms[4 + 2 * i];
           row["ring"].push_back({{"world", sets[i]->world}, {"ms", ring_ms}, {"over_single", ring_ms / ms[0]},
@@ -371,7 +390,7 @@ int run_ring(const Options& o) {
       }
   for (CUevent e : {start, stop, ring_start}) detail::driver().cuEventDestroy(e);
   if (o.json_output)
-    fmt::print("{}\n", json{{"device", device.name}, {"mode", "ring"}, {"dtype", o.dtype}, {"layout", o.layout},
+    fmt::print("{}\n", json{{"device", device.name}, {"mode", o.backward ? "ring fwd+bwd" : "ring"}, {"dtype", o.dtype}, {"layout", o.layout},
                             {"ring_layout", o.ring_layout}, {"hidden", o.hidden}, {"rows", rows}}.dump(2));
   return cli::kExitOk;
 }

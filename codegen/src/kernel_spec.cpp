@@ -130,7 +130,8 @@ std::optional<std::string> KernelSpec::validate() const {
                          to_string(mask));
   }
   if (continues && !rules.takes_continuation)
-    return fmt::format("{} does not continue partial results (ring attention's steps run on sm90_fwd)", rules.name);
+    return fmt::format("{} does not continue partial results (ring attention's steps run on sm90_fwd and sm90_bwd)",
+                       rules.name);
   return rules.validate_tiles(*this);
 }
 

@@ -128,6 +128,10 @@ def load():
     lib.flashjit_ring_forward.restype = ctypes.c_int
     lib.flashjit_ring_forward_local.argtypes = [ctypes.c_int32] + [P(Tensor)] * 5 + [P(ctypes.c_void_p), P(RingOptions)]
     lib.flashjit_ring_forward_local.restype = ctypes.c_int
+    lib.flashjit_ring_backward.argtypes = [ctypes.c_void_p] + [P(Tensor)] * 9 + [P(RingOptions)]
+    lib.flashjit_ring_backward.restype = ctypes.c_int
+    lib.flashjit_ring_backward_local.argtypes = [ctypes.c_int32] + [P(Tensor)] * 9 + [P(ctypes.c_void_p), P(RingOptions)]
+    lib.flashjit_ring_backward_local.restype = ctypes.c_int
     lib.flashjit_load_tuning_db.argtypes = [ctypes.c_char_p]
     lib.flashjit_load_tuning_db.restype = ctypes.c_int
     lib.flashjit_cache_stats.argtypes = [P(ctypes.c_uint64)] * 3

@@ -4,9 +4,9 @@
     out = flashjit.ring_flash_attn_func(q, k, v, group, causal=True)  # q, k, v: this rank's shards
     x = flashjit.ring_unshard([out_0, ..., out_N-1])             # the whole sequence again
 
-Each step's rows merge into a running fp32 O and LSE inside the kernel, so no hop rounds O to 16 bits.
-Forward only so far: inputs that require grad are refused rather than returning a result autograd
-cannot differentiate.
+Each step's rows merge into a running fp32 O and LSE inside the kernel, so no hop rounds O to 16 bits;
+the backward sums dQ, dK and dV in fp32 (dK and dV travel with their K/V) and rounds each once.
+Both functions are differentiable in q, k and v.
 """
 import ctypes
 
@@ -79,18 +79,17 @@ def _options(tensor, causal, layout, softmax_scale, softcap, sm_margin, check_sh
     return o
 
 
-def _refuse_grad(tensors):
-    torch = _torch()
-    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
-        raise NotImplementedError("ring attention's backward is not implemented yet: call it under torch.no_grad() "
-                                  "or on tensors that do not require grad")
-
-
 def _outputs(q):
     torch = _torch()
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     lse = torch.empty((q.shape[0], q.shape[2], q.shape[1]), dtype=torch.float32, device=q.device)
     return out, lse
+
+
+def _grad_ready(t):
+    """dout as the kernels read it (autograd may hand over an expanded or transposed gradient)."""
+    from . import _kernel_ready
+    return t if _kernel_ready(t) else t.contiguous()
 
 
 _transports = {}  # id(group) -> (group, handle): one NCCL communicator per process group
@@ -121,22 +120,118 @@ def _transport(group):
     return handle
 
 
+def _group_forward(handle, q, k, v, settings):
+    from . import _check, _lib, _view
+    torch = _torch()
+    out, lse = _outputs(q)
+    with torch.cuda.device(q.device):
+        options = _options(q, *settings)
+        _check(_lib.flashjit_ring_forward(handle, ctypes.byref(_view(q, "q")), ctypes.byref(_view(k, "k")),
+                                          ctypes.byref(_view(v, "v")), ctypes.byref(_view(out, "out")),
+                                          ctypes.byref(_view(lse, "lse")), ctypes.byref(options)))
+    return out, lse
+
+
+def _group_backward(handle, q, k, v, out, dout, lse, settings):
+    from . import _check, _lib, _view
+    torch = _torch()
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    views = [_view(t, n) for t, n in ((q, "q"), (k, "k"), (v, "v"), (out, "out"), (dout, "dout"), (lse, "lse"),
+                                      (dq, "dq"), (dk, "dk"), (dv, "dv"))]
+    with torch.cuda.device(q.device):
+        options = _options(q, *settings)
+        _check(_lib.flashjit_ring_backward(handle, *(ctypes.byref(t) for t in views), ctypes.byref(options)))
+    return dq, dk, dv
+
+
+def _side_streams(device, world):
+    """One stream per virtual rank, after the current stream's work."""
+    torch = _torch()
+    current = torch.cuda.current_stream(device)
+    streams = [torch.cuda.Stream(device) for _ in range(world)]
+    for s in streams:
+        s.wait_stream(current)
+    return current, streams, (ctypes.c_void_p * world)(*(s.cuda_stream for s in streams))
+
+
+def _local_call(entry, world, tensors_by_name, settings, device, first):
+    from . import _check, _view
+    torch = _torch()
+    current, streams, handles = _side_streams(device, world)
+    arrays = [(_capi.Tensor * world)(*(_view(t, name) for t in tensors)) for name, tensors in tensors_by_name]
+    with torch.cuda.device(device):
+        options = _options(first, *settings)
+        _check(entry(world, *arrays, handles, ctypes.byref(options)))
+    for s in streams:  # (so everything the ranks read or wrote is freed after them)
+        current.wait_stream(s)
+
+
+_functions = {}
+
+
+def _autograd_functions():
+    """The autograd.Functions (built on first use: torch is imported lazily)."""
+    if _functions:
+        return _functions
+    torch = _torch()
+    from . import _lib
+
+    class RingAttention(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, q, k, v, handle, settings):
+            out, lse = _group_forward(handle, q, k, v, settings)
+            ctx.save_for_backward(q, k, v, out, lse)
+            ctx.handle, ctx.settings = handle, settings
+            ctx.mark_non_differentiable(lse)
+            return out, lse
+
+        @staticmethod
+        def backward(ctx, dout, _dlse):
+            q, k, v, out, lse = ctx.saved_tensors
+            dq, dk, dv = _group_backward(ctx.handle, q, k, v, out, _grad_ready(dout), lse, ctx.settings)
+            return dq, dk, dv, None, None
+
+    class RingAttentionLocal(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, settings, world, *tensors):
+            qs, ks, vs = tensors[:world], tensors[world:2 * world], tensors[2 * world:]
+            outputs = [_outputs(q) for q in qs]
+            outs, lses = [o for o, _ in outputs], [l for _, l in outputs]
+            _local_call(_lib.flashjit_ring_forward_local, world,
+                        (("q", qs), ("k", ks), ("v", vs), ("out", outs), ("lse", lses)), settings, qs[0].device, qs[0])
+            ctx.save_for_backward(*qs, *ks, *vs, *outs, *lses)
+            ctx.settings, ctx.world = settings, world
+            ctx.mark_non_differentiable(*lses)
+            return (*outs, *lses)
+
+        @staticmethod
+        def backward(ctx, *grads):
+            world = ctx.world
+            saved = ctx.saved_tensors
+            qs, ks, vs = saved[:world], saved[world:2 * world], saved[2 * world:3 * world]
+            outs, lses = saved[3 * world:4 * world], saved[4 * world:]
+            douts = [_grad_ready(g) if g is not None else torch.zeros_like(o) for g, o in zip(grads[:world], outs)]
+            dqs, dks, dvs = [torch.empty_like(t) for t in qs], [torch.empty_like(t) for t in ks], [torch.empty_like(t) for t in vs]
+            _local_call(_lib.flashjit_ring_backward_local, world,
+                        (("q", qs), ("k", ks), ("v", vs), ("out", outs), ("dout", douts), ("lse", lses), ("dq", dqs),
+                         ("dk", dks), ("dv", dvs)), ctx.settings, qs[0].device, qs[0])
+            return (None, None, *dqs, *dks, *dvs)
+
+    _functions.update(group=RingAttention, local=RingAttentionLocal)
+    return _functions
+
+
 def ring_flash_attn_func(q, k, v, group=None, causal=False, layout="zigzag", softmax_scale=None, softcap=0.0,
                          return_lse=False, sm_margin=0, check_shapes=True):
     """This rank's part of attention over a sequence sharded across `group` (torch.distributed, NCCL;
     None: the default group). q (batch, shard rows, heads_q, head_dim), k, v (batch, shard rows,
     heads_kv, head_dim): this rank's shards (ring_shard). Returns this rank's output shard (and its
-    LSE, (batch, heads_q, shard rows), with return_lse). Every rank calls it with the same shapes."""
-    from . import _check, _lib, _view
-    _refuse_grad((q, k, v))
+    LSE, (batch, heads_q, shard rows), with return_lse); differentiable in q, k and v (every rank
+    runs the backward too). Every rank calls it with the same shapes and options."""
+    settings = (causal, layout, softmax_scale, softcap, sm_margin, check_shapes)
+    _layout_code(layout)
     handle = _transport(group)
-    out, lse = _outputs(q)
-    torch = _torch()
-    with torch.cuda.device(q.device):
-        options = _options(q, causal, layout, softmax_scale, softcap, sm_margin, check_shapes)
-        _check(_lib.flashjit_ring_forward(handle, ctypes.byref(_view(q, "q")), ctypes.byref(_view(k, "k")),
-                                          ctypes.byref(_view(v, "v")), ctypes.byref(_view(out, "out")),
-                                          ctypes.byref(_view(lse, "lse")), ctypes.byref(options)))
+    out, lse = _autograd_functions()["group"].apply(q, k, v, handle, settings)
     return (out, lse) if return_lse else out
 
 
@@ -144,28 +239,13 @@ def ring_flash_attn_local(qs, ks, vs, causal=False, layout="zigzag", softmax_sca
                           return_lse=False):
     """Ring attention over len(qs) virtual ranks on one GPU (flashjit::ring::LocalRing: the same
     schedule, K/V moved by device copies), for tests and benchmarks: lists of every rank's shards in,
-    the list of their output shards (and LSEs) out. The ranks run on side streams that start after
-    the current stream's work and end before its next."""
-    from . import _check, _lib, _view
-    torch = _torch()
+    the list of their output shards (and LSEs) out; differentiable. The ranks run on side streams that
+    start after the current stream's work and end before its next."""
     world = len(qs)
     if not (len(ks) == len(vs) == world) or world < 1:
         raise ValueError(f"qs, ks and vs must be lists of the same positive length, got {len(qs)}, {len(ks)}, {len(vs)}")
-    _refuse_grad(list(qs) + list(ks) + list(vs))
-    outputs = [_outputs(q) for q in qs]
-    device = qs[0].device
-    current = torch.cuda.current_stream(device)
-    streams = [torch.cuda.Stream(device) for _ in range(world)]
-    for s in streams:
-        s.wait_stream(current)
-    views = {name: (_capi.Tensor * world)(*(_view(t, name) for t in tensors))
-             for name, tensors in (("q", qs), ("k", ks), ("v", vs), ("out", [o for o, _ in outputs]),
-                                   ("lse", [l for _, l in outputs]))}
-    handles = (ctypes.c_void_p * world)(*(s.cuda_stream for s in streams))
-    with torch.cuda.device(device):
-        options = _options(qs[0], causal, layout, softmax_scale, softcap, 0, True)
-        _check(_lib.flashjit_ring_forward_local(world, views["q"], views["k"], views["v"], views["out"], views["lse"],
-                                                handles, ctypes.byref(options)))
-    for s in streams:  # (so everything the ranks read or wrote is freed after them)
-        current.wait_stream(s)
-    return outputs if return_lse else [o for o, _ in outputs]
+    _layout_code(layout)
+    settings = (causal, layout, softmax_scale, softcap, 0, True)
+    results = _autograd_functions()["local"].apply(settings, world, *qs, *ks, *vs)
+    outs, lses = list(results[:world]), list(results[world:])
+    return list(zip(outs, lses)) if return_lse else outs

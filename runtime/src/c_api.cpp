@@ -445,6 +445,46 @@ flashjit_status flashjit_ring_forward_local(int32_t world, const flashjit_tensor
   });
 }
 
+flashjit_status flashjit_ring_backward(flashjit_ring_transport* transport, const flashjit_tensor* q,
+                                       const flashjit_tensor* k, const flashjit_tensor* v, const flashjit_tensor* out,
+                                       const flashjit_tensor* dout, const flashjit_tensor* lse, const flashjit_tensor* dq,
+                                       const flashjit_tensor* dk, const flashjit_tensor* dv,
+                                       const flashjit_ring_options* options) {
+  return guarded([&] {
+    if (transport == nullptr) throw invalid("transport: null");
+    const Views t = views_of({{q, "q"}, {k, "k"}, {v, "v"}, {out, "out"}, {dout, "dout"}, {lse, "lse"}, {dq, "dq"},
+                              {dk, "dk"}, {dv, "dv"}});
+    flashjit::ring::backward(flashjit::Runtime::global(), *transport->transport, t[0], t[1], t[2], t[3], t[4], t[5],
+                             t[6], t[7], t[8], ring_options_of(options));
+  });
+}
+
+flashjit_status flashjit_ring_backward_local(int32_t world, const flashjit_tensor* q, const flashjit_tensor* k,
+                                             const flashjit_tensor* v, const flashjit_tensor* out,
+                                             const flashjit_tensor* dout, const flashjit_tensor* lse,
+                                             const flashjit_tensor* dq, const flashjit_tensor* dk,
+                                             const flashjit_tensor* dv, void* const* streams,
+                                             const flashjit_ring_options* options) {
+  return guarded([&] {
+    if (world < 1) throw invalid(fmt::format("world: {} ranks, expected at least 1", world));
+    for (const flashjit_tensor* t : {q, k, v, out, dout, lse, dq, dk, dv})
+      if (t == nullptr) throw invalid("q, k, v, out, dout, lse, dq, dk and dv must not be null");
+    std::vector<Views> shards;
+    for (int r = 0; r < world; ++r)
+      shards.push_back(views_of({{q + r, "q"}, {k + r, "k"}, {v + r, "v"}, {out + r, "out"}, {dout + r, "dout"},
+                                 {lse + r, "lse"}, {dq + r, "dq"}, {dk + r, "dk"}, {dv + r, "dv"}}));
+    const flashjit::ring::Options base = ring_options_of(options);
+    flashjit::ring::LocalRing ring(world);
+    ring.run([&](int r, flashjit::ring::Transport& transport) {
+      flashjit::ring::Options rank_options = base;
+      if (streams != nullptr) rank_options.stream = streams[r];
+      const Views& t = shards[r];
+      flashjit::ring::backward(flashjit::Runtime::global(), transport, t[0], t[1], t[2], t[3], t[4], t[5], t[6], t[7],
+                               t[8], rank_options);
+    });
+  });
+}
+
 flashjit_status flashjit_load_tuning_db(const char* path) {
   return guarded([&] {
     if (path == nullptr) throw invalid("path is NULL");

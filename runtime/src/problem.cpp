@@ -265,6 +265,47 @@ void bind_continuation(ForwardProblem& p, const ForwardContinuation& c, const Te
   p.params.state_final_rows = static_cast<int>(c.final_rows);
 }
 
+// options.backward_continuation: fp32 running gradients shaped like q, k and v.
+void bind_backward_continuation(BackwardProblem& b, const BackwardContinuation& c, const TensorView& q,
+                                const TensorView& k, const AttentionOptions& options) {
+  if (b.forward.is_varlen) throw bad("backward_continuation: not with a varlen batch yet");
+  if (options.deterministic) throw bad("backward_continuation: atomic dQ only (deterministic is fa2_bwd's)");
+  auto state = [&](const TensorView& t, const char* name, const TensorView& like) {
+    if (t.data == nullptr) throw bad(fmt::format("backward_continuation.{}: data pointer is null", name));
+    if (t.dtype != ScalarType::float32)
+      throw bad(fmt::format("backward_continuation.{}: expected dtype float32, got {}", name, to_string(t.dtype)));
+    if (t.device != q.device)
+      throw bad(fmt::format("backward_continuation.{}: on device {}, but q is on device {}", name, t.device, q.device));
+    check_rank(t, name, 4, "(the shape of the tensor it sums the gradient of)");
+    for (int d = 0; d < 4; ++d)
+      if (t.shape[d] != like.shape[d])
+        throw bad(fmt::format("backward_continuation.{}: shape {} differs from {}", name, shape_text(t), shape_text(like)));
+    // (dQ's row pass reads and writes it 16 bytes at a time)
+    if (t.strides[3] != 1 || t.strides[0] % 4 != 0 || t.strides[1] % 4 != 0 || t.strides[2] % 4 != 0 ||
+        reinterpret_cast<uintptr_t>(t.data) % 16 != 0)
+      throw bad(fmt::format("backward_continuation.{}: needs the last dim contiguous, the other strides multiples of "
+                            "4 and a 16-byte aligned base", name));
+  };
+  state(c.dq_state, "dq_state", q);
+  state(c.dk_state, "dk_state", k);
+  state(c.dv_state, "dv_state", k);
+  for (int d = 0; d < 4; ++d)
+    if (c.dv_state.strides[d] != c.dk_state.strides[d])
+      throw bad("backward_continuation: dv_state must have dk_state's strides");
+  b.forward.continues = true;
+  AttentionBwdParams& a = b.params;
+  a.dq_state = static_cast<float*>(c.dq_state.data);
+  a.dk_state = static_cast<float*>(c.dk_state.data);
+  a.dv_state = static_cast<float*>(c.dv_state.data);
+  a.dq_state_batch_stride = c.dq_state.strides[0];
+  a.dq_state_row_stride = c.dq_state.strides[1];
+  a.dq_state_head_stride = c.dq_state.strides[2];
+  a.dkv_state_batch_stride = c.dk_state.strides[0];
+  a.dkv_state_row_stride = c.dk_state.strides[1];
+  a.dkv_state_head_stride = c.dk_state.strides[2];
+  a.gradients_final = c.final ? 1 : 0;
+}
+
 ScalarType scalar_type(ModifierTensorType t) {
   switch (t) {
     case ModifierTensorType::int32: return ScalarType::int32;
@@ -866,6 +907,7 @@ BackwardProblem make_backward_problem(const TensorView& q, const TensorView& k, 
     like(dq, "dq", q, "q");
     like(dk, "dk", k, "k");
     like(dv, "dv", v, "v");
+    if (options.backward_continuation != nullptr) bind_backward_continuation(b, *options.backward_continuation, q, k, options);
   } catch (const Error& e) {
     if (e.code() != ErrorCode::invalid_argument) throw;
     throw Error(ErrorCode::invalid_argument, "backward", e.message());

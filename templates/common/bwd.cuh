@@ -144,7 +144,8 @@ __device__ void bwd_preprocess(const AttentionBwdParams& p) {
   }
 }
 
-// The fp32 dQ accumulator -> dQ in the output dtype.
+// The fp32 dQ accumulator -> dQ in the output dtype; in a continuing spec, added to the running dQ
+// (dq_state), which it then leaves as dQ on the last step (gradients_final) or goes back to.
 template <class Config, int kThreads>
 __device__ void bwd_convert_dq(const AttentionBwdParams& p) {
   using Shape = BwdRowPass<Config, kThreads>;
@@ -163,7 +164,20 @@ __device__ void bwd_convert_dq(const AttentionBwdParams& p) {
     if (row >= seq.seqlen_q) break;
     const long long flat_row = static_cast<long long>(head) * p.workspace_rows + workspace_row(f, seq, batch, row);
     const float4* accum = reinterpret_cast<const float4*>(p.dq_accum + flat_row * f.head_dim + chunk * 8);
-    const float4 lo = accum[0], hi = accum[1];
+    float4 lo = accum[0], hi = accum[1];
+    if constexpr (ContinuesOf<Config>::value) {
+      float4* state = reinterpret_cast<float4*>(p.dq_state + (f.cu_seqlens_q != nullptr ? 0 : batch * p.dq_state_batch_stride) +
+                                                (seq.q_start + row) * p.dq_state_row_stride + head * p.dq_state_head_stride +
+                                                chunk * 8);
+      const float4 before_lo = state[0], before_hi = state[1];
+      lo = make_float4(lo.x + before_lo.x, lo.y + before_lo.y, lo.z + before_lo.z, lo.w + before_lo.w);
+      hi = make_float4(hi.x + before_hi.x, hi.y + before_hi.y, hi.z + before_hi.z, hi.w + before_hi.w);
+      if (!p.gradients_final) {
+        state[0] = lo;
+        state[1] = hi;
+        continue;
+      }
+    }
     uint4 packed;
     packed.x = pack2<Element>(lo.x, lo.y);
     packed.y = pack2<Element>(lo.z, lo.w);

@@ -134,6 +134,16 @@ struct AttentionBwdParams {
   // The block mask by key block (FlexAttention's q_num_blocks/q_indices lists: rows are key blocks,
   // columns query blocks), for block-sparse specs.
   BlockSparseParams transposed_block_mask;
+  // A continuing backward (specs that continue: ring attention's steps), read only by those specs:
+  // this call's dQ, dK and dV add to fp32 running sums (batch, rows, heads, head_dim), laid out with
+  // the strides below (dk_state and dv_state share theirs) and zeroed before the first step; on the
+  // last step (gradients_final) the sums leave as dq, dk and dv in the output dtype instead.
+  float* dq_state;
+  float* dk_state;
+  float* dv_state;
+  long long dq_state_batch_stride, dq_state_row_stride, dq_state_head_stride;
+  long long dkv_state_batch_stride, dkv_state_row_stride, dkv_state_head_stride;
+  int gradients_final;
 };
 
 // Backward attention (sm90_bwd): TMA maps of q, k, v and dO (laid out as the forward's maps, with

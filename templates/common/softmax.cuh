@@ -135,16 +135,6 @@ __device__ __forceinline__ LseMerge merge_logsumexp(float lse_a, float lse_b) {
   return {high + logf(total), a / total, b / total};
 }
 
-// Config::kContinues where codegen rendered it (specs that continue a running result), else false.
-template <class Config, class = void>
-struct ContinuesOf {
-  static constexpr bool value = false;
-};
-template <class Config>
-struct ContinuesOf<Config, typename VoidOf<decltype(Config::kContinues)>::type> {
-  static constexpr bool value = Config::kContinues;
-};
-
 template <class Shape>
 __device__ __forceinline__ void online_softmax(RowStatistics<Shape>& st, float (&o)[Shape::kMFrags][Shape::kOFrags][4],
                                                float (&s)[Shape::kMFrags][Shape::kSFrags][4], float scale_log2) {

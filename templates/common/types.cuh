@@ -59,6 +59,16 @@ struct VoidOf {
   using type = void;
 };
 
+// Config::kContinues where codegen rendered it (specs that continue a running result), else false.
+template <class Config, class = void>
+struct ContinuesOf {
+  static constexpr bool value = false;
+};
+template <class Config>
+struct ContinuesOf<Config, typename VoidOf<decltype(Config::kContinues)>::type> {
+  static constexpr bool value = Config::kContinues;
+};
+
 // NVRTC has no <cmath>: INFINITY and friends are spelled out.
 __device__ __forceinline__ float positive_infinity() { return __int_as_float(0x7f800000); }
 

@@ -14,6 +14,7 @@
 
 #include "support/attention_case.hpp"
 #include "support/attention_checks.hpp"
+#include "support/backward_case.hpp"
 
 using namespace flashjit;
 using namespace flashjit::test;
@@ -55,6 +56,25 @@ std::vector<uint16_t> shard_bits(const RingRun& r, const std::vector<uint16_t>& 
         std::copy(from, from + d, &out[to]);
       }
   return out;
+}
+
+// The whole sequence's packed (batch, seqlen, heads, head_dim) tensor from every rank's shard, in
+// the run's memory layout: shard_bits' inverse.
+std::vector<uint16_t> unshard_bits(const RingRun& r, const std::vector<std::vector<uint16_t>>& shards, int heads) {
+  const int d = r.head_dim;
+  std::vector<uint16_t> whole(size_t(r.batch) * r.seqlen * heads * d);
+  for (int rank = 0; rank < r.world; ++rank) {
+    const ring::Shard shard = ring::shard_of(r.layout, rank, r.world, r.seqlen);
+    const int rows = static_cast<int>(shard.rows());
+    for (int b = 0; b < r.batch; ++b)
+      for (int local = 0; local < rows; ++local)
+        for (int h = 0; h < heads; ++h) {
+          const size_t from = r.head_major ? ((size_t(b) * heads + h) * rows + local) * d : ((size_t(b) * rows + local) * heads + h) * d;
+          std::copy(&shards[rank][from], &shards[rank][from] + d,
+                    &whole[((size_t(b) * r.seqlen + shard.global_row(local)) * heads + h) * d]);
+        }
+  }
+  return whole;
 }
 
 TensorView shard_view(const RingRun& r, void* data, int rows, int heads) {
@@ -169,22 +189,18 @@ void check_ring(const RingRun& r, uint64_t seed) {
   });
 
   // Unshard into the whole sequence's packed rows.
-  std::vector<uint16_t> got(whole.want_output().size());
+  std::vector<std::vector<uint16_t>> outs;
+  for (const RankBuffers& b : ranks) outs.push_back(b.out->download<uint16_t>());
+  const std::vector<uint16_t> got = unshard_bits(r, outs, r.heads_q);
   std::vector<double> got_lse(whole.want_lse().size());
   for (int rank = 0; rank < r.world; ++rank) {
     const ring::Shard shard = ring::shard_of(r.layout, rank, r.world, r.seqlen);
-    const auto out = ranks[rank].out->download<uint16_t>();
     const auto lse = ranks[rank].lse->download<float>();
     for (int b = 0; b < r.batch; ++b)
-      for (int local = 0; local < shard_rows; ++local)
-        for (int h = 0; h < r.heads_q; ++h) {
-          const size_t row = size_t(b) * r.seqlen + shard.global_row(local);
-          const size_t from = r.head_major ? ((size_t(b) * r.heads_q + h) * shard_rows + local) * d
-                                           : ((size_t(b) * shard_rows + local) * r.heads_q + h) * d;
-          std::copy(&out[from], &out[from] + d, &got[(row * r.heads_q + h) * d]);
+      for (int h = 0; h < r.heads_q; ++h)
+        for (int local = 0; local < shard_rows; ++local)
           got_lse[(size_t(b) * r.heads_q + h) * r.seqlen + shard.global_row(local)] =
               lse[(size_t(b) * r.heads_q + h) * shard_rows + local];
-        }
   }
   const double ring_rms = rms_error(r.dtype, got, whole.want_output());
   const double rounded_rms = rms_error(r.dtype, merge_16_bit_steps(r, ranks, shard_rows), whole.want_output());
@@ -208,15 +224,131 @@ void check_ring(const RingRun& r, uint64_t seed) {
   CHECK(ring_rms <= 1.2 * single_rms);
 }
 
+// The backward over the ranks (ring::backward, fed the reference forward's O and LSE as the single
+// call is): dq, dk and dv, unsharded, against the float64 reference gradients, with an RMS error at
+// most 1.2x the single call's.
+void check_ring_backward(const RingRun& r, uint64_t seed) {
+  AttentionShape shape = AttentionShape::make(r.batch, r.seqlen, r.seqlen, r.heads_q, r.heads_kv, r.head_dim);
+  shape.causal = r.causal;
+  BackwardCase whole(shape, r.dtype, seed);
+  whole.run(test_runtime(), {});
+  const GradientTolerance tolerance = tensor_core_gradient_tolerance(r.dtype);
+  REQUIRE(whole.check(tolerance).ok());  // the single call
+  const std::vector<double> single = whole.gradient_rms_errors(whole.dq_bits(), whole.dk_bits(), whole.dv_bits());
+
+  const int d = r.head_dim, shard_rows = static_cast<int>(ring::shard_of(r.layout, 0, r.world, r.seqlen).rows());
+  struct Rank {
+    std::unique_ptr<DeviceBuffer> q, k, v, out, dout, lse, dq, dk, dv;
+  };
+  std::vector<Rank> ranks(r.world);
+  for (int rank = 0; rank < r.world; ++rank) {
+    auto upload = [&](const std::vector<uint16_t>& whole_bits, int heads) {
+      const auto bits = shard_bits(r, whole_bits, heads, rank);
+      auto buffer = std::make_unique<DeviceBuffer>(bits.size() * 2);
+      buffer->upload(bits);
+      return buffer;
+    };
+    Rank& b = ranks[rank];
+    b.q = upload(whole.input_bits(Role::q), r.heads_q);
+    b.k = upload(whole.input_bits(Role::k), r.heads_kv);
+    b.v = upload(whole.input_bits(Role::v), r.heads_kv);
+    b.dout = upload(whole.input_bits(Role::other), r.heads_q);
+    b.out = upload(whole.reference_out_bits(), r.heads_q);
+    const ring::Shard shard = ring::shard_of(r.layout, rank, r.world, r.seqlen);
+    std::vector<float> lse(size_t(r.batch) * r.heads_q * shard_rows);
+    for (int bi = 0; bi < r.batch; ++bi)
+      for (int h = 0; h < r.heads_q; ++h)
+        for (int local = 0; local < shard_rows; ++local)
+          lse[(size_t(bi) * r.heads_q + h) * shard_rows + local] =
+              static_cast<float>(whole.reference_lse()[(size_t(bi) * r.heads_q + h) * r.seqlen + shard.global_row(local)]);
+    b.lse = std::make_unique<DeviceBuffer>(lse.size() * 4);
+    b.lse->upload(lse);
+    b.dq = std::make_unique<DeviceBuffer>(size_t(r.batch) * shard_rows * r.heads_q * d * 2);
+    b.dk = std::make_unique<DeviceBuffer>(size_t(r.batch) * shard_rows * r.heads_kv * d * 2);
+    b.dv = std::make_unique<DeviceBuffer>(size_t(r.batch) * shard_rows * r.heads_kv * d * 2);
+    for (DeviceBuffer* g : {b.dq.get(), b.dk.get(), b.dv.get()}) g->poison();
+  }
+  ring::LocalRing local(r.world);
+  local.run([&](int rank, ring::Transport& transport) {
+    detail::make_context_current(0);
+    CUstream stream = nullptr;
+    FLASHJIT_CU(cuStreamCreate, &stream, CU_STREAM_NON_BLOCKING);
+    const Rank& b = ranks[rank];
+    ring::Options options;
+    options.layout = r.layout;
+    options.causal = r.causal;
+    options.stream = stream;
+    const TensorView lse = TensorView::contiguous(b.lse->get(), ScalarType::float32, {r.batch, r.heads_q, shard_rows});
+    auto qs = [&](const DeviceBuffer& m) { return shard_view(r, m.get(), shard_rows, r.heads_q); };
+    auto ks = [&](const DeviceBuffer& m) { return shard_view(r, m.get(), shard_rows, r.heads_kv); };
+    ring::backward(test_runtime(), transport, qs(*b.q), ks(*b.k), ks(*b.v), qs(*b.out), qs(*b.dout), lse, qs(*b.dq),
+                   ks(*b.dk), ks(*b.dv), options);
+    FLASHJIT_CU(cuStreamSynchronize, stream);
+    FLASHJIT_CU(cuStreamDestroy, stream);
+  });
+  std::vector<std::vector<uint16_t>> dqs, dks, dvs;
+  for (const Rank& b : ranks) {
+    dqs.push_back(b.dq->download<uint16_t>());
+    dks.push_back(b.dk->download<uint16_t>());
+    dvs.push_back(b.dv->download<uint16_t>());
+  }
+  const auto dq = unshard_bits(r, dqs, r.heads_q), dk = unshard_bits(r, dks, r.heads_kv), dv = unshard_bits(r, dvs, r.heads_kv);
+  const std::vector<double> ring_errors = whole.gradient_rms_errors(dq, dk, dv);
+  std::printf("ring backward N=%d %-10s %-6s %s s%d hq%d hkv%d d%d: RMS error of dq/dk/dv %.3g %.3g %.3g (single call "
+              "%.3g %.3g %.3g)\n",
+              r.world, ring::to_string(r.layout), r.causal ? "causal" : "full", to_string(r.dtype).data(), r.seqlen,
+              r.heads_q, r.heads_kv, d, ring_errors[0], ring_errors[1], ring_errors[2], single[0], single[1], single[2]);
+  INFO("ring backward N=" << r.world << " " << ring::to_string(r.layout) << (r.causal ? " causal" : "") << " s"
+                          << r.seqlen << " hq" << r.heads_q << " hkv" << r.heads_kv << " d" << d);
+  const GradientComparison c = whole.check_gradients(dq, dk, dv, tolerance);
+  INFO("dq: " << c.dq.first_bad << "; dk: " << c.dk.first_bad << "; dv: " << c.dv.first_bad);
+  CHECK(c.ok());
+  for (int i = 0; i < 3; ++i) CHECK(ring_errors[i] <= 1.2 * single[i]);
+}
+
 }  // namespace
 
-TEST_CASE("ring: zigzag causal over 2 and 4 virtual ranks", "[ring][quick]") {
+TEST_CASE("ring backward: 2, 4 and 8 ranks, contiguous and zigzag, causal and not", "[ring][backward]") {
+  if (!hopper_or_skip("ring attention needs an sm_90 device")) return;
+  for (int world : {2, 4, 8})
+    for (ring::Layout layout : {ring::Layout::contiguous, ring::Layout::zigzag})
+      for (bool causal : {false, true}) {
+        RingRun r;
+        r.world = world;
+        r.layout = layout;
+        r.causal = causal;
+        r.seqlen = world * 144;
+        check_ring_backward(r, 4000 + world * 4 + int(layout) * 2 + causal);
+      }
+}
+
+TEST_CASE("ring backward: head dims 64 and 256, fp16, GQA 4, head-major shards", "[ring][backward]") {
+  if (!hopper_or_skip("ring attention needs an sm_90 device")) return;
+  RingRun a;
+  a.world = 4;
+  a.seqlen = 4 * 2 * 100;
+  a.head_dim = 64;
+  a.dtype = DType::fp16;
+  a.heads_q = 8;
+  a.heads_kv = 2;
+  check_ring_backward(a, 41);
+  RingRun b;
+  b.world = 2;
+  b.seqlen = 2 * 2 * 96;
+  b.head_dim = 256;
+  b.batch = 1;
+  b.head_major = true;
+  check_ring_backward(b, 42);
+}
+
+TEST_CASE("ring: zigzag causal over 2 and 4 virtual ranks, forward and backward", "[ring][quick]") {
   if (!hopper_or_skip("ring attention needs an sm_90 device")) return;
   for (int world : {2, 4}) {
     RingRun r;
     r.world = world;
     r.seqlen = world * 2 * 72;  // chunks of 72 rows: no tile boundary lines up
     check_ring(r, 1000 + world);
+    if (world == 2) check_ring_backward(r, 1100);
   }
 }
 

@@ -544,15 +544,32 @@ def test_ring_local_matches_reference(world, layout, causal):
     assert torch.allclose(lse, want_lse, atol=1e-3, rtol=1e-4)
 
 
-def test_ring_refuses_grad_and_mismatched_shards():
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("layout", ["zigzag", "contiguous"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_ring_local_backward_matches_fp32_autograd(world, layout, causal):
     _hopper_or_skip()
-    q = torch.randn(1, 64, 2, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    with pytest.raises(NotImplementedError, match="backward is not implemented yet"):
-        flashjit.ring_flash_attn_local([q, q], [q, q], [q, q])
-    with torch.no_grad():
-        short = torch.randn(1, 32, 2, 64, device="cuda", dtype=torch.bfloat16)
-        with pytest.raises(ValueError, match="shard rows"):
-            flashjit.ring_flash_attn_local([q, short], [q, short], [q, short])
+    torch.manual_seed(world * 100 + causal)
+    seqlen = world * 2 * 64
+    q = torch.randn(2, seqlen, 4, 64, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(2, seqlen, 2, 64, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn(2, seqlen, 2, 64, device="cuda", dtype=torch.bfloat16)
+    dout = torch.randn_like(q)
+    shards = [[flashjit.ring_shard(t, r, world, layout).requires_grad_() for r in range(world)] for t in (q, k, v)]
+    outs = flashjit.ring_flash_attn_local(*shards, causal=causal, layout=layout)
+    torch.autograd.backward(outs, [flashjit.ring_shard(dout, r, world, layout) for r in range(world)])
+    got = [flashjit.ring_unshard([t.grad for t in ts], layout) for ts in shards]
+    want = reference_grads(q, k, v, dout, causal=causal)
+    for g, w, name in zip(got, want, ("dq", "dk", "dv")):
+        assert_grad_close(g, w, torch.bfloat16, name)
+
+
+def test_ring_refuses_mismatched_shards():
+    _hopper_or_skip()
+    q = torch.randn(1, 64, 2, 64, device="cuda", dtype=torch.bfloat16)
+    short = torch.randn(1, 32, 2, 64, device="cuda", dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="shard rows"):
+        flashjit.ring_flash_attn_local([q, short], [q, short], [q, short])
 
 
 def test_ring_over_a_one_rank_nccl_group(tmp_path):
@@ -564,9 +581,14 @@ def test_ring_over_a_one_rank_nccl_group(tmp_path):
         q = torch.randn(2, 256, 4, 128, device="cuda", dtype=torch.bfloat16)
         k = torch.randn(2, 256, 2, 128, device="cuda", dtype=torch.bfloat16)
         v = torch.randn(2, 256, 2, 128, device="cuda", dtype=torch.bfloat16)
-        out, lse = flashjit.ring_flash_attn_func(q, k, v, causal=True, return_lse=True)
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        out, lse = flashjit.ring_flash_attn_func(*leaves, causal=True, return_lse=True)
         want, want_lse = reference(q, k, v, causal=True)
         assert_close(out, want, torch.bfloat16)
         assert torch.allclose(lse, want_lse, atol=1e-3, rtol=1e-4)
+        dout = torch.randn_like(out)
+        out.backward(dout)
+        for leaf, w, name in zip(leaves, reference_grads(q, k, v, dout, causal=True), ("dq", "dk", "dv")):
+            assert_grad_close(leaf.grad, w, torch.bfloat16, name)
     finally:
         dist.destroy_process_group()

@@ -6,6 +6,7 @@
 // reference along with it.
 #pragma once
 
+#include <cmath>
 #include <memory>
 #include <random>
 #include <sstream>
@@ -105,16 +106,49 @@ class BackwardCase {
   }
 
   GradientComparison check(GradientTolerance t) const {
-    GradientComparison c;
+    GradientComparison c = check_gradients(got_dq_, got_dk_, got_dv_, t);
     c.forward_out = forward_out_;
-    const std::vector<double> none(reference_->dv.size(), 0.0);  // dV = P^T dO has no dS
-    compare_gradient(c.dq, "dq", got_dq_, reference_->dq, reference_->dq_mass, reference_->dq_cancellation,
-                     shape_.heads_q, t);
-    compare_gradient(c.dk, "dk", got_dk_, reference_->dk, reference_->dk_mass, reference_->dk_cancellation,
-                     shape_.heads_kv, t);
-    compare_gradient(c.dv, "dv", got_dv_, reference_->dv, reference_->dv_mass, none, shape_.heads_kv, t);
     return c;
   }
+
+  // Gradients computed elsewhere from this case's inputs (ring attention's shards, unsharded;
+  // packed (rows, heads, head_dim)) against the float64 reference, as check() compares the run's.
+  GradientComparison check_gradients(const std::vector<uint16_t>& dq, const std::vector<uint16_t>& dk,
+                                     const std::vector<uint16_t>& dv, GradientTolerance t) const {
+    GradientComparison c;
+    const std::vector<double> none(reference_->dv.size(), 0.0);  // dV = P^T dO has no dS
+    compare_gradient(c.dq, "dq", dq, reference_->dq, reference_->dq_mass, reference_->dq_cancellation, shape_.heads_q, t);
+    compare_gradient(c.dk, "dk", dk, reference_->dk, reference_->dk_mass, reference_->dk_cancellation, shape_.heads_kv, t);
+    compare_gradient(c.dv, "dv", dv, reference_->dv, reference_->dv_mass, none, shape_.heads_kv, t);
+    return c;
+  }
+
+  // RMS of (got - reference) of dq, dk and dv in turn.
+  std::vector<double> gradient_rms_errors(const std::vector<uint16_t>& dq, const std::vector<uint16_t>& dk,
+                                          const std::vector<uint16_t>& dv) const {
+    std::vector<double> errors;
+    for (const auto& [got, want] : {std::pair{&dq, &reference_->dq}, {&dk, &reference_->dk}, {&dv, &reference_->dv}}) {
+      double sum = 0;
+      for (size_t i = 0; i < want->size(); ++i) {
+        const double e = from_storage(dtype_, (*got)[i]) - (*want)[i];
+        sum += e * e;
+      }
+      errors.push_back(std::sqrt(sum / std::max<size_t>(want->size(), 1)));
+    }
+    return errors;
+  }
+
+  // The run's gradients, and the inputs a split of the problem needs (packed (rows, heads,
+  // head_dim); the LSE (batch, heads, rows)): q, k, v, dout, and the reference forward's O (rounded)
+  // and LSE, which the backward is fed.
+  const std::vector<uint16_t>& dq_bits() const { return got_dq_; }
+  const std::vector<uint16_t>& dk_bits() const { return got_dk_; }
+  const std::vector<uint16_t>& dv_bits() const { return got_dv_; }
+  const std::vector<uint16_t>& input_bits(Role role) const {
+    return role == Role::q ? q_bits_ : role == Role::k ? k_bits_ : role == Role::v ? v_bits_ : dout_bits_;
+  }
+  const std::vector<uint16_t>& reference_out_bits() const { return want_out_bits_; }
+  const std::vector<double>& reference_lse() const { return want_lse_; }
 
   // Raw bits of the last run's gradients, for bitwise rerun checks.
   std::vector<uint16_t> gradient_bits() const {

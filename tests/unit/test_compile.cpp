@@ -65,14 +65,15 @@ std::vector<KernelSpec> sweep_specs(const Arch& arch) {
     }
   if (arch.sm == 80 || arch.sm == 90)
     specs.push_back(default_spec(Family::block_mask, arch, DType::bf16, 0, MaskKind::none, false, document));
-  // Ring attention's continuing forward (sm90_fwd), unmasked and causal (the calls a ring makes).
-  for (int d : {64, 96, 128, 192, 256})
-    if (family_covers(Family::sm90_fwd, arch, d))
-      for (MaskKind mask : {MaskKind::none, MaskKind::causal}) {
-        KernelSpec s = default_spec(Family::sm90_fwd, arch, DType::bf16, d, mask, false);
-        s.continues = true;
-        specs.push_back(s);
-      }
+  // Ring attention's continuing forward and backward, unmasked and causal (the calls a ring makes).
+  for (Family family : {Family::sm90_fwd, Family::sm90_bwd})
+    for (int d : {64, 96, 128, 192, 256})
+      if (family_covers(family, arch, d))
+        for (MaskKind mask : {MaskKind::none, MaskKind::causal}) {
+          KernelSpec s = default_spec(family, arch, DType::bf16, d, mask, false);
+          s.continues = true;
+          specs.push_back(s);
+        }
   return specs;
 }
 

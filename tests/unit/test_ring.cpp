@@ -201,3 +201,41 @@ TEST_CASE("ring: the C API's arguments are checked before anything runs", "[ring
   CHECK(flashjit_ring_transport_nccl(nullptr, 0, 1, &transport) == FLASHJIT_ERROR_INVALID_ARGUMENT);
   CHECK(transport == nullptr);
 }
+
+TEST_CASE("ring: a continuing backward's arguments", "[ring]") {
+  const TensorView q = TensorView::contiguous(fake(), ScalarType::bfloat16, {2, 64, 4, 128});
+  const TensorView kv = TensorView::contiguous(fake(), ScalarType::bfloat16, {2, 32, 2, 128});
+  const TensorView lse = TensorView::contiguous(fake(), ScalarType::float32, {2, 4, 64});
+  BackwardContinuation c;
+  c.dq_state = TensorView::contiguous(fake(), ScalarType::float32, {2, 64, 4, 128});
+  c.dk_state = c.dv_state = TensorView::contiguous(fake(), ScalarType::float32, {2, 32, 2, 128});
+  c.final = true;
+  auto problem = [&](const BackwardContinuation& with, bool deterministic = false) {
+    AttentionOptions options;
+    options.backward_continuation = &with;
+    options.deterministic = deterministic;
+    return detail::make_backward_problem(q, kv, kv, q, q, &lse, q, kv, kv, nullptr, options);
+  };
+  const auto b = problem(c);
+  CHECK(b.forward.continues);
+  CHECK(b.params.gradients_final == 1);
+  CHECK(b.params.dq_state == c.dq_state.data);
+  CHECK(b.params.dkv_state_row_stride == 2 * 128);
+  auto refused = [&](const BackwardContinuation& bad, const char* message, bool deterministic = false) {
+    CHECK_THROWS_WITH(problem(bad, deterministic), Catch::Contains(message));
+  };
+  refused(c, "atomic dQ only", true);
+  BackwardContinuation wrong = c;
+  wrong.dq_state.dtype = ScalarType::bfloat16;
+  refused(wrong, "dq_state: expected dtype float32");
+  wrong = c;
+  wrong.dk_state.shape[1] = 64;
+  refused(wrong, "dk_state: shape");
+  wrong = c;
+  wrong.dv_state.strides[1] *= 2;
+  wrong.dv_state.strides[0] *= 2;
+  refused(wrong, "dv_state must have dk_state's strides");
+  wrong = c;
+  wrong.dq_state.data = static_cast<char*>(fake()) + 8;
+  refused(wrong, "16-byte aligned base");
+}

@@ -120,6 +120,7 @@ const FamilyRules kSm90BwdRules{
     /*min_blocks_per_sm=*/nullptr,
     /*takes_modifiers=*/true,
     /*takes_block_mask=*/true,
+    /*takes_continuation=*/true,
 };
 
 }  // namespace flashjit::codegen_detail

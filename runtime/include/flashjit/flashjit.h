@@ -200,6 +200,21 @@ flashjit_status flashjit_ring_forward_local(int32_t world, const flashjit_tensor
                                             const flashjit_tensor* lse, void* const* streams,
                                             const flashjit_ring_options* options);
 
+/* Ring attention's backward (flashjit::ring::backward): out and lse (required) the forward's, dout like
+ * out, dq, dk, dv like q, k, v; and the same over `world` virtual ranks on one GPU (arrays of `world`
+ * shards each; streams as in flashjit_ring_forward_local). */
+flashjit_status flashjit_ring_backward(flashjit_ring_transport* transport, const flashjit_tensor* q,
+                                       const flashjit_tensor* k, const flashjit_tensor* v, const flashjit_tensor* out,
+                                       const flashjit_tensor* dout, const flashjit_tensor* lse, const flashjit_tensor* dq,
+                                       const flashjit_tensor* dk, const flashjit_tensor* dv,
+                                       const flashjit_ring_options* options);
+flashjit_status flashjit_ring_backward_local(int32_t world, const flashjit_tensor* q, const flashjit_tensor* k,
+                                             const flashjit_tensor* v, const flashjit_tensor* out,
+                                             const flashjit_tensor* dout, const flashjit_tensor* lse,
+                                             const flashjit_tensor* dq, const flashjit_tensor* dk,
+                                             const flashjit_tensor* dv, void* const* streams,
+                                             const flashjit_ring_options* options);
+
 /* Replaces the global runtime's user tuning database (see flashjit/tuning.hpp) with the JSON file
  * at path; the previous one stays on error. */
 flashjit_status flashjit_load_tuning_db(const char* path);

@@ -102,6 +102,16 @@ struct ForwardContinuation {
   int64_t final_rows = 0;
 };
 
+// One step of a backward split over key blocks (ring attention's, ring.hpp): dQ, dK and dV add to
+// fp32 running sums shaped like q, k and v (float32, the last dim contiguous, the others multiples
+// of 4 floats; dk_state and dv_state with the same strides), zeroed by the caller before the first
+// step; on the last step (final) the sums with this step's are written to dq, dk and dv instead.
+// The step's out and lse are the whole forward's. sm_90 (sm90_bwd), atomic dQ.
+struct BackwardContinuation {
+  TensorView dq_state, dk_state, dv_state;
+  bool final = false;
+};
+
 // Which kernel family serves a call. `automatic` is the dispatcher's choice; the others force a
 // family (tests, benchmarks) and fail with Error(unsupported) where it cannot serve the problem.
 // The forward family: automatic = sm90 on sm_90 devices when TMA can read q, k and v (16-byte
@@ -142,6 +152,8 @@ struct AttentionOptions {
   const BlockMask* block_mask = nullptr;
   // forward() on sm_90: continue a running result (ForwardContinuation above).
   const ForwardContinuation* continuation = nullptr;
+  // backward() on sm_90: add to running gradients (BackwardContinuation above).
+  const BackwardContinuation* backward_continuation = nullptr;
 };
 
 // A packed variable-length batch: sequence b of q occupies rows [cu_seqlens_q[b], cu_seqlens_q[b+1]).

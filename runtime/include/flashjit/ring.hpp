@@ -141,4 +141,13 @@ struct Options {
 void forward(Runtime& runtime, Transport& transport, const TensorView& q, const TensorView& k, const TensorView& v,
              const TensorView& out, const TensorView* lse, const Options& options = {});
 
+// This rank's part of forward()'s backward: out and lse (required) the forward's shards, dout like
+// out, dq, dk, dv like q, k, v. The K/V shards travel as in the forward, each followed one step
+// behind by the fp32 sums of its dK and dV, to which every rank adds its share; a shard's owner
+// computes its own shard last and writes the finished dK and dV, so every gradient is rounded to
+// 16 bits once. dQ sums in fp32 on its rank across the steps. sm_90 (sm90_bwd, atomic dQ).
+void backward(Runtime& runtime, Transport& transport, const TensorView& q, const TensorView& k, const TensorView& v,
+              const TensorView& out, const TensorView& dout, const TensorView& lse, const TensorView& dq,
+              const TensorView& dk, const TensorView& dv, const Options& options = {});
+
 }  // namespace flashjit::ring
