@@ -477,8 +477,8 @@ __device__ void sm90_fwd_kernel(const AttentionSm90FwdParams& params) {
   };
   // A continuing spec's rows (ring attention's steps): this step's O and LSE merged by the
   // logsumexp rule into the running state (p.lse and p.state_o, read where p.state_read; see
-  // AttentionFwdParams), then written back in fp32, or where the row ends (below
-  // p.state_final_rows) as the output, normalised, with the final LSE. A row's four lanes share its
+  // AttentionFwdParams), then written back in fp32, or where the row ends (in [p.state_final_begin,
+  // p.state_final_end)) as the output, normalised, with the final LSE. A row's four lanes share its
   // LSE; lane 0 of the quad reads and writes it.
   auto continue_output = [&](const Sm90WorkTile& work, const RowStatistics<Warp>& st,
                              const float (&o)[Shape::kHeadDim / 2]) {
@@ -500,7 +500,7 @@ __device__ void sm90_fwd_kernel(const AttentionSm90FwdParams& params) {
       const LseMerge merged =
           merge_logsumexp(state_lse, row_logsumexp<kFinalScores, /*kEmptyRowNegative=*/true>(p, st.row_max[0][h], sum));
       const float step_factor = sum > 0.f ? merged.weight_b / sum : 0.f;  // O here is unnormalised
-      const bool ends = row < p.state_final_rows;
+      const bool ends = row >= p.state_final_begin && row < p.state_final_end;
       float* state_row = p.state_o + lse_index * p.head_dim + col0;
       Element* out_row = static_cast<Element*>(p.o) + seq.o_batch_offset + (seq.q_start + row) * p.o_row_stride +
                          work.head * p.o_head_stride + col0;

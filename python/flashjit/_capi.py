@@ -59,6 +59,8 @@ class RingOptions(ctypes.Structure):  # flashjit_ring_options
         ("sm_margin", ctypes.c_int32),
         ("check_shapes", ctypes.c_int32),
         ("stream", ctypes.c_void_p),
+        ("window_left", ctypes.c_int32),
+        ("window_right", ctypes.c_int32),
     ]
 
 

@@ -58,17 +58,25 @@ def ring_unshard(shards, layout="zigzag", dim=1):
     return torch.cat([pieces[start] for start in sorted(pieces)], dim=dim)
 
 
+def _window(window_size):
+    left, right = window_size
+    if left < -1 or right < -1:
+        raise ValueError(f"window_size {tuple(window_size)}: each side must be -1 (unbounded) or >= 0")
+    return int(left), int(right)
+
+
 def _torch():
     import torch
     return torch
 
 
-def _options(tensor, causal, layout, softmax_scale, softcap, sm_margin, check_shapes, backend="auto"):
+def _options(tensor, causal, layout, window_size, softmax_scale, softcap, sm_margin, check_shapes, backend="auto"):
     from . import _lib
     o = _capi.RingOptions()
     _lib.flashjit_ring_options_init(ctypes.byref(o))
     o.layout = _layout_code(layout)
     o.causal = bool(causal)
+    o.window_left, o.window_right = (int(w) for w in window_size)
     if softmax_scale is not None:
         o.softmax_scale = softmax_scale
     o.softcap = float(softcap)
@@ -221,22 +229,23 @@ def _autograd_functions():
     return _functions
 
 
-def ring_flash_attn_func(q, k, v, group=None, causal=False, layout="zigzag", softmax_scale=None, softcap=0.0,
-                         return_lse=False, sm_margin=0, check_shapes=True):
+def ring_flash_attn_func(q, k, v, group=None, causal=False, layout="zigzag", window_size=(-1, -1), softmax_scale=None,
+                         softcap=0.0, return_lse=False, sm_margin=0, check_shapes=True):
     """This rank's part of attention over a sequence sharded across `group` (torch.distributed, NCCL;
     None: the default group). q (batch, shard rows, heads_q, head_dim), k, v (batch, shard rows,
     heads_kv, head_dim): this rank's shards (ring_shard). Returns this rank's output shard (and its
     LSE, (batch, heads_q, shard rows), with return_lse); differentiable in q, k and v (every rank
-    runs the backward too). Every rank calls it with the same shapes and options."""
-    settings = (causal, layout, softmax_scale, softcap, sm_margin, check_shapes)
+    runs the backward too). window_size (left, right) as flash_attn_func's, over the whole sequence's
+    positions. Every rank calls it with the same shapes and options."""
+    settings = (causal, layout, _window(window_size), softmax_scale, softcap, sm_margin, check_shapes)
     _layout_code(layout)
     handle = _transport(group)
     out, lse = _autograd_functions()["group"].apply(q, k, v, handle, settings)
     return (out, lse) if return_lse else out
 
 
-def ring_flash_attn_local(qs, ks, vs, causal=False, layout="zigzag", softmax_scale=None, softcap=0.0,
-                          return_lse=False):
+def ring_flash_attn_local(qs, ks, vs, causal=False, layout="zigzag", window_size=(-1, -1), softmax_scale=None,
+                          softcap=0.0, return_lse=False):
     """Ring attention over len(qs) virtual ranks on one GPU (flashjit::ring::LocalRing: the same
     schedule, K/V moved by device copies), for tests and benchmarks: lists of every rank's shards in,
     the list of their output shards (and LSEs) out; differentiable. The ranks run on side streams that
@@ -245,7 +254,7 @@ def ring_flash_attn_local(qs, ks, vs, causal=False, layout="zigzag", softmax_sca
     if not (len(ks) == len(vs) == world) or world < 1:
         raise ValueError(f"qs, ks and vs must be lists of the same positive length, got {len(qs)}, {len(ks)}, {len(vs)}")
     _layout_code(layout)
-    settings = (causal, layout, softmax_scale, softcap, 0, True)
+    settings = (causal, layout, _window(window_size), softmax_scale, softcap, 0, True)
     results = _autograd_functions()["local"].apply(settings, world, *qs, *ks, *vs)
     outs, lses = list(results[:world]), list(results[world:])
     return list(zip(outs, lses)) if return_lse else outs

@@ -365,6 +365,8 @@ flashjit::ring::Options ring_options_of(const flashjit_ring_options* o) {
   if (o->layout != 0 && o->layout != 1) throw invalid(fmt::format("options.layout: {} is not 0 (contiguous) or 1 (zigzag)", o->layout));
   options.layout = o->layout == 1 ? flashjit::ring::Layout::zigzag : flashjit::ring::Layout::contiguous;
   options.causal = o->causal != 0;
+  options.window_left = o->window_left;
+  options.window_right = o->window_right;
   if (o->softmax_scale > 0.f) options.softmax_scale = o->softmax_scale;
   options.softcap = o->softcap;
   options.backend = backend_of(o->backend);
@@ -385,6 +387,7 @@ void flashjit_ring_options_init(flashjit_ring_options* options) {
   *options = flashjit_ring_options{};
   options->layout = 1;
   options->check_shapes = 1;
+  options->window_left = options->window_right = -1;
 }
 
 flashjit_status flashjit_nccl_unique_id(char* id_128_bytes) {

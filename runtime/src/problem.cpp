@@ -260,9 +260,11 @@ void bind_continuation(ForwardProblem& p, const ForwardContinuation& c, const Te
   p.continues = true;
   p.params.state_o = static_cast<float*>(state.data);
   p.params.state_read = c.has_state ? 1 : 0;
-  if (c.final_rows < 0 || c.final_rows > q.shape[1])
-    throw bad(fmt::format("continuation.final_rows: {} is outside 0 .. seqlen_q {}", c.final_rows, q.shape[1]));
-  p.params.state_final_rows = static_cast<int>(c.final_rows);
+  if (c.final_begin < 0 || c.final_rows < 0 || c.final_begin + c.final_rows > q.shape[1])
+    throw bad(fmt::format("continuation: final rows [{}, {}) are outside 0 .. seqlen_q {}", c.final_begin,
+                          c.final_begin + c.final_rows, q.shape[1]));
+  p.params.state_final_begin = static_cast<int>(c.final_begin);
+  p.params.state_final_end = static_cast<int>(c.final_begin + c.final_rows);
 }
 
 // options.backward_continuation: fp32 running gradients shaped like q, k and v.

@@ -64,11 +64,11 @@ struct AttentionFwdParams {
   // A continuing forward's running result (specs that continue: ring attention's steps), read only
   // by those specs: O so far, normalised, fp32, head_dim values per LSE entry and laid out as the
   // LSE is (state_o[lse index * head_dim + column]), and lse itself as the running LSE (-inf: no key
-  // yet). With state_read the rows merge into it (else they start it). Rows below state_final_rows
-  // end there: they write o, normalised, and the final LSE; the others write the state.
+  // yet). With state_read the rows merge into it (else they start it). Rows [state_final_begin,
+  // state_final_end) end there: they write o, normalised, and the final LSE; the others the state.
   float* state_o;
   int state_read;
-  int state_final_rows;
+  int state_final_begin, state_final_end;
 };
 
 // A CUtensorMap as the kernels see it (cuda.h stays out of this file): built on the host by

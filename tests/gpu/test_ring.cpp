@@ -25,6 +25,7 @@ struct RingRun {
   int world = 2;
   ring::Layout layout = ring::Layout::zigzag;
   bool causal = true;
+  int window_left = -1, window_right = -1;
   int batch = 2, seqlen = 0, heads_q = 4, heads_kv = 2, head_dim = 128;
   DType dtype = DType::bf16;
   bool head_major = false;
@@ -77,6 +78,34 @@ std::vector<uint16_t> unshard_bits(const RingRun& r, const std::vector<std::vect
   return whole;
 }
 
+ring::Options ring_options(const RingRun& r, CUstream stream) {
+  ring::Options options;
+  options.layout = r.layout;
+  options.causal = r.causal;
+  options.window_left = r.window_left;
+  options.window_right = r.window_right;
+  options.stream = stream;
+  return options;
+}
+
+AttentionShape whole_shape(const RingRun& r) {
+  AttentionShape shape = AttentionShape::make(r.batch, r.seqlen, r.seqlen, r.heads_q, r.heads_kv, r.head_dim);
+  shape.causal = r.causal;
+  shape.window_left = r.window_left;
+  shape.window_right = r.window_right;
+  return shape;
+}
+
+// "N=4 zigzag causal window(64,0) bf16 ..." for the printed lines and the failure messages.
+std::string describe(const RingRun& r) {
+  std::string text = "N=" + std::to_string(r.world) + " " + ring::to_string(r.layout) + (r.causal ? " causal" : " full  ");
+  if (r.window_left >= 0 || r.window_right >= 0)
+    text += " window(" + std::to_string(r.window_left) + "," + std::to_string(r.window_right) + ")";
+  return text + " " + std::string(to_string(r.dtype)) + " b" + std::to_string(r.batch) + " s" + std::to_string(r.seqlen) +
+         " hq" + std::to_string(r.heads_q) + " hkv" + std::to_string(r.heads_kv) + " d" + std::to_string(r.head_dim) +
+         (r.head_major ? " bhsd" : " bshd");
+}
+
 TensorView shard_view(const RingRun& r, void* data, int rows, int heads) {
   const ScalarType t = r.dtype == DType::bf16 ? ScalarType::bfloat16 : ScalarType::float16;
   return r.head_major ? TensorView::head_major(data, t, r.batch, rows, heads, r.head_dim)
@@ -105,7 +134,7 @@ std::vector<uint16_t> merge_16_bit_steps(const RingRun& r, const std::vector<Ran
     std::vector<float> lse(size_t(r.batch) * r.heads_q * shard_rows, -INFINITY);  // (b, h, row)
     for (int step = 0; step < r.world; ++step) {
       const int source = (rank - step + r.world) % r.world;
-      for (const ring::StepCall& call : ring::step_calls(r.layout, r.causal, rank, source, r.world, shard_rows)) {
+      for (const ring::StepCall& call : ring::step_calls(ring_options(r, nullptr), rank, source, r.world, shard_rows)) {
         const int rows = static_cast<int>(call.q_rows);
         DeviceBuffer part(size_t(r.batch) * rows * r.heads_q * d * 2), part_lse(size_t(r.batch) * r.heads_q * rows * 4);
         const TensorView part_view = TensorView::contiguous(
@@ -113,6 +142,8 @@ std::vector<uint16_t> merge_16_bit_steps(const RingRun& r, const std::vector<Ran
         const TensorView part_lse_view = TensorView::contiguous(part_lse.get(), ScalarType::float32, {r.batch, r.heads_q, rows});
         AttentionOptions options;
         options.causal = call.causal;
+        options.window_left = call.window_left;
+        options.window_right = call.window_right;
         test_runtime().forward(rows_of(shard_view(r, ranks[rank].q->get(), shard_rows, r.heads_q), call.q_begin, rows),
                                rows_of(shard_view(r, ranks[source].k->get(), shard_rows, r.heads_kv), call.kv_begin, call.kv_rows),
                                rows_of(shard_view(r, ranks[source].v->get(), shard_rows, r.heads_kv), call.kv_begin, call.kv_rows),
@@ -147,8 +178,7 @@ std::vector<uint16_t> merge_16_bit_steps(const RingRun& r, const std::vector<Ran
 }
 
 void check_ring(const RingRun& r, uint64_t seed) {
-  AttentionShape shape = AttentionShape::make(r.batch, r.seqlen, r.seqlen, r.heads_q, r.heads_kv, r.head_dim);
-  shape.causal = r.causal;
+  const AttentionShape shape = whole_shape(r);
   AttentionCase whole(shape, r.dtype, seed);
   whole.run(test_runtime(), {});  // the single call on the whole sequence
   const double single_rms = rms_error(r.dtype, whole.output_bits(), whole.want_output());
@@ -177,10 +207,7 @@ void check_ring(const RingRun& r, uint64_t seed) {
     FLASHJIT_CU(cuStreamCreate, &stream, CU_STREAM_NON_BLOCKING);
     const RankBuffers& b = ranks[rank];
     const TensorView lse = TensorView::contiguous(b.lse->get(), ScalarType::float32, {r.batch, r.heads_q, shard_rows});
-    ring::Options options;
-    options.layout = r.layout;
-    options.causal = r.causal;
-    options.stream = stream;
+    const ring::Options options = ring_options(r, stream);
     ring::forward(test_runtime(), transport, shard_view(r, b.q->get(), shard_rows, r.heads_q),
                   shard_view(r, b.k->get(), shard_rows, r.heads_kv), shard_view(r, b.v->get(), shard_rows, r.heads_kv),
                   shard_view(r, b.out->get(), shard_rows, r.heads_q), &lse, options);
@@ -204,12 +231,9 @@ void check_ring(const RingRun& r, uint64_t seed) {
   }
   const double ring_rms = rms_error(r.dtype, got, whole.want_output());
   const double rounded_rms = rms_error(r.dtype, merge_16_bit_steps(r, ranks, shard_rows), whole.want_output());
-  std::printf("ring N=%d %-10s %-6s %s b%d s%d hq%d hkv%d d%d %s: RMS error vs float64 %.3g (single call %.3g, "
-              "16-bit steps merged %.3g)\n",
-              r.world, ring::to_string(r.layout), r.causal ? "causal" : "full", to_string(r.dtype).data(), r.batch,
-              r.seqlen, r.heads_q, r.heads_kv, d, r.head_major ? "bhsd" : "bshd", ring_rms, single_rms, rounded_rms);
-  INFO("ring N=" << r.world << " " << ring::to_string(r.layout) << (r.causal ? " causal" : "") << " s" << r.seqlen
-                 << " hq" << r.heads_q << " hkv" << r.heads_kv << " d" << d << (r.head_major ? " bhsd" : " bshd"));
+  std::printf("ring %s: RMS error vs float64 %.3g (single call %.3g, 16-bit steps merged %.3g)\n", describe(r).c_str(),
+              ring_rms, single_rms, rounded_rms);
+  INFO("ring " << describe(r));
   const Comparison output = compare_output(shape, r.dtype, got, whole.want_output(), whole.want_magnitude(),
                                            tensor_core_output_tolerance(r.dtype));
   INFO(output.first_bad << " (" << output.bad << " of " << output.checked << " elements; worst " << output.worst_head
@@ -228,8 +252,7 @@ void check_ring(const RingRun& r, uint64_t seed) {
 // call is): dq, dk and dv, unsharded, against the float64 reference gradients, with an RMS error at
 // most 1.2x the single call's.
 void check_ring_backward(const RingRun& r, uint64_t seed) {
-  AttentionShape shape = AttentionShape::make(r.batch, r.seqlen, r.seqlen, r.heads_q, r.heads_kv, r.head_dim);
-  shape.causal = r.causal;
+  const AttentionShape shape = whole_shape(r);
   BackwardCase whole(shape, r.dtype, seed);
   whole.run(test_runtime(), {});
   const GradientTolerance tolerance = tensor_core_gradient_tolerance(r.dtype);
@@ -274,10 +297,7 @@ void check_ring_backward(const RingRun& r, uint64_t seed) {
     CUstream stream = nullptr;
     FLASHJIT_CU(cuStreamCreate, &stream, CU_STREAM_NON_BLOCKING);
     const Rank& b = ranks[rank];
-    ring::Options options;
-    options.layout = r.layout;
-    options.causal = r.causal;
-    options.stream = stream;
+    const ring::Options options = ring_options(r, stream);
     const TensorView lse = TensorView::contiguous(b.lse->get(), ScalarType::float32, {r.batch, r.heads_q, shard_rows});
     auto qs = [&](const DeviceBuffer& m) { return shard_view(r, m.get(), shard_rows, r.heads_q); };
     auto ks = [&](const DeviceBuffer& m) { return shard_view(r, m.get(), shard_rows, r.heads_kv); };
@@ -294,12 +314,9 @@ void check_ring_backward(const RingRun& r, uint64_t seed) {
   }
   const auto dq = unshard_bits(r, dqs, r.heads_q), dk = unshard_bits(r, dks, r.heads_kv), dv = unshard_bits(r, dvs, r.heads_kv);
   const std::vector<double> ring_errors = whole.gradient_rms_errors(dq, dk, dv);
-  std::printf("ring backward N=%d %-10s %-6s %s s%d hq%d hkv%d d%d: RMS error of dq/dk/dv %.3g %.3g %.3g (single call "
-              "%.3g %.3g %.3g)\n",
-              r.world, ring::to_string(r.layout), r.causal ? "causal" : "full", to_string(r.dtype).data(), r.seqlen,
-              r.heads_q, r.heads_kv, d, ring_errors[0], ring_errors[1], ring_errors[2], single[0], single[1], single[2]);
-  INFO("ring backward N=" << r.world << " " << ring::to_string(r.layout) << (r.causal ? " causal" : "") << " s"
-                          << r.seqlen << " hq" << r.heads_q << " hkv" << r.heads_kv << " d" << d);
+  std::printf("ring backward %s: RMS error of dq/dk/dv %.3g %.3g %.3g (single call %.3g %.3g %.3g)\n", describe(r).c_str(),
+              ring_errors[0], ring_errors[1], ring_errors[2], single[0], single[1], single[2]);
+  INFO("ring backward " << describe(r));
   const GradientComparison c = whole.check_gradients(dq, dk, dv, tolerance);
   INFO("dq: " << c.dq.first_bad << "; dk: " << c.dk.first_bad << "; dv: " << c.dv.first_bad);
   CHECK(c.ok());
@@ -390,6 +407,33 @@ TEST_CASE("ring: head dims 64 and 256, fp16, MQA and GQA 4, head-major shards", 
   c.head_major = true;
   c.batch = 3;
   check_ring(c, 33);
+}
+
+// Windows: causal with a left window (the sliding-window models'), and two-sided ones, of widths
+// that end inside a chunk, span several, or reach past the sequence; forward and backward.
+TEST_CASE("ring: sliding windows over contiguous and zigzag shards, forward and backward", "[ring][window]") {
+  if (!hopper_or_skip("ring attention needs an sm_90 device")) return;
+  struct Window {
+    int world;
+    ring::Layout layout;
+    bool causal;
+    int left, right;
+  };
+  const Window windows[] = {{4, ring::Layout::zigzag, true, 100, 0},       {4, ring::Layout::contiguous, true, 300, 0},
+                            {8, ring::Layout::zigzag, true, 40, 0},        {2, ring::Layout::zigzag, false, 90, 30},
+                            {4, ring::Layout::contiguous, false, 64, 200}, {2, ring::Layout::zigzag, true, 5000, 0}};
+  uint64_t seed = 5000;
+  for (const Window& w : windows) {
+    RingRun r;
+    r.world = w.world;
+    r.layout = w.layout;
+    r.causal = w.causal;
+    r.window_left = w.left;
+    r.window_right = w.right;
+    r.seqlen = w.world * 2 * 72;
+    check_ring(r, ++seed);
+    check_ring_backward(r, ++seed);
+  }
 }
 
 TEST_CASE("ring: shards that differ between ranks are refused on every rank, no hang", "[ring][quick]") {

@@ -564,6 +564,27 @@ def test_ring_local_backward_matches_fp32_autograd(world, layout, causal):
         assert_grad_close(g, w, torch.bfloat16, name)
 
 
+@pytest.mark.parametrize("layout,causal,window", [("zigzag", True, (100, 0)), ("contiguous", False, (70, 40))])
+def test_ring_local_window_forward_and_backward(layout, causal, window):
+    _hopper_or_skip()
+    torch.manual_seed(7)
+    world, seqlen = 4, 4 * 2 * 64
+    q = torch.randn(1, seqlen, 4, 64, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(1, seqlen, 2, 64, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn(1, seqlen, 2, 64, device="cuda", dtype=torch.bfloat16)
+    dout = torch.randn_like(q)
+    shards = [[flashjit.ring_shard(t, r, world, layout).requires_grad_() for r in range(world)] for t in (q, k, v)]
+    outs = flashjit.ring_flash_attn_local(*shards, causal=causal, layout=layout, window_size=window)
+    assert_close(flashjit.ring_unshard([o.detach() for o in outs], layout), reference(q, k, v, causal=causal, window=window)[0],
+                 torch.bfloat16)
+    torch.autograd.backward(outs, [flashjit.ring_shard(dout, r, world, layout) for r in range(world)])
+    got = [flashjit.ring_unshard([t.grad for t in ts], layout) for ts in shards]
+    for g, w, name in zip(got, reference_grads(q, k, v, dout, causal=causal, window=window), ("dq", "dk", "dv")):
+        assert_grad_close(g, w, torch.bfloat16, name)
+    with pytest.raises(ValueError, match="window_size"):
+        flashjit.ring_flash_attn_local(*shards, window_size=(-2, 0))
+
+
 def test_ring_refuses_mismatched_shards():
     _hopper_or_skip()
     q = torch.randn(1, 64, 2, 64, device="cuda", dtype=torch.bfloat16)

@@ -9,10 +9,26 @@
 #include "flashjit/flashjit.h"
 #include "flashjit/ring.hpp"
 #include "problem.hpp"
+#include "ring/steps.hpp"
 #include "support/fake_tensors.hpp"
 
 using namespace flashjit;
 using ring::Layout;
+
+namespace {
+
+ring::Options ring_options(Layout layout, bool causal, int window_left = -1, int window_right = -1) {
+  ring::Options options;
+  options.layout = layout;
+  options.causal = causal;
+  options.window_left = window_left;
+  options.window_right = window_right;
+  return options;
+}
+
+const std::pair<int, int> kWindows[] = {{-1, -1}, {0, 0}, {2, -1}, {5, 0}, {4, 3}, {-1, 7}, {13, 1}, {40, 40}};
+
+}  // namespace
 
 TEST_CASE("ring: shards of the contiguous and zigzag layouts", "[ring]") {
   const ring::Shard c = ring::shard_of(Layout::contiguous, 2, 4, 400);
@@ -47,35 +63,97 @@ TEST_CASE("ring: a sequence that does not divide into the layout's chunks is ref
   CHECK_THROWS_WITH(ring::shard_of(Layout::contiguous, 0, 0, 99), Catch::Contains("at least one"));
 }
 
-// Every (query, key) pair of the whole sequence that the mask shows is computed by exactly one call
-// of one step on the query's rank, and no hidden pair by any.
+// Every (query, key) pair of the whole sequence that the mask (causal, a window, both or neither)
+// shows is computed by exactly one call of one step on the query's rank, and no hidden pair by any;
+// a call's window sides are -1 or >= 0, as AttentionOptions takes them, and every row of a call sees
+// some key of it.
 TEST_CASE("ring: the steps' calls cover the visible pairs exactly once", "[ring]") {
   for (Layout layout : {Layout::contiguous, Layout::zigzag})
     for (bool causal : {false, true})
-      for (int world = 1; world <= 8; ++world) {
-        const int64_t chunk = 3, seqlen = 2 * world * chunk;
-        std::vector<int> covered(seqlen * seqlen, 0);
-        for (int rank = 0; rank < world; ++rank) {
-          const ring::Shard own = ring::shard_of(layout, rank, world, seqlen);
-          for (int step = 0; step < world; ++step) {
-            const int source = (rank - step + world) % world;
-            const ring::Shard visiting = ring::shard_of(layout, source, world, seqlen);
-            for (const ring::StepCall& call : ring::step_calls(layout, causal, rank, source, world, own.rows()))
-              for (int64_t i = 0; i < call.q_rows; ++i)
-                for (int64_t j = 0; j < call.kv_rows; ++j) {
-                  // A causal call is top-left aligned over the same rows of both shards.
-                  if (call.causal && j > i) continue;
-                  const int64_t q = own.global_row(call.q_begin + i), k = visiting.global_row(call.kv_begin + j);
-                  ++covered[q * seqlen + k];
+      for (const auto& [left, right] : kWindows)
+        for (int world = 1; world <= 8; ++world) {
+          const ring::Options options = ring_options(layout, causal, left, right);
+          const int64_t chunk = 3, seqlen = 2 * world * chunk;
+          auto visible = [&](int64_t q, int64_t k) {
+            const int64_t r = causal ? 0 : right;
+            return (r < 0 || k <= q + r) && (left < 0 || k >= q - left);
+          };
+          std::vector<int> covered(seqlen * seqlen, 0);
+          int bad_windows = 0, blind_rows = 0;
+          for (int rank = 0; rank < world; ++rank) {
+            const ring::Shard own = ring::shard_of(layout, rank, world, seqlen);
+            for (int step = 0; step < world; ++step) {
+              const int source = (rank - step + world) % world;
+              const ring::Shard visiting = ring::shard_of(layout, source, world, seqlen);
+              for (const ring::StepCall& call : ring::step_calls(options, rank, source, world, own.rows())) {
+                bad_windows += call.window_left < -1 || call.window_right < -1 || (call.causal && call.window_right != -1);
+                for (int64_t i = 0; i < call.q_rows; ++i) {
+                  bool sees = false;
+                  for (int64_t j = 0; j < call.kv_rows; ++j) {
+                    if (!call.shows(i, j)) continue;
+                    sees = true;
+                    const int64_t q = own.global_row(call.q_begin + i), k = visiting.global_row(call.kv_begin + j);
+                    ++covered[q * seqlen + k];
+                  }
+                  blind_rows += !sees;
                 }
+              }
+            }
+          }
+          int wrong = 0;
+          for (int64_t q = 0; q < seqlen; ++q)
+            for (int64_t k = 0; k < seqlen; ++k) wrong += covered[q * seqlen + k] != (visible(q, k) ? 1 : 0);
+          INFO(ring::to_string(layout) << (causal ? " causal" : "") << " window (" << left << ", " << right << "), "
+                                       << world << " ranks");
+          CHECK(wrong == 0);
+          CHECK(bad_windows == 0);
+          CHECK(blind_rows == 0);
+        }
+}
+
+// The forward's plan: each row's first call starts its state (no read) and every later one merges;
+// exactly one call writes each row out, its last. The backward's own step: each query and key row
+// finished by exactly one call, after every other call that touches it in that step.
+TEST_CASE("ring: every row's state starts once and ends once, forward and backward", "[ring]") {
+  for (Layout layout : {Layout::contiguous, Layout::zigzag})
+    for (bool causal : {false, true})
+      for (const auto& [left, right] : kWindows)
+        for (int world : {1, 2, 3, 5, 8}) {
+          const ring::Options options = ring_options(layout, causal, left, right);
+          const int64_t rows = layout == Layout::zigzag ? 2 * 7 : 7;
+          INFO(ring::to_string(layout) << (causal ? " causal" : "") << " window (" << left << ", " << right << "), "
+                                       << world << " ranks");
+          for (int rank = 0; rank < world; ++rank) {
+            const auto plan = ring::detail::plan_forward(options, rank, world, rows);
+            std::vector<int> started(rows, 0), ended(rows, 0), touched_after_end(rows, 0);
+            for (const auto& planned : plan) {
+              const ring::StepCall& call = planned.call;
+              for (int64_t i = call.q_begin; i < call.q_begin + call.q_rows; ++i) {
+                CHECK(planned.has_state == (started[i] > 0));
+                ++started[i];
+                touched_after_end[i] += ended[i];
+                const int64_t local = i - call.q_begin;
+                ended[i] += local >= planned.final_begin && local < planned.final_begin + planned.final_rows;
+              }
+            }
+            for (int64_t i = 0; i < rows; ++i) {
+              CHECK(started[i] > 0);
+              CHECK(ended[i] == 1);
+              CHECK(touched_after_end[i] == 0);
+            }
+            const auto own = ring::detail::backward_step_calls(options, rank, rank, world, rows, /*own=*/true);
+            std::vector<int> q_done(rows, 0), kv_done(rows, 0);
+            int touched_after_done = 0;
+            for (size_t c = 0; c < own.size(); ++c) {
+              const bool final = ring::detail::ends_its_rows(own, c);
+              for (int64_t i = own[c].q_begin; i < own[c].q_begin + own[c].q_rows; ++i) touched_after_done += q_done[i], q_done[i] += final;
+              for (int64_t j = own[c].kv_begin; j < own[c].kv_begin + own[c].kv_rows; ++j) touched_after_done += kv_done[j], kv_done[j] += final;
+            }
+            CHECK(touched_after_done == 0);
+            CHECK(std::count(q_done.begin(), q_done.end(), 1) == rows);
+            CHECK(std::count(kv_done.begin(), kv_done.end(), 1) == rows);
           }
         }
-        int wrong = 0;
-        for (int64_t q = 0; q < seqlen; ++q)
-          for (int64_t k = 0; k < seqlen; ++k) wrong += covered[q * seqlen + k] != ((!causal || k <= q) ? 1 : 0);
-        INFO(ring::to_string(layout) << (causal ? " causal" : "") << ", " << world << " ranks");
-        CHECK(wrong == 0);
-      }
 }
 
 TEST_CASE("ring: zigzag balances causal work across ranks, contiguous does not", "[ring]") {
@@ -83,7 +161,7 @@ TEST_CASE("ring: zigzag balances causal work across ranks, contiguous does not",
     const int64_t seqlen = 2 * world * 1024, rows = ring::shard_of(layout, rank, world, seqlen).rows();
     double pairs = 0;
     for (int step = 0; step < world; ++step)
-      for (const auto& call : ring::step_calls(layout, true, rank, (rank - step + world) % world, world, rows))
+      for (const auto& call : ring::step_calls(ring_options(layout, true), rank, (rank - step + world) % world, world, rows))
         pairs += call.causal ? call.q_rows * (call.q_rows + 1) / 2.0 : double(call.q_rows) * call.kv_rows;
     return pairs;
   };
@@ -154,7 +232,8 @@ TEST_CASE("ring: a continuing forward's arguments", "[ring]") {
   const auto problem = c.problem(&c.lse);
   CHECK(problem.continues);
   CHECK(problem.params.state_read == 1);
-  CHECK(problem.params.state_final_rows == 10);
+  CHECK(problem.params.state_final_begin == 0);
+  CHECK(problem.params.state_final_end == 10);
   CHECK(problem.params.state_o == c.continuation.o_state.data);
   // A slice of the rows: the state's strides follow the LSE's.
   Continuing slice;
@@ -177,7 +256,7 @@ TEST_CASE("ring: a continuing forward's arguments", "[ring]") {
   refused(wrong, &wrong.lse, "must be lse's times head_dim");
   wrong = c;
   wrong.continuation.final_rows = 65;
-  refused(wrong, &wrong.lse, "final_rows: 65 is outside 0 .. seqlen_q 64");
+  refused(wrong, &wrong.lse, "final rows [0, 65) are outside 0 .. seqlen_q 64");
   wrong = c;
   wrong.continuation.o_state.data = static_cast<char*>(fake()) + 4;
   refused(wrong, &wrong.lse, "not 8-byte aligned");

@@ -174,9 +174,11 @@ typedef struct flashjit_ring_options {
   int32_t sm_margin;    /* SMs the attention kernels leave free (for NCCL's kernels) */
   int32_t check_shapes; /* exchange a header and refuse shards that differ between ranks */
   void* stream;         /* CUstream, NULL = legacy default stream */
+  int32_t window_left;  /* a sliding window over the sequence's positions, -1: unbounded */
+  int32_t window_right;
 } flashjit_ring_options;
 
-/* Fills the defaults: zigzag, not causal, default scale, shapes checked, the legacy stream. */
+/* Fills the defaults: zigzag, not causal, no window, default scale, shapes checked, the legacy stream. */
 void flashjit_ring_options_init(flashjit_ring_options* options);
 
 /* NCCL (dlopened): a new 128-byte unique id, on one rank, shared with the others by the caller. */

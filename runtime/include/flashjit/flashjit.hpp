@@ -94,12 +94,12 @@ struct BlockMaskBuffers {
 // float32 (batch, heads_q, seqlen_q, head_dim) laid out as `lse` is, times head_dim (strides
 // lse.strides[0] * head_dim, lse.strides[1] * head_dim, head_dim, 1); lse, required, is the
 // running LSE (-inf: no key yet). The first step (has_state false) starts the state; rows whose
-// last step this is, the first `final_rows` of q's, write `out`, normalised, and their final LSE
-// instead of the state. sm_90 (sm90_fwd).
+// last step this is, q's rows [final_begin, final_begin + final_rows), write `out`, normalised, and
+// their final LSE instead of the state. sm_90 (sm90_fwd).
 struct ForwardContinuation {
   TensorView o_state;
   bool has_state = false;
-  int64_t final_rows = 0;
+  int64_t final_begin = 0, final_rows = 0;
 };
 
 // One step of a backward split over key blocks (ring attention's, ring.hpp): dQ, dK and dV add to

@@ -39,18 +39,29 @@ struct Shard {
 Shard shard_of(Layout layout, int rank, int world, int64_t seqlen);
 
 // One attention call of a ring step: queries [q_begin, q_begin + q_rows) of this rank's shard
-// against keys [kv_begin, kv_begin + kv_rows) of the visiting shard, causal (top-left aligned: the
-// two ranges are the same rows of the sequence) or with no mask.
+// against keys [kv_begin, kv_begin + kv_rows) of the visiting shard, with a mask aligned as
+// AttentionOptions' (bottom-right: the ranges' last rows line up): causal, a window (-1: that side
+// unbounded) or none.
 struct StepCall {
   int64_t q_begin, q_rows, kv_begin, kv_rows;
-  bool causal;
+  bool causal = false;
+  int window_left = -1, window_right = -1;
+  // Whether query q_begin + i sees key kv_begin + j.
+  bool shows(int64_t i, int64_t j) const {
+    const int64_t diagonal = i + kv_rows - q_rows;
+    const int64_t right = causal ? 0 : window_right;
+    return (right < 0 || j <= diagonal + right) && (window_left < 0 || j >= diagonal - window_left);
+  }
 };
+struct Options;
 // The calls of the step where `rank` holds the K/V shard of `source` (none where the mask hides all
-// of it), for shards of `shard_rows` rows. Non-causal: the whole shards. Causal, contiguous: the
-// diagonal shard causal, earlier ones whole, later ones nothing. Causal, zigzag: the own shard
-// causal; an earlier rank's first chunk seen by all queries, a later rank's whole shard by the
-// second chunk's queries, both unmasked.
-std::vector<StepCall> step_calls(Layout layout, bool causal, int rank, int source, int world, int64_t shard_rows);
+// of it), for shards of `shard_rows` rows, under options' layout, causal and window. No mask: the
+// whole shards. Causal, contiguous: the diagonal shard causal, earlier ones whole, later ones
+// nothing. Causal, zigzag: the own shard causal; an earlier rank's first chunk seen by all queries,
+// a later rank's whole shard by the second chunk's queries, both unmasked. A window: each pair of
+// chunks (the query's, the key's) trimmed to the rows the band reaches, adjacent unmasked calls
+// joined; the own shard's diagonal calls (which cover every row) come first.
+std::vector<StepCall> step_calls(const Options& options, int rank, int source, int world, int64_t shard_rows);
 
 // Moves buffers between the ranks of a ring, ordered on CUDA streams. Every rank makes the same
 // calls with the same sizes, in the same order.
@@ -121,6 +132,8 @@ std::optional<int> nccl_version(std::string* why_not = nullptr);
 struct Options {
   Layout layout = Layout::zigzag;
   bool causal = false;
+  // A sliding window over the whole sequence's positions, as AttentionOptions' (-1: unbounded).
+  int window_left = -1, window_right = -1;
   std::optional<float> softmax_scale;  // default 1 / sqrt(head_dim)
   float softcap = 0.f;
   Backend backend = Backend::automatic;
@@ -137,7 +150,8 @@ struct Options {
 // with the last dim contiguous; lse optional float32 (batch, heads_q, shard rows). Every rank of
 // `transport` calls it with the same shapes and options. The K/V shards (only the KV heads) travel
 // in a double-buffered ring: step s + 1's exchange runs on a stream of its own while step s
-// computes. sm_90 only (the continuing forward); fp16/bf16, head dims up to 256, GQA, causal or not.
+// computes. sm_90 only (the continuing forward); fp16/bf16, head dims up to 256, GQA, causal, a sliding
+// window, both or neither.
 void forward(Runtime& runtime, Transport& transport, const TensorView& q, const TensorView& k, const TensorView& v,
              const TensorView& out, const TensorView* lse, const Options& options = {});
 

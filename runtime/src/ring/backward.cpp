@@ -12,6 +12,7 @@
 
 namespace flashjit::ring {
 
+
 void backward(Runtime& runtime, Transport& transport, const TensorView& q, const TensorView& k, const TensorView& v,
               const TensorView& out, const TensorView& dout, const TensorView& lse, const TensorView& dq,
               const TensorView& dk, const TensorView& dv, const Options& options) {
@@ -76,16 +77,19 @@ void backward(Runtime& runtime, Transport& transport, const TensorView& q, const
     TensorView dv_sums = dk_sums;
     dv_sums.data = gradient_buffers[gradient_slot] + kv_elements;
     const int source = (rank - 1 - s + 2 * world) % world;
-    for (const StepCall& call : step_calls(options.layout, options.causal, rank, source, world, shard_rows)) {
+    const std::vector<StepCall> calls = detail::backward_step_calls(options, rank, source, world, shard_rows, own);
+    for (size_t c = 0; c < calls.size(); ++c) {
+      const StepCall& call = calls[c];
       BackwardContinuation continuation;
       continuation.dq_state = detail::rows_of(dq_sums, call.q_begin, call.q_rows);
       continuation.dk_state = detail::rows_of(dk_sums, call.kv_begin, call.kv_rows);
       continuation.dv_state = detail::rows_of(dv_sums, call.kv_begin, call.kv_rows);
-      // The own shard's one call covers every query and key: it finishes them all.
-      continuation.final = own;
+      continuation.final = own && detail::ends_its_rows(calls, c);
       AttentionOptions attention;
       attention.softmax_scale = options.softmax_scale;
       attention.causal = call.causal;
+      attention.window_left = call.window_left;
+      attention.window_right = call.window_right;
       attention.softcap = options.softcap;
       attention.backend = options.backend;
       attention.stream = options.stream;

@@ -2,8 +2,8 @@
 // (batch, shard rows, heads_kv, head_dim) contiguous): step s > 0 computes with the shard in buffer
 // s % 2 while the exchange on the communication stream fills the other with step s + 1's (step 0
 // reads the rank's own k and v while their copy into buffer 0 goes out). Each
-// step's calls (step_calls) continue a running fp32 state (ForwardContinuation): the first starts
-// it, the last writes out and the LSE.
+// step's calls (step_calls) continue a running fp32 state (ForwardContinuation): a row's first call
+// starts it, its last writes out and the LSE (plan_forward).
 #include <algorithm>
 #include <cstring>
 #include <mutex>
@@ -18,30 +18,6 @@ namespace flashjit::ring {
 namespace {
 
 Error bad(const std::string& message) { return Error(ErrorCode::invalid_argument, "ring forward", message); }
-
-// This rank's calls over all steps, in order, each with the rows it ends: the calls' query ranges
-// are suffixes of the shard ([0 or a chunk, rows)) and the first covers every row, so a call's
-// rows end where no later call starts at or before them: a prefix of the call.
-struct PlannedCall {
-  int step;
-  StepCall call;
-  int64_t final_rows;
-};
-std::vector<PlannedCall> plan_calls(const Options& options, int rank, int world, int64_t shard_rows) {
-  std::vector<PlannedCall> plan;
-  for (int s = 0; s < world; ++s)
-    for (const StepCall& call : step_calls(options.layout, options.causal, rank, (rank - s + world) % world, world, shard_rows)) {
-      if (call.q_begin + call.q_rows != shard_rows || (plan.empty() && call.q_begin != 0))
-        throw Error(ErrorCode::internal, "ring forward", "a step's query range is not a suffix of the shard");
-      plan.push_back({s, call, 0});
-    }
-  int64_t later_begin = shard_rows;  // the first row a later call covers
-  for (auto it = plan.rbegin(); it != plan.rend(); ++it) {
-    it->final_rows = std::max<int64_t>(0, later_begin - it->call.q_begin);
-    later_begin = std::min(later_begin, it->call.q_begin);
-  }
-  return plan;
-}
 
 }  // namespace
 
@@ -84,7 +60,7 @@ void forward(Runtime& runtime, Transport& transport, const TensorView& q, const 
     detail::pack(v, buffers[0] + kv_bytes / 2, exchange->comm);
   }
 
-  const std::vector<PlannedCall> plan = plan_calls(options, rank, world, shard_rows);
+  const std::vector<detail::PlannedCall> plan = detail::plan_forward(options, rank, world, shard_rows);
   size_t next_call = 0;
   for (int s = 0; s < world; ++s) {
     const int current = s % 2, next = (s + 1) % 2;
@@ -106,12 +82,15 @@ void forward(Runtime& runtime, Transport& transport, const TensorView& q, const 
       continuation.o_state = state;
       continuation.o_state.data = static_cast<float*>(state.data) + call.q_begin * state.strides[2];
       continuation.o_state.shape[2] = call.q_rows;
-      continuation.has_state = next_call > 0;
+      continuation.has_state = plan[next_call].has_state;
+      continuation.final_begin = plan[next_call].final_begin;
       continuation.final_rows = plan[next_call].final_rows;
       const TensorView call_lse = detail::lse_rows(running_lse, call.q_begin, call.q_rows);
       AttentionOptions attention;
       attention.softmax_scale = scale;
       attention.causal = call.causal;
+      attention.window_left = call.window_left;
+      attention.window_right = call.window_right;
       attention.softcap = options.softcap;
       attention.backend = options.backend;
       attention.sm_margin = options.sm_margin;

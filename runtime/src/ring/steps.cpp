@@ -17,11 +17,11 @@ namespace {
 
 // What every rank must agree on, compared after one all-gather.
 struct Header {
-  int64_t world, layout, causal, dtype, batch, shard_rows, heads_q, heads_kv, head_dim, has_lse;
+  int64_t world, layout, causal, window_left, window_right, dtype, batch, shard_rows, heads_q, heads_kv, head_dim, has_lse;
   uint32_t scale_bits, softcap_bits;
 };
-constexpr const char* kHeaderFields[] = {"ring size", "layout",   "causal",   "dtype",    "batch", "shard rows",
-                                         "heads_q",   "heads_kv", "head_dim", "lse given"};
+constexpr const char* kHeaderFields[] = {"ring size", "layout",   "causal",   "window_left", "window_right", "dtype",
+                                         "batch",     "shard rows", "heads_q", "heads_kv",   "head_dim",     "lse given"};
 
 // (Never destroyed: the driver may be gone at exit.)
 std::mutex& pool_mutex() {
@@ -73,13 +73,17 @@ void check_shards(Transport& transport, const TensorView& q, const TensorView& k
   const int64_t shard_rows = q.shape[1];
   if (options.layout == Layout::zigzag && shard_rows % 2 != 0)
     throw bad(fmt::format("a zigzag shard holds two equal chunks: {} rows do not split in two", shard_rows));
+  if (options.window_left < -1 || options.window_right < -1)
+    throw bad(fmt::format("window_size ({}, {}): each side must be -1 (unbounded) or >= 0", options.window_left,
+                          options.window_right));
   flashjit::detail::driver();
   flashjit::detail::make_context_current(q.device);
   if (!options.check_shapes) return;
   const int world = transport.size(), rank = transport.rank();
   const float scale = options.softmax_scale.value_or(1.f / std::sqrt(static_cast<float>(q.shape[3])));
   const auto stream = static_cast<CUstream>(options.stream);
-  Header header{world, static_cast<int64_t>(options.layout), options.causal, static_cast<int64_t>(q.dtype),
+  Header header{world, static_cast<int64_t>(options.layout), options.causal, options.window_left, options.window_right,
+                static_cast<int64_t>(q.dtype),
                 q.shape[0], shard_rows, q.shape[2], k.shape[2], q.shape[3], has_lse, 0, 0};
   std::memcpy(&header.scale_bits, &scale, 4);
   std::memcpy(&header.softcap_bits, &options.softcap, 4);
@@ -100,6 +104,70 @@ void check_shards(Transport& transport, const TensorView& q, const TensorView& k
     if (all[r].scale_bits != header.scale_bits || all[r].softcap_bits != header.softcap_bits)
       throw bad(fmt::format("rank {} has another softmax_scale or softcap than rank {}", r, rank));
   }
+}
+
+RowRanges joined(RowRanges ranges) {
+  std::sort(ranges.begin(), ranges.end());
+  RowRanges out;
+  for (const auto& r : ranges)
+    if (!out.empty() && r.first <= out.back().second) out.back().second = std::max(out.back().second, r.second);
+    else if (r.first < r.second) out.push_back(r);
+  return out;
+}
+
+int64_t covered_rows(int64_t begin, int64_t end, const RowRanges& ranges) {
+  int64_t covered = 0;
+  for (const auto& [b, e] : joined(ranges)) covered += std::max<int64_t>(0, std::min(end, e) - std::max(begin, b));
+  return covered;
+}
+
+std::vector<PlannedCall> plan_forward(const Options& options, int rank, int world, int64_t shard_rows) {
+  std::vector<PlannedCall> plan;
+  for (int s = 0; s < world; ++s)
+    for (const StepCall& call : step_calls(options, rank, (rank - s + world) % world, world, shard_rows))
+      plan.push_back({s, call});
+  auto fail = [] { return Error(ErrorCode::internal, "ring forward", "a step's query rows are not one range of new or merged rows"); };
+  for (size_t c = 0; c < plan.size(); ++c) {
+    const int64_t begin = plan[c].call.q_begin, end = begin + plan[c].call.q_rows;
+    RowRanges earlier, later;
+    for (size_t o = 0; o < plan.size(); ++o)
+      if (o != c) (o < c ? earlier : later).push_back({plan[o].call.q_begin, plan[o].call.q_begin + plan[o].call.q_rows});
+    const int64_t covered_before = covered_rows(begin, end, earlier);
+    if (covered_before != 0 && covered_before != end - begin) throw fail();
+    plan[c].has_state = covered_before != 0;
+    // The rows no later call covers: [begin, end) less the later ranges, one range at most.
+    int64_t final_begin = begin, final_end = end;
+    for (const auto& [b, e] : joined(later)) {
+      if (e <= begin || b >= end) continue;
+      if (b <= final_begin) final_begin = std::max(final_begin, e);
+      else if (e >= final_end) final_end = std::min(final_end, b);
+      else throw fail();  // a later range inside would split the final rows
+    }
+    plan[c].final_begin = std::min(final_begin, final_end) - begin;
+    plan[c].final_rows = std::max<int64_t>(0, final_end - final_begin);
+  }
+  return plan;
+}
+
+std::vector<StepCall> backward_step_calls(const Options& options, int rank, int source, int world, int64_t shard_rows, bool own) {
+  std::vector<StepCall> calls = step_calls(options, rank, source, world, shard_rows);
+  if (own) std::reverse(calls.begin(), calls.end());
+  return calls;
+}
+
+bool ends_its_rows(const std::vector<StepCall>& calls, size_t c) {
+  RowRanges later_q, later_kv;
+  for (size_t o = c + 1; o < calls.size(); ++o) {
+    later_q.push_back({calls[o].q_begin, calls[o].q_begin + calls[o].q_rows});
+    later_kv.push_back({calls[o].kv_begin, calls[o].kv_begin + calls[o].kv_rows});
+  }
+  const StepCall& call = calls[c];
+  const int64_t q = covered_rows(call.q_begin, call.q_begin + call.q_rows, later_q);
+  const int64_t kv = covered_rows(call.kv_begin, call.kv_begin + call.kv_rows, later_kv);
+  if (q == 0 && kv == 0) return true;
+  if (q != call.q_rows || kv != call.kv_rows)
+    throw Error(ErrorCode::internal, "ring backward", "a call of the own step leaves rows that no later call finishes");
+  return false;
 }
 
 TensorView rows_of(const TensorView& t, int64_t begin, int64_t rows) {

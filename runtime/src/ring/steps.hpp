@@ -5,6 +5,8 @@
 
 #include <memory>
 #include <string>
+#include <utility>
+#include <vector>
 
 #include "../driver.hpp"
 #include "flashjit/ring.hpp"
@@ -38,6 +40,33 @@ class ExchangeSetLease {
 // "ring backward", in the errors.
 void check_shards(Transport& transport, const TensorView& q, const TensorView& k, const TensorView& v,
                   const TensorView& out, bool has_lse, const Options& options, const char* pass);
+
+// Row ranges [first, second), overlapping or touching ones joined, in order.
+using RowRanges = std::vector<std::pair<int64_t, int64_t>>;
+RowRanges joined(RowRanges ranges);
+// How many rows of [begin, end) the ranges cover.
+int64_t covered_rows(int64_t begin, int64_t end, const RowRanges& ranges);
+
+// This rank's calls over all steps, in order, each with whether its rows have a running state yet
+// and the rows it ends (those no later call covers). Every row's first call is a diagonal one of
+// step 0, which covers a whole chunk (step_calls puts them first), so a call's rows either all have
+// a state or none do; the rows a call ends form one range (later calls cover prefixes or suffixes
+// of a chunk, or all of it). Both are checked.
+struct PlannedCall {
+  int step;
+  StepCall call;
+  bool has_state = false;
+  int64_t final_begin = 0, final_rows = 0;
+};
+std::vector<PlannedCall> plan_forward(const Options& options, int rank, int world, int64_t shard_rows);
+
+// The backward's calls of a step, the own shard's with its diagonal calls (each a whole chunk's
+// queries and keys) last, so that they finish every row; and whether call c of the own shard's
+// step is the last to touch its queries and keys (then it writes them out). A call either is, or
+// has every row touched again later (checked: Error(internal) otherwise).
+std::vector<StepCall> backward_step_calls(const Options& options, int rank, int source, int world, int64_t shard_rows,
+                                          bool own);
+bool ends_its_rows(const std::vector<StepCall>& calls, size_t c);
 
 // Rows [begin, begin + rows) of a (batch, rows, heads, head_dim) view.
 TensorView rows_of(const TensorView& t, int64_t begin, int64_t rows);
