@@ -237,32 +237,38 @@ void apply_options(ForwardProblem& p, const AttentionOptions& options) {
 
 // options.continuation: the running O beside the running LSE (the lse argument), row for row.
 void bind_continuation(ForwardProblem& p, const ForwardContinuation& c, const TensorView* lse, const TensorView& q) {
-  if (p.is_varlen) throw bad("continuation: not with a varlen batch yet");
   if (lse == nullptr)
-    throw bad("continuation: lse is required (the running logsumexp, float32 (batch, heads_q, seqlen_q))");
+    throw bad(p.is_varlen ? "continuation: lse is required (the running logsumexp, float32 (heads_q, total_q))"
+                          : "continuation: lse is required (the running logsumexp, float32 (batch, heads_q, seqlen_q))");
   const TensorView& state = c.o_state;
   if (state.data == nullptr) throw bad("continuation.o_state: data pointer is null");
   if (state.dtype != ScalarType::float32)
     throw bad(fmt::format("continuation.o_state: expected dtype float32, got {}", to_string(state.dtype)));
   if (state.device != q.device)
     throw bad(fmt::format("continuation.o_state: on device {}, but q is on device {}", state.device, q.device));
-  check_shape(state, "continuation.o_state", {q.shape[0], p.heads_q, q.shape[1], p.head_dim},
-              "(batch, heads_q, seqlen_q, head_dim)");
+  // Laid out as the LSE, head_dim floats per entry: its strides times head_dim, then 1.
   const int64_t d = p.head_dim;
-  const int64_t expected[4] = {lse->strides[0] * d, lse->strides[1] * d, d, 1};
-  for (int i = 0; i < 4; ++i)
+  std::vector<int64_t> expected;
+  if (p.is_varlen) {
+    check_shape(state, "continuation.o_state", {p.heads_q, q.shape[0], p.head_dim}, "(heads_q, total_q, head_dim)");
+    expected = {lse->strides[0] * d, lse->strides[1] * d, 1};
+  } else {
+    check_shape(state, "continuation.o_state", {q.shape[0], p.heads_q, q.shape[1], p.head_dim},
+                "(batch, heads_q, seqlen_q, head_dim)");
+    expected = {lse->strides[0] * d, lse->strides[1] * d, lse->strides[2] * d, 1};
+  }
+  for (int i = 0; i < state.rank; ++i)
     if (state.strides[i] != expected[i] && state.shape[i] > 1)
-      throw bad(fmt::format("continuation.o_state: strides ({}, {}, {}, {}) must be lse's times head_dim, ({}, {}, {}, 1)",
-                            state.strides[0], state.strides[1], state.strides[2], state.strides[3], expected[0],
-                            expected[1], expected[2]));
+      throw bad(fmt::format("continuation.o_state: strides ({}) must be lse's times head_dim, then 1: ({})",
+                            fmt::join(state.strides, state.strides + state.rank, ", "), fmt::join(expected, ", ")));
   if (reinterpret_cast<uintptr_t>(state.data) % 8 != 0)
     throw bad(fmt::format("continuation.o_state: data pointer {} is not 8-byte aligned", state.data));
   p.continues = true;
   p.params.state_o = static_cast<float*>(state.data);
   p.params.state_read = c.has_state ? 1 : 0;
-  if (c.final_begin < 0 || c.final_rows < 0 || c.final_begin + c.final_rows > q.shape[1])
-    throw bad(fmt::format("continuation: final rows [{}, {}) are outside 0 .. seqlen_q {}", c.final_begin,
-                          c.final_begin + c.final_rows, q.shape[1]));
+  if (c.final_begin < 0 || c.final_rows < 0 || c.final_begin + c.final_rows > p.seqlen_q)
+    throw bad(fmt::format("continuation: final rows [{}, {}) are outside 0 .. {} {}", c.final_begin,
+                          c.final_begin + c.final_rows, p.is_varlen ? "max_seqlen_q" : "seqlen_q", p.seqlen_q));
   p.params.state_final_begin = static_cast<int>(c.final_begin);
   p.params.state_final_end = static_cast<int>(c.final_begin + c.final_rows);
 }
@@ -270,7 +276,6 @@ void bind_continuation(ForwardProblem& p, const ForwardContinuation& c, const Te
 // options.backward_continuation: fp32 running gradients shaped like q, k and v.
 void bind_backward_continuation(BackwardProblem& b, const BackwardContinuation& c, const TensorView& q,
                                 const TensorView& k, const AttentionOptions& options) {
-  if (b.forward.is_varlen) throw bad("backward_continuation: not with a varlen batch yet");
   if (options.deterministic) throw bad("backward_continuation: atomic dQ only (deterministic is fa2_bwd's)");
   auto state = [&](const TensorView& t, const char* name, const TensorView& like) {
     if (t.data == nullptr) throw bad(fmt::format("backward_continuation.{}: data pointer is null", name));
@@ -278,20 +283,21 @@ void bind_backward_continuation(BackwardProblem& b, const BackwardContinuation& 
       throw bad(fmt::format("backward_continuation.{}: expected dtype float32, got {}", name, to_string(t.dtype)));
     if (t.device != q.device)
       throw bad(fmt::format("backward_continuation.{}: on device {}, but q is on device {}", name, t.device, q.device));
-    check_rank(t, name, 4, "(the shape of the tensor it sums the gradient of)");
-    for (int d = 0; d < 4; ++d)
+    check_rank(t, name, like.rank, "(the shape of the tensor it sums the gradient of)");
+    for (int d = 0; d < like.rank; ++d)
       if (t.shape[d] != like.shape[d])
         throw bad(fmt::format("backward_continuation.{}: shape {} differs from {}", name, shape_text(t), shape_text(like)));
     // (dQ's row pass reads and writes it 16 bytes at a time)
-    if (t.strides[3] != 1 || t.strides[0] % 4 != 0 || t.strides[1] % 4 != 0 || t.strides[2] % 4 != 0 ||
-        reinterpret_cast<uintptr_t>(t.data) % 16 != 0)
+    bool aligned = t.strides[t.rank - 1] == 1 && reinterpret_cast<uintptr_t>(t.data) % 16 == 0;
+    for (int d = 0; d + 1 < t.rank; ++d) aligned = aligned && t.strides[d] % 4 == 0;
+    if (!aligned)
       throw bad(fmt::format("backward_continuation.{}: needs the last dim contiguous, the other strides multiples of "
                             "4 and a 16-byte aligned base", name));
   };
   state(c.dq_state, "dq_state", q);
   state(c.dk_state, "dk_state", k);
   state(c.dv_state, "dv_state", k);
-  for (int d = 0; d < 4; ++d)
+  for (int d = 0; d < k.rank; ++d)
     if (c.dv_state.strides[d] != c.dk_state.strides[d])
       throw bad("backward_continuation: dv_state must have dk_state's strides");
   b.forward.continues = true;
@@ -299,12 +305,14 @@ void bind_backward_continuation(BackwardProblem& b, const BackwardContinuation& 
   a.dq_state = static_cast<float*>(c.dq_state.data);
   a.dk_state = static_cast<float*>(c.dk_state.data);
   a.dv_state = static_cast<float*>(c.dv_state.data);
-  a.dq_state_batch_stride = c.dq_state.strides[0];
-  a.dq_state_row_stride = c.dq_state.strides[1];
-  a.dq_state_head_stride = c.dq_state.strides[2];
-  a.dkv_state_batch_stride = c.dk_state.strides[0];
-  a.dkv_state_row_stride = c.dk_state.strides[1];
-  a.dkv_state_head_stride = c.dk_state.strides[2];
+  // (varlen: (total rows, heads, head_dim), no batch stride)
+  const int s = b.forward.is_varlen ? 0 : 1;
+  a.dq_state_batch_stride = s ? c.dq_state.strides[0] : 0;
+  a.dq_state_row_stride = c.dq_state.strides[s];
+  a.dq_state_head_stride = c.dq_state.strides[s + 1];
+  a.dkv_state_batch_stride = s ? c.dk_state.strides[0] : 0;
+  a.dkv_state_row_stride = c.dk_state.strides[s];
+  a.dkv_state_head_stride = c.dk_state.strides[s + 1];
   a.gradients_final = c.final ? 1 : 0;
 }
 
@@ -560,23 +568,29 @@ void check_cu_seqlens(const ForwardProblem& problem, const VarlenBatch& batch, i
     return host;
   };
   const std::vector<int> cu_q = read_back(batch.cu_seqlens_q), cu_k = read_back(batch.cu_seqlens_k);
+  const std::vector<int> used_q = batch.seqused_q.data != nullptr ? read_back(batch.seqused_q) : std::vector<int>{};
+  const std::vector<int> used_k = batch.seqused_k.data != nullptr ? read_back(batch.seqused_k) : std::vector<int>{};
   FLASHJIT_CU(cuStreamSynchronize, stream);
-  auto check = [&](const std::vector<int>& cu, const char* name, int64_t total, int max_seqlen,
-                   const char* max_name) {
+  auto check = [&](const std::vector<int>& cu, const std::vector<int>& used, const char* name, const char* used_name,
+                   int64_t total, int max_seqlen, const char* max_name) {
     if (cu[0] != 0) throw bad(fmt::format("{}[0] is {}, expected 0", name, cu[0]));
     for (size_t b = 1; b < cu.size(); ++b) {
       const int64_t length = int64_t(cu[b]) - cu[b - 1];
       if (length < 0)
         throw bad(fmt::format("{} is not monotone: entry {} is {} after {}", name, b, cu[b], cu[b - 1]));
-      if (length > max_seqlen)
-        throw bad(fmt::format("{}: sequence {} has {} rows, more than {} = {}", name, b - 1, length,
+      if (!used.empty() && (used[b - 1] < 0 || used[b - 1] > length))
+        throw bad(fmt::format("{}: sequence {} uses {} rows of the {} that {} gives it", used_name, b - 1,
+                              used[b - 1], length, name));
+      const int64_t rows = used.empty() ? length : used[b - 1];
+      if (rows > max_seqlen)
+        throw bad(fmt::format("{}: sequence {} has {} rows, more than {} = {}", name, b - 1, rows,
                               max_name, max_seqlen));
     }
     if (cu.back() > total)
       throw bad(fmt::format("{} ends at {}, past the {} packed rows", name, cu.back(), total));
   };
-  check(cu_q, "cu_seqlens_q", total_q, batch.max_seqlen_q, "max_seqlen_q");
-  check(cu_k, "cu_seqlens_k", total_k, batch.max_seqlen_k, "max_seqlen_k");
+  check(cu_q, used_q, "cu_seqlens_q", "seqused_q", total_q, batch.max_seqlen_q, "max_seqlen_q");
+  check(cu_k, used_k, "cu_seqlens_k", "seqused_k", total_k, batch.max_seqlen_k, "max_seqlen_k");
 }
 
 ForwardProblem make_forward_problem(const TensorView& q, const TensorView& k, const TensorView& v,
@@ -627,6 +641,18 @@ ForwardProblem make_forward_problem(const TensorView& q, const TensorView& k, co
     }
     if (cq.shape[0] != ck.shape[0])
       throw bad(fmt::format("cu_seqlens_k: {} entries, but cu_seqlens_q has {}", ck.shape[0], cq.shape[0]));
+    for (const auto& [view, name] : {std::pair{&varlen->seqused_q, "seqused_q"}, {&varlen->seqused_k, "seqused_k"}}) {
+      if (view->data == nullptr) continue;
+      check_rank(*view, name, 1, "(batch)");
+      if (view->dtype != ScalarType::int32)
+        throw bad(fmt::format("{}: expected dtype int32, got {}", name, to_string(view->dtype)));
+      if (view->shape[0] != cq.shape[0] - 1)
+        throw bad(fmt::format("{}: {} entries, expected batch = {}", name, view->shape[0], cq.shape[0] - 1));
+      if (view->strides[0] != 1 && view->shape[0] > 1)
+        throw bad(fmt::format("{}: must be contiguous, got stride {}", name, view->strides[0]));
+      if (view->device != q.device)
+        throw bad(fmt::format("{}: on device {}, but q is on device {}", name, view->device, q.device));
+    }
     if (varlen->max_seqlen_q < 0 || varlen->max_seqlen_k < 0)
       throw bad("max_seqlen_q and max_seqlen_k must be non-negative");
     if (varlen->max_seqlen_q > q.shape[0])
@@ -640,6 +666,8 @@ ForwardProblem make_forward_problem(const TensorView& q, const TensorView& k, co
     p.seqlen_k = varlen->max_seqlen_k;
     a.cu_seqlens_q = static_cast<const int*>(cq.data);
     a.cu_seqlens_k = static_cast<const int*>(ck.data);
+    a.seqused_q = static_cast<const int*>(varlen->seqused_q.data);
+    a.seqused_k = static_cast<const int*>(varlen->seqused_k.data);
   } else {
     p.batch = to_int(q.shape[0], "batch");
     p.seqlen_q = to_int(q.shape[1], "seqlen_q");

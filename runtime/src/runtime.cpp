@@ -77,6 +77,9 @@ void add_modifier_views(const AttentionOptions& options, std::vector<NamedTensor
                                {mask->full_q_indices, "block_mask.full_q_indices"}});
 }
 
+// An optional tensor (data null: not given) for the device pointer checks.
+const TensorView* optional_view(const TensorView& t) { return t.data != nullptr ? &t : nullptr; }
+
 bool has_modifiers(const AttentionOptions& options) { return options.mod != nullptr || options.block_mask != nullptr; }
 
 }  // namespace
@@ -105,7 +108,9 @@ void Runtime::forward_varlen(const TensorView& q, const TensorView& k, const Ten
                                {&out, "out"},
                                {lse, "lse"},
                                {&batch.cu_seqlens_q, "cu_seqlens_q"},
-                               {&batch.cu_seqlens_k, "cu_seqlens_k"}});
+                               {&batch.cu_seqlens_k, "cu_seqlens_k"},
+                               {optional_view(batch.seqused_q), "seqused_q"},
+                               {optional_view(batch.seqused_k), "seqused_k"}});
 }
 
 void Runtime::backward(const TensorView& q, const TensorView& k, const TensorView& v, const TensorView& out,
@@ -126,7 +131,8 @@ void Runtime::backward_varlen(const TensorView& q, const TensorView& k, const Te
   impl_->run(PassProblem{Pass::backward, problem.forward, &problem}, [&] {
     if (batch.check_cu_seqlens) check_cu_seqlens(problem.forward, batch, q.shape[0], k.shape[0]);
   }, {{&q, "q"}, {&k, "k"}, {&v, "v"}, {&out, "out"}, {&dout, "dout"}, {lse, "lse"}, {&dq, "dq"},
-      {&dk, "dk"}, {&dv, "dv"}, {&batch.cu_seqlens_q, "cu_seqlens_q"}, {&batch.cu_seqlens_k, "cu_seqlens_k"}});
+      {&dk, "dk"}, {&dv, "dv"}, {&batch.cu_seqlens_q, "cu_seqlens_q"}, {&batch.cu_seqlens_k, "cu_seqlens_k"},
+      {optional_view(batch.seqused_q), "seqused_q"}, {optional_view(batch.seqused_k), "seqused_k"}});
 }
 
 void Runtime::forward_kvcache(const TensorView& q, const KvCache& cache, const TensorView& out, const TensorView* lse,

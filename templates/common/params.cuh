@@ -38,6 +38,9 @@ struct AttentionFwdParams {
   float* lse;                // (batch, heads_q, seqlen_q) or, varlen, (heads_q, total_q); may be null
   const int* cu_seqlens_q;   // (batch + 1) prefix sums, or null
   const int* cu_seqlens_k;
+  // Varlen only, optional: sequence b's rows are [cu_seqlens[b], cu_seqlens[b] + seqused[b]).
+  const int* seqused_q;
+  const int* seqused_k;
 
   long long q_batch_stride, q_row_stride, q_head_stride;
   long long k_batch_stride, k_row_stride, k_head_stride;

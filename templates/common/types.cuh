@@ -95,8 +95,8 @@ __device__ __forceinline__ SequenceExtent sequence_extent(const AttentionFwdPara
   if (p.cu_seqlens_q != nullptr) {
     e.q_start = p.cu_seqlens_q[batch];
     e.k_start = p.cu_seqlens_k[batch];
-    e.seqlen_q = p.cu_seqlens_q[batch + 1] - e.q_start;
-    e.seqlen_k = p.cu_seqlens_k[batch + 1] - e.k_start;
+    e.seqlen_q = p.seqused_q != nullptr ? p.seqused_q[batch] : p.cu_seqlens_q[batch + 1] - e.q_start;
+    e.seqlen_k = p.seqused_k != nullptr ? p.seqused_k[batch] : p.cu_seqlens_k[batch + 1] - e.k_start;
     e.q_batch_offset = e.k_batch_offset = e.v_batch_offset = e.o_batch_offset = 0;
   } else {
     e.q_start = e.k_start = 0;

@@ -29,7 +29,27 @@ struct RingRun {
   int batch = 2, seqlen = 0, heads_q = 4, heads_kv = 2, head_dim = 128;
   DType dtype = DType::bf16;
   bool head_major = false;
+  std::vector<int> seqlens;  // a packed batch of these whole lengths (varlen), sequence-major
+  bool varlen() const { return !seqlens.empty(); }
 };
+
+// A varlen run's rank shard: for each of its packed rows, the row of the whole packed batch.
+std::vector<int64_t> varlen_rows(const RingRun& r, int rank) {
+  std::vector<int64_t> rows;
+  int64_t whole_start = 0;
+  for (int length : r.seqlens) {
+    const ring::Shard shard = ring::shard_of(r.layout, rank, r.world, length);
+    for (int64_t i = 0; i < shard.rows(); ++i) rows.push_back(whole_start + shard.global_row(i));
+    whole_start += length;
+  }
+  return rows;
+}
+
+// Rows per rank shard (varlen: all its packed rows) and the batch dim of a shard (varlen: none, 1).
+int shard_rows_of(const RingRun& r) {
+  return static_cast<int>(r.varlen() ? varlen_rows(r, 0).size() : ring::shard_of(r.layout, 0, r.world, r.seqlen).rows());
+}
+int shard_batch(const RingRun& r) { return r.varlen() ? 1 : r.batch; }
 
 // RMS of (got - want) over the elements the reference computed (large shapes: every few rows).
 double rms_error(DType dtype, const std::vector<uint16_t>& got, const std::vector<double>& want) {
@@ -46,6 +66,14 @@ double rms_error(DType dtype, const std::vector<uint16_t>& got, const std::vecto
 
 // Rank shards of one packed (batch, seqlen, heads, head_dim) tensor, in the run's memory layout.
 std::vector<uint16_t> shard_bits(const RingRun& r, const std::vector<uint16_t>& whole, int heads, int rank) {
+  if (r.varlen()) {
+    const std::vector<int64_t> rows = varlen_rows(r, rank);
+    const size_t row_elements = size_t(heads) * r.head_dim;
+    std::vector<uint16_t> out(rows.size() * row_elements);
+    for (size_t i = 0; i < rows.size(); ++i)
+      std::copy(&whole[rows[i] * row_elements], &whole[rows[i] * row_elements] + row_elements, &out[i * row_elements]);
+    return out;
+  }
   const ring::Shard shard = ring::shard_of(r.layout, rank, r.world, r.seqlen);
   const int d = r.head_dim, rows = static_cast<int>(shard.rows());
   std::vector<uint16_t> out(size_t(r.batch) * rows * heads * d);
@@ -63,6 +91,16 @@ std::vector<uint16_t> shard_bits(const RingRun& r, const std::vector<uint16_t>& 
 // the run's memory layout: shard_bits' inverse.
 std::vector<uint16_t> unshard_bits(const RingRun& r, const std::vector<std::vector<uint16_t>>& shards, int heads) {
   const int d = r.head_dim;
+  if (r.varlen()) {
+    const size_t row_elements = size_t(heads) * d;
+    std::vector<uint16_t> whole(size_t(shard_rows_of(r)) * r.world * row_elements);
+    for (int rank = 0; rank < r.world; ++rank) {
+      const std::vector<int64_t> rows = varlen_rows(r, rank);
+      for (size_t i = 0; i < rows.size(); ++i)
+        std::copy(&shards[rank][i * row_elements], &shards[rank][i * row_elements] + row_elements, &whole[rows[i] * row_elements]);
+    }
+    return whole;
+  }
   std::vector<uint16_t> whole(size_t(r.batch) * r.seqlen * heads * d);
   for (int rank = 0; rank < r.world; ++rank) {
     const ring::Shard shard = ring::shard_of(r.layout, rank, r.world, r.seqlen);
@@ -84,12 +122,58 @@ ring::Options ring_options(const RingRun& r, CUstream stream) {
   options.causal = r.causal;
   options.window_left = r.window_left;
   options.window_right = r.window_right;
+  options.seqlens.assign(r.seqlens.begin(), r.seqlens.end());
   options.stream = stream;
   return options;
 }
 
+// An LSE shard's values in the whole batch's LSE ((batch, heads, seqlen), varlen (heads, total)).
+void unshard_lse(const RingRun& r, int rank, const std::vector<float>& shard, std::vector<double>& whole) {
+  const int rows = shard_rows_of(r);
+  if (r.varlen()) {
+    const std::vector<int64_t> map = varlen_rows(r, rank);
+    const size_t total = map.size() * r.world;
+    for (int h = 0; h < r.heads_q; ++h)
+      for (int i = 0; i < rows; ++i) whole[h * total + map[i]] = shard[size_t(h) * rows + i];
+    return;
+  }
+  const ring::Shard s = ring::shard_of(r.layout, rank, r.world, r.seqlen);
+  for (int b = 0; b < r.batch; ++b)
+    for (int h = 0; h < r.heads_q; ++h)
+      for (int local = 0; local < rows; ++local)
+        whole[(size_t(b) * r.heads_q + h) * r.seqlen + s.global_row(local)] = shard[(size_t(b) * r.heads_q + h) * rows + local];
+}
+
+// The LSE shard of `rank` from the whole batch's: unshard_lse's inverse.
+std::vector<float> shard_lse(const RingRun& r, int rank, const std::vector<double>& whole) {
+  const int rows = shard_rows_of(r);
+  std::vector<float> shard(size_t(shard_batch(r)) * r.heads_q * rows);
+  if (r.varlen()) {
+    const std::vector<int64_t> map = varlen_rows(r, rank);
+    const size_t total = map.size() * r.world;
+    for (int h = 0; h < r.heads_q; ++h)
+      for (int i = 0; i < rows; ++i) shard[size_t(h) * rows + i] = static_cast<float>(whole[h * total + map[i]]);
+    return shard;
+  }
+  const ring::Shard s = ring::shard_of(r.layout, rank, r.world, r.seqlen);
+  for (int b = 0; b < r.batch; ++b)
+    for (int h = 0; h < r.heads_q; ++h)
+      for (int local = 0; local < rows; ++local)
+        shard[(size_t(b) * r.heads_q + h) * rows + local] =
+            static_cast<float>(whole[(size_t(b) * r.heads_q + h) * r.seqlen + s.global_row(local)]);
+  return shard;
+}
+
+TensorView lse_view(const RingRun& r, void* data) {
+  const int rows = shard_rows_of(r);
+  return r.varlen() ? TensorView::contiguous(data, ScalarType::float32, {r.heads_q, rows})
+                    : TensorView::contiguous(data, ScalarType::float32, {r.batch, r.heads_q, rows});
+}
+
 AttentionShape whole_shape(const RingRun& r) {
-  AttentionShape shape = AttentionShape::make(r.batch, r.seqlen, r.seqlen, r.heads_q, r.heads_kv, r.head_dim);
+  AttentionShape shape = AttentionShape::make(r.varlen() ? int(r.seqlens.size()) : r.batch, r.seqlen, r.seqlen, r.heads_q,
+                                              r.heads_kv, r.head_dim);
+  shape.seqlens_q = shape.seqlens_k = r.seqlens;
   shape.causal = r.causal;
   shape.window_left = r.window_left;
   shape.window_right = r.window_right;
@@ -101,13 +185,19 @@ std::string describe(const RingRun& r) {
   std::string text = "N=" + std::to_string(r.world) + " " + ring::to_string(r.layout) + (r.causal ? " causal" : " full  ");
   if (r.window_left >= 0 || r.window_right >= 0)
     text += " window(" + std::to_string(r.window_left) + "," + std::to_string(r.window_right) + ")";
-  return text + " " + std::string(to_string(r.dtype)) + " b" + std::to_string(r.batch) + " s" + std::to_string(r.seqlen) +
+  std::string lengths = " s" + std::to_string(r.seqlen);
+  if (r.varlen()) {
+    lengths = " varlen s";
+    for (size_t i = 0; i < r.seqlens.size(); ++i) lengths += (i ? "," : "") + std::to_string(r.seqlens[i]);
+  }
+  return text + " " + std::string(to_string(r.dtype)) + (r.varlen() ? "" : " b" + std::to_string(r.batch)) + lengths +
          " hq" + std::to_string(r.heads_q) + " hkv" + std::to_string(r.heads_kv) + " d" + std::to_string(r.head_dim) +
          (r.head_major ? " bhsd" : " bshd");
 }
 
 TensorView shard_view(const RingRun& r, void* data, int rows, int heads) {
   const ScalarType t = r.dtype == DType::bf16 ? ScalarType::bfloat16 : ScalarType::float16;
+  if (r.varlen()) return TensorView::contiguous(data, t, {rows, heads, r.head_dim});
   return r.head_major ? TensorView::head_major(data, t, r.batch, rows, heads, r.head_dim)
                       : TensorView::contiguous(data, t, {r.batch, rows, heads, r.head_dim});
 }
@@ -183,7 +273,7 @@ void check_ring(const RingRun& r, uint64_t seed) {
   whole.run(test_runtime(), {});  // the single call on the whole sequence
   const double single_rms = rms_error(r.dtype, whole.output_bits(), whole.want_output());
 
-  const int d = r.head_dim, shard_rows = static_cast<int>(ring::shard_of(r.layout, 0, r.world, r.seqlen).rows());
+  const int d = r.head_dim, shard_rows = shard_rows_of(r), batch = shard_batch(r);
   std::vector<RankBuffers> ranks(r.world);
   for (int rank = 0; rank < r.world; ++rank) {
     auto upload = [&](Role role, int heads) {
@@ -195,8 +285,8 @@ void check_ring(const RingRun& r, uint64_t seed) {
     ranks[rank].q = upload(Role::q, r.heads_q);
     ranks[rank].k = upload(Role::k, r.heads_kv);
     ranks[rank].v = upload(Role::v, r.heads_kv);
-    ranks[rank].out = std::make_unique<DeviceBuffer>(size_t(r.batch) * shard_rows * r.heads_q * d * 2);
-    ranks[rank].lse = std::make_unique<DeviceBuffer>(size_t(r.batch) * r.heads_q * shard_rows * 4);
+    ranks[rank].out = std::make_unique<DeviceBuffer>(size_t(batch) * shard_rows * r.heads_q * d * 2);
+    ranks[rank].lse = std::make_unique<DeviceBuffer>(size_t(batch) * r.heads_q * shard_rows * 4);
     ranks[rank].out->poison();
     ranks[rank].lse->poison();
   }
@@ -206,7 +296,7 @@ void check_ring(const RingRun& r, uint64_t seed) {
     CUstream stream = nullptr;
     FLASHJIT_CU(cuStreamCreate, &stream, CU_STREAM_NON_BLOCKING);
     const RankBuffers& b = ranks[rank];
-    const TensorView lse = TensorView::contiguous(b.lse->get(), ScalarType::float32, {r.batch, r.heads_q, shard_rows});
+    const TensorView lse = lse_view(r, b.lse->get());
     const ring::Options options = ring_options(r, stream);
     ring::forward(test_runtime(), transport, shard_view(r, b.q->get(), shard_rows, r.heads_q),
                   shard_view(r, b.k->get(), shard_rows, r.heads_kv), shard_view(r, b.v->get(), shard_rows, r.heads_kv),
@@ -220,17 +310,10 @@ void check_ring(const RingRun& r, uint64_t seed) {
   for (const RankBuffers& b : ranks) outs.push_back(b.out->download<uint16_t>());
   const std::vector<uint16_t> got = unshard_bits(r, outs, r.heads_q);
   std::vector<double> got_lse(whole.want_lse().size());
-  for (int rank = 0; rank < r.world; ++rank) {
-    const ring::Shard shard = ring::shard_of(r.layout, rank, r.world, r.seqlen);
-    const auto lse = ranks[rank].lse->download<float>();
-    for (int b = 0; b < r.batch; ++b)
-      for (int h = 0; h < r.heads_q; ++h)
-        for (int local = 0; local < shard_rows; ++local)
-          got_lse[(size_t(b) * r.heads_q + h) * r.seqlen + shard.global_row(local)] =
-              lse[(size_t(b) * r.heads_q + h) * shard_rows + local];
-  }
+  for (int rank = 0; rank < r.world; ++rank) unshard_lse(r, rank, ranks[rank].lse->download<float>(), got_lse);
   const double ring_rms = rms_error(r.dtype, got, whole.want_output());
-  const double rounded_rms = rms_error(r.dtype, merge_16_bit_steps(r, ranks, shard_rows), whole.want_output());
+  // (the 16-bit contrast replays dense steps only)
+  const double rounded_rms = r.varlen() ? NAN : rms_error(r.dtype, merge_16_bit_steps(r, ranks, shard_rows), whole.want_output());
   std::printf("ring %s: RMS error vs float64 %.3g (single call %.3g, 16-bit steps merged %.3g)\n", describe(r).c_str(),
               ring_rms, single_rms, rounded_rms);
   INFO("ring " << describe(r));
@@ -259,7 +342,7 @@ void check_ring_backward(const RingRun& r, uint64_t seed) {
   REQUIRE(whole.check(tolerance).ok());  // the single call
   const std::vector<double> single = whole.gradient_rms_errors(whole.dq_bits(), whole.dk_bits(), whole.dv_bits());
 
-  const int d = r.head_dim, shard_rows = static_cast<int>(ring::shard_of(r.layout, 0, r.world, r.seqlen).rows());
+  const int d = r.head_dim, shard_rows = shard_rows_of(r), batch = shard_batch(r);
   struct Rank {
     std::unique_ptr<DeviceBuffer> q, k, v, out, dout, lse, dq, dk, dv;
   };
@@ -277,18 +360,12 @@ void check_ring_backward(const RingRun& r, uint64_t seed) {
     b.v = upload(whole.input_bits(Role::v), r.heads_kv);
     b.dout = upload(whole.input_bits(Role::other), r.heads_q);
     b.out = upload(whole.reference_out_bits(), r.heads_q);
-    const ring::Shard shard = ring::shard_of(r.layout, rank, r.world, r.seqlen);
-    std::vector<float> lse(size_t(r.batch) * r.heads_q * shard_rows);
-    for (int bi = 0; bi < r.batch; ++bi)
-      for (int h = 0; h < r.heads_q; ++h)
-        for (int local = 0; local < shard_rows; ++local)
-          lse[(size_t(bi) * r.heads_q + h) * shard_rows + local] =
-              static_cast<float>(whole.reference_lse()[(size_t(bi) * r.heads_q + h) * r.seqlen + shard.global_row(local)]);
+    const std::vector<float> lse = shard_lse(r, rank, whole.reference_lse());
     b.lse = std::make_unique<DeviceBuffer>(lse.size() * 4);
     b.lse->upload(lse);
-    b.dq = std::make_unique<DeviceBuffer>(size_t(r.batch) * shard_rows * r.heads_q * d * 2);
-    b.dk = std::make_unique<DeviceBuffer>(size_t(r.batch) * shard_rows * r.heads_kv * d * 2);
-    b.dv = std::make_unique<DeviceBuffer>(size_t(r.batch) * shard_rows * r.heads_kv * d * 2);
+    b.dq = std::make_unique<DeviceBuffer>(size_t(batch) * shard_rows * r.heads_q * d * 2);
+    b.dk = std::make_unique<DeviceBuffer>(size_t(batch) * shard_rows * r.heads_kv * d * 2);
+    b.dv = std::make_unique<DeviceBuffer>(size_t(batch) * shard_rows * r.heads_kv * d * 2);
     for (DeviceBuffer* g : {b.dq.get(), b.dk.get(), b.dv.get()}) g->poison();
   }
   ring::LocalRing local(r.world);
@@ -298,7 +375,7 @@ void check_ring_backward(const RingRun& r, uint64_t seed) {
     FLASHJIT_CU(cuStreamCreate, &stream, CU_STREAM_NON_BLOCKING);
     const Rank& b = ranks[rank];
     const ring::Options options = ring_options(r, stream);
-    const TensorView lse = TensorView::contiguous(b.lse->get(), ScalarType::float32, {r.batch, r.heads_q, shard_rows});
+    const TensorView lse = lse_view(r, b.lse->get());
     auto qs = [&](const DeviceBuffer& m) { return shard_view(r, m.get(), shard_rows, r.heads_q); };
     auto ks = [&](const DeviceBuffer& m) { return shard_view(r, m.get(), shard_rows, r.heads_kv); };
     ring::backward(test_runtime(), transport, qs(*b.q), ks(*b.k), ks(*b.v), qs(*b.out), qs(*b.dout), lse, qs(*b.dq),
@@ -431,6 +508,34 @@ TEST_CASE("ring: sliding windows over contiguous and zigzag shards, forward and 
     r.window_left = w.left;
     r.window_right = w.right;
     r.seqlen = w.world * 2 * 72;
+    check_ring(r, ++seed);
+    check_ring_backward(r, ++seed);
+  }
+}
+
+// Varlen: packed sequences of different lengths, each split into the layout's chunks on every
+// rank; forward and backward against one varlen call over the whole batch.
+TEST_CASE("ring: varlen shards over contiguous and zigzag layouts, forward and backward", "[ring][varlen]") {
+  if (!hopper_or_skip("ring attention needs an sm_90 device")) return;
+  struct Varlen {
+    int world;
+    ring::Layout layout;
+    bool causal;
+    std::vector<int> seqlens;
+    int head_dim;
+  };
+  const Varlen runs[] = {{2, ring::Layout::zigzag, true, {4 * 50, 4 * 9, 4 * 130}, 128},
+                         {4, ring::Layout::zigzag, true, {8 * 40, 8 * 3, 8 * 72, 8 * 17}, 128},
+                         {4, ring::Layout::contiguous, false, {4 * 100, 4 * 33}, 64},
+                         {8, ring::Layout::zigzag, false, {16 * 20, 16 * 37}, 128}};
+  uint64_t seed = 6000;
+  for (const Varlen& v : runs) {
+    RingRun r;
+    r.world = v.world;
+    r.layout = v.layout;
+    r.causal = v.causal;
+    r.seqlens = v.seqlens;
+    r.head_dim = v.head_dim;
     check_ring(r, ++seed);
     check_ring_backward(r, ++seed);
   }

@@ -156,6 +156,49 @@ TEST_CASE("ring: every row's state starts once and ends once, forward and backwa
         }
 }
 
+// Varlen shards plan in chunks (one row per chunk): each call one chunk of queries against one of
+// keys, every visible chunk pair once, each chunk's state started and finished once.
+TEST_CASE("ring: varlen shards' calls are whole chunks, each pair once", "[ring][varlen]") {
+  for (Layout layout : {Layout::contiguous, Layout::zigzag})
+    for (bool causal : {false, true})
+      for (int world = 1; world <= 8; ++world) {
+        ring::Options options = ring_options(layout, causal);
+        options.seqlens = {int64_t(2 * world) * 5, int64_t(2 * world) * 2};
+        const int chunks = layout == Layout::zigzag ? 2 : 1, total = chunks * world;
+        INFO(ring::to_string(layout) << (causal ? " causal" : "") << ", " << world << " ranks");
+        std::vector<int> covered(total * total, 0);
+        for (int rank = 0; rank < world; ++rank) {
+          const ring::Shard own = ring::shard_of(layout, rank, world, total);
+          for (int step = 0; step < world; ++step) {
+            const int source = (rank - step + world) % world;
+            const ring::Shard visiting = ring::shard_of(layout, source, world, total);
+            for (const auto& call : ring::detail::calls_of_step(options, rank, source, world, chunks)) {
+              CHECK(call.q_rows == 1);
+              CHECK(call.kv_rows == 1);
+              CHECK(call.window_left == -1);
+              CHECK(call.window_right == -1);
+              const int64_t q = own.global_row(call.q_begin), k = visiting.global_row(call.kv_begin);
+              CHECK(call.causal == (causal && q == k));  // (a diagonal chunk pair stays causal at any length)
+              ++covered[own.global_row(call.q_begin) * total + visiting.global_row(call.kv_begin)];
+            }
+          }
+          for (const auto& planned : ring::detail::plan_forward(options, rank, world, chunks))
+            CHECK((planned.final_rows == 0 || planned.final_rows == 1));
+        }
+        for (int q = 0; q < total; ++q)
+          for (int k = 0; k < total; ++k) CHECK(covered[q * total + k] == ((!causal || k <= q) ? 1 : 0));
+      }
+  ring::Options options = ring_options(Layout::zigzag, true);
+  options.seqlens = {16, 12};
+  const auto shards = ring::detail::varlen_shards(options, 2, 14, "test");
+  CHECK(shards.chunk == std::vector<int>{4, 3});
+  CHECK(shards.start == std::vector<int>{0, 8, 14});
+  CHECK(shards.call_arrays() == std::vector<int>{0, 8, 14, 4, 3, 4, 11, 14, 4, 3});
+  CHECK_THROWS_WITH(ring::detail::varlen_shards(options, 2, 16, "test"), Catch::Contains("q has 16 packed rows, but the shards of seqlens hold 14"));
+  options.seqlens = {16, 10};
+  CHECK_THROWS_WITH(ring::detail::varlen_shards(options, 2, 13, "test"), Catch::Contains("seqlens[1] = 10 does not divide into the zigzag layout's 4"));
+}
+
 TEST_CASE("ring: zigzag balances causal work across ranks, contiguous does not", "[ring]") {
   auto work = [](Layout layout, int world, int rank) {
     const int64_t seqlen = 2 * world * 1024, rows = ring::shard_of(layout, rank, world, seqlen).rows();

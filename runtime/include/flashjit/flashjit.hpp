@@ -166,6 +166,10 @@ struct VarlenBatch {
   // decrease, overrun the tensors or exceed max_seqlen, since the kernels would silently skip
   // rows. Callers that build cu_seqlens themselves may turn it off.
   bool check_cu_seqlens = true;
+  // Optional (data null: none), int32 (batch) on the device: sequence b uses only the first
+  // seqused[b] of its rows, [cu_seqlens[b], cu_seqlens[b] + seqused[b]) (FlashAttention-3's seqused_q/k:
+  // a cache's filled part, or rows picked out of each sequence). max_seqlen bounds the used lengths.
+  TensorView seqused_q, seqused_k;
 };
 
 // A KV cache as flash-attn's flash_attn_with_kvcache takes it. Contiguous: k_cache/v_cache (batch,

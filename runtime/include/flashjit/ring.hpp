@@ -139,6 +139,11 @@ struct Options {
   Backend backend = Backend::automatic;
   // SMs the attention kernels leave free, e.g. for NCCL's kernels beside them (AttentionOptions).
   int sm_margin = 0;
+  // A packed batch of sequences (varlen): the whole sequences' lengths, in order, each dividing into
+  // the layout's chunks (N, or 2N zigzag). q, k, v and out are then (total shard rows, heads,
+  // head_dim): every sequence's shard (shard_of over its own length) packed in order, and lse
+  // (heads_q, total shard rows). Empty: a dense batch. Not with a window yet.
+  std::vector<int64_t> seqlens;
   // Exchange a small header first (one all-gather and a wait on the stream) and refuse shards whose
   // shapes, dtypes or options differ between ranks, which would otherwise hang or read garbage.
   bool check_shapes = true;

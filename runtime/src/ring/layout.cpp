@@ -5,6 +5,7 @@
 #include <fmt/format.h>
 
 #include "flashjit/ring.hpp"
+#include "steps.hpp"
 
 namespace flashjit::ring {
 
@@ -30,15 +31,20 @@ namespace {
 
 constexpr int64_t kUnbounded = INT64_MAX / 4;
 
-// A window's calls: for each pair of chunks, the queries that see some key of the key chunk and
-// the keys some of them see (so every row of a call sees a key); the call's own window follows
-// from the two ranges' last rows (its bottom-right alignment), and a side that bounds nothing in
-// the call is dropped. Then unmasked neighbours with the same other range are joined.
-std::vector<StepCall> window_calls(const Options& o, int rank, int source, int world, int64_t shard_rows) {
+}  // namespace
+
+// For each pair of chunks, the queries that see some key of the key chunk and the keys some of them
+// see (so every row of a call sees a key); the call's own window follows from the two ranges' last
+// rows (its bottom-right alignment), and a side that bounds nothing in the call is dropped. Then
+// unmasked neighbours with the same other range are joined. In chunks (a varlen ring's plan, rows
+// standing for chunks of any length, no window): whole pairs, the diagonal ones causal when the
+// ring is, nothing joined.
+std::vector<StepCall> detail::chunk_pair_calls(const Options& o, int rank, int source, int world, int64_t shard_rows,
+                                               bool in_chunks) {
   const int64_t seqlen = shard_rows * world;
   const Shard ours = shard_of(o.layout, rank, world, seqlen), theirs = shard_of(o.layout, source, world, seqlen);
   const int64_t left = o.window_left < 0 ? kUnbounded : o.window_left;
-  const int64_t right = o.causal ? (o.window_right < 0 ? 0 : std::min(o.window_right, 0)) : (o.window_right < 0 ? kUnbounded : o.window_right);
+  const int64_t right = o.causal ? 0 : o.window_right < 0 ? kUnbounded : o.window_right;
   auto chunk_begins = [](const Shard& s) {
     return s.second_begin < 0 ? std::vector<int64_t>{s.first_begin} : std::vector<int64_t>{s.first_begin, s.second_begin};
   };
@@ -64,12 +70,13 @@ std::vector<StepCall> window_calls(const Options& o, int rank, int source, int w
         call.causal = true;
         call.window_right = -1;
       }
+      if (in_chunks) call = {call.q_begin, call.q_rows, call.kv_begin, call.kv_rows, o.causal && q_chunks[a] == k_chunks[b]};
       (q_chunks[a] == k_chunks[b] ? diagonal : others).push_back(call);
     }
   auto unmasked = [](const StepCall& c) { return !c.causal && c.window_left < 0 && c.window_right < 0; };
   std::vector<StepCall> calls = diagonal;
   for (const StepCall& c : others) {
-    StepCall* last = calls.empty() || calls.size() == diagonal.size() ? nullptr : &calls.back();
+    StepCall* last = in_chunks || calls.empty() || calls.size() == diagonal.size() ? nullptr : &calls.back();
     if (last != nullptr && unmasked(*last) && unmasked(c)) {
       if (last->kv_begin == c.kv_begin && last->kv_rows == c.kv_rows && last->q_begin + last->q_rows == c.q_begin) {
         last->q_rows += c.q_rows;
@@ -85,10 +92,9 @@ std::vector<StepCall> window_calls(const Options& o, int rank, int source, int w
   return calls;
 }
 
-}  // namespace
-
 std::vector<StepCall> step_calls(const Options& o, int rank, int source, int world, int64_t shard_rows) {
-  if (o.window_left >= 0 || (o.window_right >= 0 && !o.causal)) return window_calls(o, rank, source, world, shard_rows);
+  if (o.window_left >= 0 || (o.window_right >= 0 && !o.causal))
+    return detail::chunk_pair_calls(o, rank, source, world, shard_rows, /*in_chunks=*/false);
   const bool causal = o.causal;
   StepCall whole{0, shard_rows, 0, shard_rows};
   whole.causal = causal;

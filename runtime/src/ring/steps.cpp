@@ -17,11 +17,21 @@ namespace {
 
 // What every rank must agree on, compared after one all-gather.
 struct Header {
-  int64_t world, layout, causal, window_left, window_right, dtype, batch, shard_rows, heads_q, heads_kv, head_dim, has_lse;
+  int64_t world, layout, causal, window_left, window_right, dtype, batch, shard_rows, heads_q, heads_kv, head_dim, has_lse,
+      seqlens_hash;
   uint32_t scale_bits, softcap_bits;
 };
-constexpr const char* kHeaderFields[] = {"ring size", "layout",   "causal",   "window_left", "window_right", "dtype",
-                                         "batch",     "shard rows", "heads_q", "heads_kv",   "head_dim",     "lse given"};
+constexpr const char* kHeaderFields[] = {"ring size", "layout",   "causal",   "window_left", "window_right",
+                                         "dtype",     "batch",    "shard rows", "heads_q",   "heads_kv",
+                                         "head_dim",  "lse given", "seqlens (hashed)"};
+
+// FNV-1a over the varlen lengths (0 for a dense batch), so ranks compare them in one field.
+int64_t seqlens_hash(const std::vector<int64_t>& seqlens) {
+  uint64_t h = seqlens.empty() ? 0 : 1469598103934665603ull;
+  for (int64_t length : seqlens)
+    for (int byte = 0; byte < 8; ++byte) h = (h ^ ((uint64_t(length) >> (8 * byte)) & 0xff)) * 1099511628211ull;
+  return static_cast<int64_t>(h >> 1);
+}
 
 // (Never destroyed: the driver may be gone at exit.)
 std::mutex& pool_mutex() {
@@ -62,17 +72,24 @@ ExchangeSetLease::~ExchangeSetLease() {
 void check_shards(Transport& transport, const TensorView& q, const TensorView& k, const TensorView& v,
                   const TensorView& out, bool has_lse, const Options& options, const char* pass) {
   auto bad = [&](const std::string& message) { return Error(ErrorCode::invalid_argument, pass, message); };
+  const bool varlen = !options.seqlens.empty();
+  const int rank_of_shards = varlen ? 3 : 4;
   for (const auto& [t, name] : {std::pair{&q, "q"}, {&k, "k"}, {&v, "v"}, {&out, "out"}})
-    if (t->rank != 4)
-      throw bad(fmt::format("{}: expected 4 dims (batch, shard rows, heads, head_dim), got {}", name, t->rank));
-  if (k.shape[1] != q.shape[1])
-    throw bad(fmt::format("k has {} shard rows but q has {}: a ring shards one sequence, self-attention", k.shape[1],
-                          q.shape[1]));
+    if (t->rank != rank_of_shards)
+      throw bad(fmt::format("{}: expected {} dims {}, got {}", name, rank_of_shards,
+                            varlen ? "(total shard rows, heads, head_dim) with seqlens" : "(batch, shard rows, heads, head_dim)",
+                            t->rank));
+  const int row_dim = varlen ? 0 : 1;
+  if (k.shape[row_dim] != q.shape[row_dim])
+    throw bad(fmt::format("k has {} shard rows but q has {}: a ring shards one sequence, self-attention", k.shape[row_dim],
+                          q.shape[row_dim]));
   if (q.dtype != ScalarType::float16 && q.dtype != ScalarType::bfloat16)
     throw bad(fmt::format("q: expected dtype float16 or bfloat16, got {}", flashjit::to_string(q.dtype)));
-  const int64_t shard_rows = q.shape[1];
-  if (options.layout == Layout::zigzag && shard_rows % 2 != 0)
+  const int64_t shard_rows = q.shape[row_dim];
+  if (!varlen && options.layout == Layout::zigzag && shard_rows % 2 != 0)
     throw bad(fmt::format("a zigzag shard holds two equal chunks: {} rows do not split in two", shard_rows));
+  if (varlen && (options.window_left >= 0 || options.window_right >= 0))
+    throw bad("seqlens: a window over varlen shards is not supported yet");
   if (options.window_left < -1 || options.window_right < -1)
     throw bad(fmt::format("window_size ({}, {}): each side must be -1 (unbounded) or >= 0", options.window_left,
                           options.window_right));
@@ -80,11 +97,12 @@ void check_shards(Transport& transport, const TensorView& q, const TensorView& k
   flashjit::detail::make_context_current(q.device);
   if (!options.check_shapes) return;
   const int world = transport.size(), rank = transport.rank();
-  const float scale = options.softmax_scale.value_or(1.f / std::sqrt(static_cast<float>(q.shape[3])));
+  const float scale = options.softmax_scale.value_or(1.f / std::sqrt(static_cast<float>(q.shape[q.rank - 1])));
   const auto stream = static_cast<CUstream>(options.stream);
-  Header header{world, static_cast<int64_t>(options.layout), options.causal, options.window_left, options.window_right,
-                static_cast<int64_t>(q.dtype),
-                q.shape[0], shard_rows, q.shape[2], k.shape[2], q.shape[3], has_lse, 0, 0};
+  const int64_t batch = varlen ? static_cast<int64_t>(options.seqlens.size()) : q.shape[0];
+  Header header{world,       static_cast<int64_t>(options.layout), options.causal, options.window_left, options.window_right,
+                static_cast<int64_t>(q.dtype), batch, shard_rows, q.shape[row_dim + 1], k.shape[row_dim + 1],
+                q.shape[row_dim + 2], has_lse, seqlens_hash(options.seqlens), 0, 0};
   std::memcpy(&header.scale_bits, &scale, 4);
   std::memcpy(&header.softcap_bits, &options.softcap, 4);
   flashjit::detail::StreamWorkspace headers(q.device, stream, sizeof(Header) * (world + 1));
@@ -124,7 +142,7 @@ int64_t covered_rows(int64_t begin, int64_t end, const RowRanges& ranges) {
 std::vector<PlannedCall> plan_forward(const Options& options, int rank, int world, int64_t shard_rows) {
   std::vector<PlannedCall> plan;
   for (int s = 0; s < world; ++s)
-    for (const StepCall& call : step_calls(options, rank, (rank - s + world) % world, world, shard_rows))
+    for (const StepCall& call : calls_of_step(options, rank, (rank - s + world) % world, world, shard_rows))
       plan.push_back({s, call});
   auto fail = [] { return Error(ErrorCode::internal, "ring forward", "a step's query rows are not one range of new or merged rows"); };
   for (size_t c = 0; c < plan.size(); ++c) {
@@ -150,7 +168,7 @@ std::vector<PlannedCall> plan_forward(const Options& options, int rank, int worl
 }
 
 std::vector<StepCall> backward_step_calls(const Options& options, int rank, int source, int world, int64_t shard_rows, bool own) {
-  std::vector<StepCall> calls = step_calls(options, rank, source, world, shard_rows);
+  std::vector<StepCall> calls = calls_of_step(options, rank, source, world, shard_rows);
   if (own) std::reverse(calls.begin(), calls.end());
   return calls;
 }
@@ -168,6 +186,73 @@ bool ends_its_rows(const std::vector<StepCall>& calls, size_t c) {
   if (q != call.q_rows || kv != call.kv_rows)
     throw Error(ErrorCode::internal, "ring backward", "a call of the own step leaves rows that no later call finishes");
   return false;
+}
+
+VarlenShards varlen_shards(const Options& options, int world, int64_t packed_rows, const char* pass) {
+  VarlenShards s;
+  s.chunks_per_shard = options.layout == Layout::zigzag ? 2 : 1;
+  const int64_t chunks = int64_t(s.chunks_per_shard) * world;
+  s.start.push_back(0);
+  for (size_t b = 0; b < options.seqlens.size(); ++b) {
+    const int64_t length = options.seqlens[b];
+    if (length < 0 || length % chunks != 0)
+      throw Error(ErrorCode::invalid_argument, pass,
+                  fmt::format("seqlens[{}] = {} does not divide into the {} layout's {} equal chunks ({} ranks)", b, length,
+                              to_string(options.layout), chunks, world));
+    s.chunk.push_back(static_cast<int>(length / chunks));
+    s.max_chunk = std::max(s.max_chunk, s.chunk.back());
+    s.start.push_back(static_cast<int>(s.start.back() + int64_t(s.chunks_per_shard) * s.chunk.back()));
+  }
+  if (s.start.back() != packed_rows)
+    throw Error(ErrorCode::invalid_argument, pass,
+                fmt::format("q has {} packed rows, but the shards of seqlens hold {}", packed_rows, s.start.back()));
+  return s;
+}
+
+std::vector<int> VarlenShards::call_arrays() const {
+  std::vector<int> arrays;
+  for (int u = 0; u < chunks_per_shard; ++u) {
+    for (int b = 0; b < batch(); ++b) arrays.push_back(start[b] + u * chunk[b]);
+    arrays.push_back(start.back());
+    arrays.insert(arrays.end(), chunk.begin(), chunk.end());
+  }
+  return arrays;
+}
+
+VarlenBatch chunk_batch(const VarlenShards& shards, const int* device_arrays, int q_chunk, int kv_chunk, int device) {
+  const int64_t b = shards.batch();
+  auto cu = [&](int u) {
+    return TensorView::contiguous(const_cast<int*>(device_arrays) + u * shards.call_array_ints(), ScalarType::int32, {b + 1}, device);
+  };
+  auto used = [&](int u) {
+    return TensorView::contiguous(const_cast<int*>(device_arrays) + u * shards.call_array_ints() + b + 1, ScalarType::int32, {b}, device);
+  };
+  VarlenBatch batch;
+  batch.cu_seqlens_q = cu(q_chunk);
+  batch.cu_seqlens_k = cu(kv_chunk);
+  batch.seqused_q = used(q_chunk);
+  batch.seqused_k = used(kv_chunk);
+  batch.max_seqlen_q = batch.max_seqlen_k = shards.max_chunk;
+  batch.check_cu_seqlens = false;  // (built here)
+  return batch;
+}
+
+std::vector<StepCall> calls_of_step(const Options& options, int rank, int source, int world, int64_t shard_rows) {
+  if (options.seqlens.empty()) return step_calls(options, rank, source, world, shard_rows);
+  return chunk_pair_calls(options, rank, source, world, options.layout == Layout::zigzag ? 2 : 1, /*in_chunks=*/true);
+}
+
+TensorView as_batched(const TensorView& t) {
+  if (t.rank == 4) return t;
+  TensorView v = t;
+  v.rank = 4;
+  for (int d = 3; d >= 1; --d) {
+    v.shape[d] = t.shape[d - 1];
+    v.strides[d] = t.strides[d - 1];
+  }
+  v.shape[0] = 1;
+  v.strides[0] = t.shape[0] * t.strides[0];
+  return v;
 }
 
 TensorView rows_of(const TensorView& t, int64_t begin, int64_t rows) {

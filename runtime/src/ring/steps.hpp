@@ -47,6 +47,14 @@ RowRanges joined(RowRanges ranges);
 // How many rows of [begin, end) the ranges cover.
 int64_t covered_rows(int64_t begin, int64_t end, const RowRanges& ranges);
 
+// One call per pair of chunks (the query's, the visiting key's) that the mask lets meet, trimmed to
+// the rows the band reaches, the shard's diagonal pairs first, unmasked neighbours joined
+// (step_calls' windows). `in_chunks`: every call one chunk of queries against one of keys, causal
+// on the diagonal when the ring is: a varlen shard's calls, planned in chunks (shard_rows = the
+// chunks per shard, one row standing for each).
+std::vector<StepCall> chunk_pair_calls(const Options& options, int rank, int source, int world, int64_t shard_rows,
+                                       bool in_chunks);
+
 // This rank's calls over all steps, in order, each with whether its rows have a running state yet
 // and the rows it ends (those no later call covers). Every row's first call is a diagonal one of
 // step 0, which covers a whole chunk (step_calls puts them first), so a call's rows either all have
@@ -67,6 +75,28 @@ std::vector<PlannedCall> plan_forward(const Options& options, int rank, int worl
 std::vector<StepCall> backward_step_calls(const Options& options, int rank, int source, int world, int64_t shard_rows,
                                           bool own);
 bool ends_its_rows(const std::vector<StepCall>& calls, size_t c);
+
+// A varlen ring's shards (Options::seqlens): each sequence's chunk and where its shard starts among
+// the packed shard rows; checked against the packed rows (`pass` names the call in errors).
+struct VarlenShards {
+  int chunks_per_shard = 1;  // 1 contiguous, 2 zigzag
+  std::vector<int> chunk;    // rows per chunk, per sequence
+  std::vector<int> start;    // each sequence's first packed shard row, then the total (batch + 1)
+  int max_chunk = 0;
+  int batch() const { return static_cast<int>(chunk.size()); }
+  // For each chunk u of a shard: cu_seqlens of "chunk u of every sequence" (batch + 1) then its
+  // seqused (batch), the arrays a call over one chunk of each sequence takes.
+  std::vector<int> call_arrays() const;
+  size_t call_array_ints() const { return 2 * chunk.size() + 1; }
+};
+VarlenShards varlen_shards(const Options& options, int world, int64_t packed_rows, const char* pass);
+// The varlen batch of a call over chunk `q_chunk` of every sequence's queries against chunk
+// `kv_chunk` of its keys, from call_arrays() uploaded at `device_arrays`.
+VarlenBatch chunk_batch(const VarlenShards& shards, const int* device_arrays, int q_chunk, int kv_chunk, int device);
+// The calls of a step (step_calls), or for a varlen ring chunk_pair_calls over chunks, unjoined.
+std::vector<StepCall> calls_of_step(const Options& options, int rank, int source, int world, int64_t shard_rows);
+// A (rows, heads, head_dim) view as (1, rows, heads, head_dim); a 4-D one as it is.
+TensorView as_batched(const TensorView& t);
 
 // Rows [begin, begin + rows) of a (batch, rows, heads, head_dim) view.
 TensorView rows_of(const TensorView& t, int64_t begin, int64_t rows);
