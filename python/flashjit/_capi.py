@@ -61,6 +61,8 @@ class RingOptions(ctypes.Structure):  # flashjit_ring_options
         ("stream", ctypes.c_void_p),
         ("window_left", ctypes.c_int32),
         ("window_right", ctypes.c_int32),
+        ("seqlens", ctypes.POINTER(ctypes.c_int64)),
+        ("num_seqlens", ctypes.c_int32),
     ]
 
 

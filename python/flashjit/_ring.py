@@ -6,7 +6,9 @@
 
 Each step's rows merge into a running fp32 O and LSE inside the kernel, so no hop rounds O to 16 bits;
 the backward sums dQ, dK and dV in fp32 (dK and dV travel with their K/V) and rounds each once.
-Both functions are differentiable in q, k and v.
+Both functions are differentiable in q, k and v. Packed batches of sequences (varlen):
+ring_shard_varlen / ring_unshard_varlen and ring_flash_attn_varlen_func (ring_flash_attn_varlen_local
+over virtual ranks).
 """
 import ctypes
 
@@ -43,6 +45,39 @@ def ring_shard(x, rank, world, layout="zigzag", dim=1):
     return torch.cat(parts, dim=dim).contiguous()
 
 
+def _lengths(cu_seqlens):
+    """The whole sequences' lengths from cu_seqlens (a tensor or a list; read to the host)."""
+    cu = cu_seqlens.tolist() if hasattr(cu_seqlens, "tolist") else list(cu_seqlens)
+    if not cu or cu[0] != 0 or any(b < a for a, b in zip(cu, cu[1:])):
+        raise ValueError(f"cu_seqlens must start at 0 and not decrease, got {cu[:8]}{'...' if len(cu) > 8 else ''}")
+    return tuple(int(b - a) for a, b in zip(cu, cu[1:])), cu
+
+
+def ring_shard_varlen(x, cu_seqlens, rank, world, layout="zigzag", dim=0):
+    """This rank's rows of a packed batch `x` (sequences at cu_seqlens along `dim`): each sequence's
+    shard (ring_shard's rows of it), packed in order. A new contiguous tensor."""
+    torch = _torch()
+    lengths, cu = _lengths(cu_seqlens)
+    parts = [x.narrow(dim, cu[b] + start, length) for b in range(len(lengths))
+             for start, length in _chunks(layout, rank, world, lengths[b])]
+    return torch.cat(parts, dim=dim).contiguous() if parts else x.narrow(dim, 0, 0).contiguous()
+
+
+def ring_unshard_varlen(shards, cu_seqlens, layout="zigzag", dim=0):
+    """The whole packed batch from every rank's varlen shard (in rank order), as ring_shard_varlen cut it."""
+    torch = _torch()
+    world = len(shards)
+    lengths, cu = _lengths(cu_seqlens)
+    pieces = {}
+    for rank, shard in enumerate(shards):
+        offset = 0
+        for b in range(len(lengths)):
+            for start, length in _chunks(layout, rank, world, lengths[b]):
+                pieces[cu[b] + start] = shard.narrow(dim, offset, length)
+                offset += length
+    return torch.cat([pieces[start] for start in sorted(pieces)], dim=dim)
+
+
 def ring_unshard(shards, layout="zigzag", dim=1):
     """The whole sequence from every rank's shard (in rank order), as ring_shard cut it."""
     torch = _torch()
@@ -70,7 +105,8 @@ def _torch():
     return torch
 
 
-def _options(tensor, causal, layout, window_size, softmax_scale, softcap, sm_margin, check_shapes, backend="auto"):
+def _options(tensor, causal, layout, window_size, softmax_scale, softcap, sm_margin, check_shapes, seqlens=(),
+             backend="auto"):
     from . import _lib
     o = _capi.RingOptions()
     _lib.flashjit_ring_options_init(ctypes.byref(o))
@@ -84,13 +120,18 @@ def _options(tensor, causal, layout, window_size, softmax_scale, softcap, sm_mar
     o.sm_margin = int(sm_margin)
     o.check_shapes = bool(check_shapes)
     o.stream = _torch().cuda.current_stream(tensor.device).cuda_stream
+    if seqlens:
+        o.lengths = (ctypes.c_int64 * len(seqlens))(*seqlens)  # (kept alive with the options)
+        o.seqlens, o.num_seqlens = ctypes.cast(o.lengths, ctypes.POINTER(ctypes.c_int64)), len(seqlens)
     return o
 
 
 def _outputs(q):
+    """out like q and the LSE: (batch, heads_q, shard rows), or for varlen shards (heads_q, total rows)."""
     torch = _torch()
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    lse = torch.empty((q.shape[0], q.shape[2], q.shape[1]), dtype=torch.float32, device=q.device)
+    shape = (q.shape[1], q.shape[0]) if q.dim() == 3 else (q.shape[0], q.shape[2], q.shape[1])
+    lse = torch.empty(shape, dtype=torch.float32, device=q.device)
     return out, lse
 
 
@@ -255,6 +296,35 @@ def ring_flash_attn_local(qs, ks, vs, causal=False, layout="zigzag", window_size
         raise ValueError(f"qs, ks and vs must be lists of the same positive length, got {len(qs)}, {len(ks)}, {len(vs)}")
     _layout_code(layout)
     settings = (causal, layout, _window(window_size), softmax_scale, softcap, 0, True)
+    results = _autograd_functions()["local"].apply(settings, world, *qs, *ks, *vs)
+    outs, lses = list(results[:world]), list(results[world:])
+    return list(zip(outs, lses)) if return_lse else outs
+
+
+def ring_flash_attn_varlen_func(q, k, v, cu_seqlens, group=None, causal=False, layout="zigzag", softmax_scale=None,
+                                softcap=0.0, return_lse=False, sm_margin=0, check_shapes=True):
+    """ring_flash_attn_func over a packed batch of sequences: cu_seqlens (batch + 1) of the whole
+    sequences (each length a multiple of the layout's chunk count; read to the host), q (total shard
+    rows, heads_q, head_dim), k, v (total shard rows, heads_kv, head_dim): this rank's varlen shards
+    (ring_shard_varlen). Returns the output shard (and the LSE, (heads_q, total shard rows)).
+    Differentiable; no window yet."""
+    lengths, _ = _lengths(cu_seqlens)
+    settings = (causal, layout, (-1, -1), softmax_scale, softcap, sm_margin, check_shapes, lengths)
+    _layout_code(layout)
+    handle = _transport(group)
+    out, lse = _autograd_functions()["group"].apply(q, k, v, handle, settings)
+    return (out, lse) if return_lse else out
+
+
+def ring_flash_attn_varlen_local(qs, ks, vs, cu_seqlens, causal=False, layout="zigzag", softmax_scale=None,
+                                 softcap=0.0, return_lse=False):
+    """ring_flash_attn_local over varlen shards (ring_shard_varlen of a packed batch at cu_seqlens)."""
+    world = len(qs)
+    if not (len(ks) == len(vs) == world) or world < 1:
+        raise ValueError(f"qs, ks and vs must be lists of the same positive length, got {len(qs)}, {len(ks)}, {len(vs)}")
+    _layout_code(layout)
+    lengths, _ = _lengths(cu_seqlens)
+    settings = (causal, layout, (-1, -1), softmax_scale, softcap, 0, True, lengths)
     results = _autograd_functions()["local"].apply(settings, world, *qs, *ks, *vs)
     outs, lses = list(results[:world]), list(results[world:])
     return list(zip(outs, lses)) if return_lse else outs

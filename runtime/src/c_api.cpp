@@ -371,6 +371,9 @@ flashjit::ring::Options ring_options_of(const flashjit_ring_options* o) {
   options.softcap = o->softcap;
   options.backend = backend_of(o->backend);
   options.sm_margin = o->sm_margin;
+  if (o->num_seqlens < 0 || (o->num_seqlens > 0 && o->seqlens == nullptr))
+    throw invalid(fmt::format("options.seqlens: {} lengths at {}", o->num_seqlens, static_cast<const void*>(o->seqlens)));
+  if (o->num_seqlens > 0) options.seqlens.assign(o->seqlens, o->seqlens + o->num_seqlens);
   options.check_shapes = o->check_shapes != 0;
   options.stream = o->stream;
   return options;

@@ -585,6 +585,37 @@ def test_ring_local_window_forward_and_backward(layout, causal, window):
         flashjit.ring_flash_attn_local(*shards, window_size=(-2, 0))
 
 
+@pytest.mark.parametrize("layout,causal", [("zigzag", True), ("contiguous", False)])
+def test_ring_local_varlen_forward_and_backward(layout, causal):
+    _hopper_or_skip()
+    torch.manual_seed(11)
+    world, lens = 4, [8 * 40, 8 * 3, 8 * 90]
+    cu = torch.tensor([0] + list(torch.tensor(lens).cumsum(0)), dtype=torch.int32)
+    q = torch.randn(sum(lens), 4, 64, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(sum(lens), 2, 64, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn(sum(lens), 2, 64, device="cuda", dtype=torch.bfloat16)
+    dout = torch.randn_like(q)
+    x = torch.arange(sum(lens), device="cuda")
+    assert torch.equal(flashjit.ring_unshard_varlen([flashjit.ring_shard_varlen(x, cu, r, world, layout) for r in range(world)],
+                                                    cu, layout), x)
+    shards = [[flashjit.ring_shard_varlen(t, cu, r, world, layout).requires_grad_() for r in range(world)] for t in (q, k, v)]
+    results = flashjit.ring_flash_attn_varlen_local(*shards, cu, causal=causal, layout=layout, return_lse=True)
+    out = flashjit.ring_unshard_varlen([o.detach() for o, _ in results], cu, layout)
+    lse = flashjit.ring_unshard_varlen([l for _, l in results], cu, layout, dim=1)
+    torch.autograd.backward([o for o, _ in results], [flashjit.ring_shard_varlen(dout, cu, r, world, layout) for r in range(world)])
+    grads = [flashjit.ring_unshard_varlen([t.grad for t in ts], cu, layout) for ts in shards]
+    for b, length in enumerate(lens):
+        rows = slice(int(cu[b]), int(cu[b + 1]))
+        want, want_lse = reference(q[None, rows], k[None, rows], v[None, rows], causal=causal)
+        assert_close(out[rows], want[0], torch.bfloat16)
+        assert torch.allclose(lse[:, rows], want_lse[0], atol=1e-3, rtol=1e-4)
+        for g, w, name in zip(grads, reference_grads(q[None, rows], k[None, rows], v[None, rows], dout[None, rows],
+                                                     causal=causal), ("dq", "dk", "dv")):
+            assert_grad_close(g[rows], w[0], torch.bfloat16, name)
+    with pytest.raises(ValueError, match="does not divide"):
+        flashjit.ring_shard_varlen(x, torch.tensor([0, 10]), 0, world, layout)
+
+
 def test_ring_refuses_mismatched_shards():
     _hopper_or_skip()
     q = torch.randn(1, 64, 2, 64, device="cuda", dtype=torch.bfloat16)

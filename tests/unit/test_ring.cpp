@@ -312,6 +312,10 @@ TEST_CASE("ring: the C API's arguments are checked before anything runs", "[ring
   flashjit_ring_options_init(&options);
   CHECK(options.layout == 1);
   CHECK(options.check_shapes == 1);
+  CHECK(options.window_left == -1);
+  CHECK(options.window_right == -1);
+  CHECK(options.seqlens == nullptr);
+  CHECK(options.num_seqlens == 0);
   CHECK(flashjit_ring_forward(nullptr, &t, &t, &t, &t, nullptr, &options) == FLASHJIT_ERROR_INVALID_ARGUMENT);
   CHECK_THAT(flashjit_last_error(), Catch::Contains("transport: null"));
   CHECK(flashjit_ring_forward_local(0, &t, &t, &t, &t, nullptr, nullptr, &options) == FLASHJIT_ERROR_INVALID_ARGUMENT);
@@ -319,6 +323,10 @@ TEST_CASE("ring: the C API's arguments are checked before anything runs", "[ring
   options.layout = 7;
   CHECK(flashjit_ring_forward_local(1, &t, &t, &t, &t, nullptr, nullptr, &options) == FLASHJIT_ERROR_INVALID_ARGUMENT);
   CHECK_THAT(flashjit_last_error(), Catch::Contains("options.layout: 7"));
+  options.layout = 1;
+  options.num_seqlens = 3;  // lengths promised, none given
+  CHECK(flashjit_ring_forward_local(1, &t, &t, &t, &t, nullptr, nullptr, &options) == FLASHJIT_ERROR_INVALID_ARGUMENT);
+  CHECK_THAT(flashjit_last_error(), Catch::Contains("options.seqlens: 3 lengths"));
   flashjit_ring_transport* transport = nullptr;
   CHECK(flashjit_ring_transport_nccl(nullptr, 0, 1, &transport) == FLASHJIT_ERROR_INVALID_ARGUMENT);
   CHECK(transport == nullptr);

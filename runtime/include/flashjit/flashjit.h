@@ -176,6 +176,10 @@ typedef struct flashjit_ring_options {
   void* stream;         /* CUstream, NULL = legacy default stream */
   int32_t window_left;  /* a sliding window over the sequence's positions, -1: unbounded */
   int32_t window_right;
+  /* Varlen shards: the packed sequences' whole lengths (num_seqlens of them), q, k, v, out then
+   * (total shard rows, heads, head_dim) and lse (heads_q, total shard rows); NULL: dense shards. */
+  const int64_t* seqlens;
+  int32_t num_seqlens;
 } flashjit_ring_options;
 
 /* Fills the defaults: zigzag, not causal, no window, default scale, shapes checked, the legacy stream. */
