@@ -400,10 +400,9 @@ void check_ring_backward(const RingRun& r, uint64_t seed) {
   for (int i = 0; i < 3; ++i) CHECK(ring_errors[i] <= 1.2 * single[i]);
 }
 
-}  // namespace
-
-TEST_CASE("ring backward: 2, 4 and 8 ranks, contiguous and zigzag, causal and not", "[ring][backward]") {
-  if (!hopper_or_skip("ring attention needs an sm_90 device")) return;
+// 2, 4 and 8 ranks, contiguous and zigzag, causal and not, with a seed offset of its own each.
+std::vector<std::pair<RingRun, int>> ring_grid() {
+  std::vector<std::pair<RingRun, int>> runs;
   for (int world : {2, 4, 8})
     for (ring::Layout layout : {ring::Layout::contiguous, ring::Layout::zigzag})
       for (bool causal : {false, true}) {
@@ -412,20 +411,33 @@ TEST_CASE("ring backward: 2, 4 and 8 ranks, contiguous and zigzag, causal and no
         r.layout = layout;
         r.causal = causal;
         r.seqlen = world * 144;
-        check_ring_backward(r, 4000 + world * 4 + int(layout) * 2 + causal);
+        runs.push_back({r, world * 4 + int(layout) * 2 + causal});
       }
+  return runs;
+}
+
+// 4 ranks, head dim 64, fp16, GQA 4 (8 query heads on 2).
+RingRun fp16_gqa_d64() {
+  RingRun r;
+  r.world = 4;
+  r.seqlen = 4 * 2 * 100;
+  r.head_dim = 64;
+  r.dtype = DType::fp16;
+  r.heads_q = 8;
+  r.heads_kv = 2;
+  return r;
+}
+
+}  // namespace
+
+TEST_CASE("ring backward: 2, 4 and 8 ranks, contiguous and zigzag, causal and not", "[ring][backward]") {
+  if (!hopper_or_skip("ring attention needs an sm_90 device")) return;
+  for (const auto& [r, seed] : ring_grid()) check_ring_backward(r, 4000 + seed);
 }
 
 TEST_CASE("ring backward: head dims 64 and 256, fp16, GQA 4, head-major shards", "[ring][backward]") {
   if (!hopper_or_skip("ring attention needs an sm_90 device")) return;
-  RingRun a;
-  a.world = 4;
-  a.seqlen = 4 * 2 * 100;
-  a.head_dim = 64;
-  a.dtype = DType::fp16;
-  a.heads_q = 8;
-  a.heads_kv = 2;
-  check_ring_backward(a, 41);
+  check_ring_backward(fp16_gqa_d64(), 41);
   RingRun b;
   b.world = 2;
   b.seqlen = 2 * 2 * 96;
@@ -448,28 +460,12 @@ TEST_CASE("ring: zigzag causal over 2 and 4 virtual ranks, forward and backward"
 
 TEST_CASE("ring: 2, 4 and 8 ranks, contiguous and zigzag, causal and not", "[ring]") {
   if (!hopper_or_skip("ring attention needs an sm_90 device")) return;
-  for (int world : {2, 4, 8})
-    for (ring::Layout layout : {ring::Layout::contiguous, ring::Layout::zigzag})
-      for (bool causal : {false, true}) {
-        RingRun r;
-        r.world = world;
-        r.layout = layout;
-        r.causal = causal;
-        r.seqlen = world * 144;
-        check_ring(r, 2000 + world * 4 + int(layout) * 2 + causal);
-      }
+  for (const auto& [r, seed] : ring_grid()) check_ring(r, 2000 + seed);
 }
 
 TEST_CASE("ring: head dims 64 and 256, fp16, MQA and GQA 4, head-major shards", "[ring]") {
   if (!hopper_or_skip("ring attention needs an sm_90 device")) return;
-  RingRun a;
-  a.world = 4;
-  a.seqlen = 4 * 2 * 100;
-  a.head_dim = 64;
-  a.dtype = DType::fp16;
-  a.heads_q = 8;
-  a.heads_kv = 2;
-  check_ring(a, 31);
+  check_ring(fp16_gqa_d64(), 31);
   RingRun b;
   b.world = 2;
   b.layout = ring::Layout::contiguous;
