@@ -1,6 +1,7 @@
 // Pieces both of ring attention's passes use on one rank (forward.cpp, backward.cpp): the
-// communication stream and events of a call, the check that every rank calls alike, row views of
-// shards, and the copy of k and v into a travel buffer.
+// communication stream and events of a call, the check that every rank calls alike, the plans of a
+// rank's calls (which rows each starts, merges and finishes), a varlen ring's chunk arrays, row views
+// of shards, and the copy of k and v into a travel buffer.
 #pragma once
 
 #include <memory>
@@ -34,10 +35,10 @@ class ExchangeSetLease {
   std::unique_ptr<ExchangeSet> set_;
 };
 
-// The shards' shapes and dtype (4-D, k's rows q's, 16-bit, zigzag's two chunks); then the driver
-// and q's device's context, and with options.check_shapes one all-gather of a header and a wait:
-// every rank throws, naming the field and ranks, unless all called with the same shapes and options. `pass`: "ring forward" or
-// "ring backward", in the errors.
+// The shards' shapes and dtype (4-D, or 3-D packed with seqlens; k's rows q's, 16-bit, zigzag's two
+// chunks); then the driver and q's device's context, and with options.check_shapes one all-gather
+// of a header and a wait: every rank throws, naming the field and ranks, unless all called with the
+// same shapes and options (the varlen lengths hashed). `pass`: "ring forward" or "ring backward".
 void check_shards(Transport& transport, const TensorView& q, const TensorView& k, const TensorView& v,
                   const TensorView& out, bool has_lse, const Options& options, const char* pass);
 
@@ -59,7 +60,8 @@ std::vector<StepCall> chunk_pair_calls(const Options& options, int rank, int sou
 // and the rows it ends (those no later call covers). Every row's first call is a diagonal one of
 // step 0, which covers a whole chunk (step_calls puts them first), so a call's rows either all have
 // a state or none do; the rows a call ends form one range (later calls cover prefixes or suffixes
-// of a chunk, or all of it). Both are checked.
+// of a chunk, or all of it). Both are checked. A varlen ring plans in chunks (shard_rows = its
+// chunks per shard), each call one chunk, so it ends all its rows or none.
 struct PlannedCall {
   int step;
   StepCall call;
