@@ -126,13 +126,13 @@ constexpr int kSm90BwdRowPassThreads = 256;
 template <class Config>
 __device__ void sm90_bwd_preprocess_kernel(const AttentionSm90BwdParams& params) {
   if (threadIdx.x >= kSm90BwdRowPassThreads) return;
-  bwd_preprocess<Config, kSm90BwdRowPassThreads>(params.bwd);
+  bwd_preprocess<Config, kSm90BwdRowPassThreads, /*kSeqused=*/true>(params.bwd);
 }
 
 template <class Config>
 __device__ void sm90_bwd_convert_dq_kernel(const AttentionSm90BwdParams& params) {
   if (threadIdx.x >= kSm90BwdRowPassThreads) return;
-  bwd_convert_dq<Config, kSm90BwdRowPassThreads>(params.bwd);
+  bwd_convert_dq<Config, kSm90BwdRowPassThreads, /*kSeqused=*/true>(params.bwd);
 }
 
 // The key tile a CTA of the dkdv grid (key tiles, K/V heads, batch) works on. Causal: CTAs start
@@ -215,7 +215,7 @@ __device__ void sm90_bwd_dkdv_atomic_dq_kernel(const AttentionSm90BwdParams& par
   const int heads_per_kv = f.num_heads_q / f.num_heads_kv;
   const BwdKeyTile tile = bwd_key_tile<kMask>(f, heads_per_kv);
   const int n_block = tile.n_block, kv_head = tile.kv_head, batch = tile.batch;
-  const SequenceExtent seq = sequence_extent(f, batch);
+  const SequenceExtent seq = sequence_extent<true>(f, batch);
   const int n0 = n_block * kBlockN;
   if (n0 >= seq.seqlen_k) return;  // varlen: this sequence is shorter than the longest
   const bool varlen = f.cu_seqlens_q != nullptr;

@@ -225,7 +225,7 @@ __device__ void sm90_fwd_kernel(const AttentionSm90FwdParams& params) {
       SequenceExtent seq{};
       if (index < num_work_items) {
         work = sm90_work_item(params, index);
-        seq = sequence_extent(p, work.batch);
+        seq = sequence_extent<true>(p, work.batch);
         if (work.m_block * kBlockM >= seq.seqlen_q) {  // varlen: a shorter sequence
           next_index = gridDim.x + atomicAdd(params.tile_counter, 1);
           continue;
@@ -482,7 +482,7 @@ __device__ void sm90_fwd_kernel(const AttentionSm90FwdParams& params) {
   // LSE; lane 0 of the quad reads and writes it.
   auto continue_output = [&](const Sm90WorkTile& work, const RowStatistics<Warp>& st,
                              const float (&o)[Shape::kHeadDim / 2]) {
-    const SequenceExtent seq = sequence_extent(p, work.batch);
+    const SequenceExtent seq = sequence_extent<true>(p, work.batch);
     const int tid = fresh_thread_index(), lane = tid % 32;
     const int thread_row0 = work.m_block * kBlockM + tid / 32 % 4 * 16 + (tid / 128 - 1) * 64 + lane / 4;
     const int col0 = (lane % 4) * 2;
@@ -536,7 +536,7 @@ __device__ void sm90_fwd_kernel(const AttentionSm90FwdParams& params) {
       continue_output(work, st, o);
       return;
     }
-    const SequenceExtent seq = sequence_extent(p, work.batch);
+    const SequenceExtent seq = sequence_extent<true>(p, work.batch);
     const int tid = fresh_thread_index(), lane = tid % 32;  // (consumer threads start at 128)
     const int consumer = tid / 128 - 1;
     const int thread_row0 = work.m_block * kBlockM + tid / 32 % 4 * 16 + consumer * 64 + lane / 4;
@@ -663,7 +663,7 @@ __device__ void sm90_fwd_kernel(const AttentionSm90FwdParams& params) {
     t.split = published.work.split;
     t.batch = published.work.batch;
     t.head = published.work.head;
-    t.seq = sequence_extent(p, published.work.batch);
+    t.seq = sequence_extent<true>(p, published.work.batch);
     if constexpr (Mods::kBlockSparse) {
       if (lane == 0)
         asm volatile("ld.shared.v2.s32 {%0, %1}, [%2];\n"

@@ -51,6 +51,8 @@ struct FamilyRules {
   bool takes_modifiers = false;   // renders a spec's AttentionModifier into its Config
   bool takes_block_mask = false;  // walks block-mask lists where the spec is block_sparse
   bool takes_continuation = false;  // merges into a running fp32 (O, LSE) where the spec continues
+  bool takes_seqused = false;       // reads VarlenBatch::seqused_q/k (the other families' kernels skip
+                                    // that load: a register more spilled fa2's widest)
 };
 
 // The family table, in the order of the Family enum (src/render.cpp).

@@ -61,6 +61,7 @@ bool is_forward_family(Family family) { return !family_rules(family).computes_gr
 bool family_takes_modifiers(Family family) { return family_rules(family).takes_modifiers; }
 bool family_takes_block_mask(Family family) { return family_rules(family).takes_block_mask; }
 bool family_takes_continuation(Family family) { return family_rules(family).takes_continuation; }
+bool family_takes_seqused(Family family) { return family_rules(family).takes_seqused; }
 
 bool family_covers(Family family, const Arch& arch, int head_dim) {
   const auto& rules = family_rules(family);

@@ -46,6 +46,9 @@ std::optional<std::string> unusable_reason(const RuntimeFamily& family, const Pa
     return fmt::format("{} does not compile user modifiers (mod)", to_string(family.family));
   if (problem.forward.block_sparse && !family_takes_block_mask(family.family))
     return fmt::format("{} does not walk block masks", to_string(family.family));
+  if (problem.forward.seqused && !family_takes_seqused(family.family))
+    return fmt::format("{} does not read seqused_q/seqused_k (sm90_fwd and sm90_bwd do, on sm_90)",
+                       to_string(family.family));
   if (problem.forward.continues && !family_takes_continuation(family.family))
     return fmt::format("{} does not continue running results (continuation needs sm90_fwd, an sm_90 device)",
                        to_string(family.family));

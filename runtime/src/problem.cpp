@@ -668,6 +668,7 @@ ForwardProblem make_forward_problem(const TensorView& q, const TensorView& k, co
     a.cu_seqlens_k = static_cast<const int*>(ck.data);
     a.seqused_q = static_cast<const int*>(varlen->seqused_q.data);
     a.seqused_k = static_cast<const int*>(varlen->seqused_k.data);
+    p.seqused = a.seqused_q != nullptr || a.seqused_k != nullptr;
   } else {
     p.batch = to_int(q.shape[0], "batch");
     p.seqlen_q = to_int(q.shape[1], "seqlen_q");

@@ -24,6 +24,7 @@ struct ForwardProblem {
   std::shared_ptr<const AttentionModifier> modifier;  // options.mod's code
   bool block_sparse = false;                          // options.block_mask given (params.block_mask)
   bool continues = false;                             // options.continuation given (params.state_*)
+  bool seqused = false;                               // varlen with seqused_q or seqused_k
   Backend backend = Backend::automatic;
   int sm_margin = 0;
   int num_splits = 0;  // tail splits of the persistent forward (AttentionOptions::num_splits)

@@ -100,14 +100,15 @@ struct BwdRowPass {
   static_assert(kRowsPerCta % (kThreads / kLoadThreadsPerRow) == 0, "whole passes of rows per CTA");
 };
 
-// delta = rowsum(dO * O); zeroes the dQ accumulator when there is one.
-template <class Config, int kThreads>
+// delta = rowsum(dO * O); zeroes the dQ accumulator when there is one. kSeqused: the family reads
+// seqused_q/k (sequence_extent).
+template <class Config, int kThreads, bool kSeqused = false>
 __device__ void bwd_preprocess(const AttentionBwdParams& p) {
   using Shape = BwdRowPass<Config, kThreads>;
   using Element = typename Shape::Element;
   const AttentionFwdParams& f = p.fwd;
   const int head = blockIdx.y, batch = blockIdx.z, tid = threadIdx.x;
-  const SequenceExtent seq = sequence_extent(f, batch);
+  const SequenceExtent seq = sequence_extent<kSeqused>(f, batch);
   const int row0 = blockIdx.x * Shape::kRowsPerCta;
   if (row0 >= seq.seqlen_q) return;
   constexpr int kRowsPerPass = Shape::kThreads / Shape::kLoadThreadsPerRow;
@@ -146,13 +147,13 @@ __device__ void bwd_preprocess(const AttentionBwdParams& p) {
 
 // The fp32 dQ accumulator -> dQ in the output dtype; in a continuing spec, added to the running dQ
 // (dq_state), which it then leaves as dQ on the last step (gradients_final) or goes back to.
-template <class Config, int kThreads>
+template <class Config, int kThreads, bool kSeqused = false>
 __device__ void bwd_convert_dq(const AttentionBwdParams& p) {
   using Shape = BwdRowPass<Config, kThreads>;
   using Element = typename Shape::Element;
   const AttentionFwdParams& f = p.fwd;
   const int head = blockIdx.y, batch = blockIdx.z, tid = threadIdx.x;
-  const SequenceExtent seq = sequence_extent(f, batch);
+  const SequenceExtent seq = sequence_extent<kSeqused>(f, batch);
   const int row0 = blockIdx.x * Shape::kRowsPerCta;
   if (row0 >= seq.seqlen_q) return;
   constexpr int kRowsPerPass = Shape::kThreads / Shape::kLoadThreadsPerRow;

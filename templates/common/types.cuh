@@ -90,13 +90,15 @@ struct SequenceExtent {
   long long q_batch_offset, k_batch_offset, v_batch_offset, o_batch_offset;  // elements
 };
 
+// kSeqused: the kernel honours p.seqused_q/k (families that take seqused; the others never load it).
+template <bool kSeqused = false>
 __device__ __forceinline__ SequenceExtent sequence_extent(const AttentionFwdParams& p, int batch) {
   SequenceExtent e;
   if (p.cu_seqlens_q != nullptr) {
     e.q_start = p.cu_seqlens_q[batch];
     e.k_start = p.cu_seqlens_k[batch];
-    e.seqlen_q = p.seqused_q != nullptr ? p.seqused_q[batch] : p.cu_seqlens_q[batch + 1] - e.q_start;
-    e.seqlen_k = p.seqused_k != nullptr ? p.seqused_k[batch] : p.cu_seqlens_k[batch + 1] - e.k_start;
+    e.seqlen_q = kSeqused && p.seqused_q != nullptr ? p.seqused_q[batch] : p.cu_seqlens_q[batch + 1] - e.q_start;
+    e.seqlen_k = kSeqused && p.seqused_k != nullptr ? p.seqused_k[batch] : p.cu_seqlens_k[batch + 1] - e.k_start;
     e.q_batch_offset = e.k_batch_offset = e.v_batch_offset = e.o_batch_offset = 0;
   } else {
     e.q_start = e.k_start = 0;

@@ -378,3 +378,22 @@ TEST_CASE("the warm preset's tuned specs: the bundled database's picks of the he
   CHECK(bundled_tuned_specs(heuristic_forward_spec(kH200.arch(), DType::fp16, 128, MaskKind::none)).empty());
   CHECK(bundled_tuned_specs(heuristic_backward_spec(kH200.arch(), DType::bf16, 128, MaskKind::none)).empty());
 }
+
+// seqused_q/k (VarlenBatch) only where the kernels read it: sm90_fwd and sm90_bwd.
+TEST_CASE("dispatch: a varlen batch with seqused runs on the sm_90 families only", "[dispatch]") {
+  auto q = TensorView::contiguous(arena, ScalarType::bfloat16, {64, 4, 128});
+  static int cu[3] = {0, 32, 64}, used[2] = {16, 32};
+  VarlenBatch batch;
+  batch.cu_seqlens_q = batch.cu_seqlens_k = TensorView::contiguous(cu, ScalarType::int32, {3});
+  batch.seqused_q = batch.seqused_k = TensorView::contiguous(used, ScalarType::int32, {2});
+  batch.max_seqlen_q = batch.max_seqlen_k = 32;
+  const detail::ForwardProblem p = detail::make_forward_problem(q, q, q, q, nullptr, &batch, {});
+  CHECK(p.seqused);
+  CHECK(detail::select_forward_kernel(p, kH200).family == Family::sm90_fwd);
+  AttentionOptions fa2;
+  fa2.backend = Backend::fa2;
+  CHECK_THROWS_WITH(detail::select_forward_kernel(detail::make_forward_problem(q, q, q, q, nullptr, &batch, fa2), kA100),
+                    Catch::Contains("fa2_fwd does not read seqused_q/seqused_k"));
+  batch.seqused_q = batch.seqused_k = TensorView{};
+  CHECK_FALSE(detail::make_forward_problem(q, q, q, q, nullptr, &batch, {}).seqused);
+}

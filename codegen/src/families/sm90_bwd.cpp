@@ -121,6 +121,7 @@ const FamilyRules kSm90BwdRules{
     /*takes_modifiers=*/true,
     /*takes_block_mask=*/true,
     /*takes_continuation=*/true,
+    /*takes_seqused=*/true,
 };
 
 }  // namespace flashjit::codegen_detail

@@ -129,6 +129,7 @@ const FamilyRules kSm90FwdRules{
     /*takes_modifiers=*/true,
     /*takes_block_mask=*/true,
     /*takes_continuation=*/true,
+    /*takes_seqused=*/true,
 };
 
 }  // namespace flashjit::codegen_detail

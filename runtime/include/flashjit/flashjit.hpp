@@ -169,6 +169,7 @@ struct VarlenBatch {
   // Optional (data null: none), int32 (batch) on the device: sequence b uses only the first
   // seqused[b] of its rows, [cu_seqlens[b], cu_seqlens[b] + seqused[b]) (FlashAttention-3's seqused_q/k:
   // a cache's filled part, or rows picked out of each sequence). max_seqlen bounds the used lengths.
+  // Read by sm90_fwd and sm90_bwd (sm_90); dispatch refuses the other families with them.
   TensorView seqused_q, seqused_k;
 };
 

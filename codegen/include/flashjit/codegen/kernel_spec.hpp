@@ -108,6 +108,8 @@ bool family_takes_modifiers(Family family);
 bool family_takes_block_mask(Family family);
 // Whether `family` continues running results (KernelSpec::continues).
 bool family_takes_continuation(Family family);
+// Whether `family`'s kernels read a varlen batch's seqused_q/seqused_k.
+bool family_takes_seqused(Family family);
 // Whether `family` has kernels for this arch and kernel head dim (its arch floor, the 'a' suffix
 // where it needs one, and its list of head dims); tile fields aside.
 bool family_covers(Family family, const Arch& arch, int head_dim);
