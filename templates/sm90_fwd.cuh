@@ -256,6 +256,15 @@ __device__ void sm90_fwd_kernel(const AttentionSm90FwdParams& params) {
       for (int panel = 0; panel < Shape::kPanels; ++panel)
         tma_load_4d(sQ + q_slot * Shape::kQBytes + panel * Shape::kQPanelBytes, params.q_map, bar_q_full(q_slot),
                     panel * 64, seq.q_start + m0, work.head, tma_batch);
+      // A continuing tile's running state, read in its epilogue: fetched into L2 with its Q, so that
+      // the consumers' loads there wait for L2 rather than for memory.
+      if (kContinues && p.state_read) {
+        const long long first_row = work.batch * p.lse_batch_stride + work.head * p.lse_head_stride +
+                                    (varlen ? seq.q_start : 0) + m0;
+        const int rows = min(kBlockM, seq.seqlen_q - m0);
+        prefetch_l2(p.state_o + first_row * p.head_dim, p.state_o + (first_row + rows) * p.head_dim);
+        prefetch_l2(p.lse + first_row, p.lse + first_row + rows);
+      }
       // Tile i of this work tile is key block n_block_max - 1 - i, in ring slot kv_count + i. K runs
       // one tile ahead of V: the consumers free a K slot as soon as its QK^T is done but a V slot
       // only after the next tile's softmax, so the next K never queues behind a V slot in use.
@@ -478,8 +487,8 @@ __device__ void sm90_fwd_kernel(const AttentionSm90FwdParams& params) {
   // A continuing spec's rows (ring attention's steps): this step's O and LSE merged by the
   // logsumexp rule into the running state (p.lse and p.state_o, read where p.state_read; see
   // AttentionFwdParams), then written back in fp32, or where the row ends (in [p.state_final_begin,
-  // p.state_final_end)) as the output, normalised, with the final LSE. A row's four lanes share its
-  // LSE; lane 0 of the quad reads and writes it.
+  // p.state_final_end)) as the output, normalised, with the final LSE. Branch-free: every access is
+  // predicated (load_global_if), as a per-lane branch here costs the key loop its uniform registers.
   auto continue_output = [&](const Sm90WorkTile& work, const RowStatistics<Warp>& st,
                              const float (&o)[Shape::kHeadDim / 2]) {
     const SequenceExtent seq = sequence_extent<true>(p, work.batch);
@@ -493,10 +502,9 @@ __device__ void sm90_fwd_kernel(const AttentionSm90FwdParams& params) {
       const long long lse_index = work.batch * p.lse_batch_stride + work.head * p.lse_head_stride +
                                   (varlen ? seq.q_start + row : row);
       const float sum = quad_sum(st.row_sum[0][h]);
-      float state_lse = -positive_infinity();
-      if (p.state_read && in_sequence && lane % 4 == 0) state_lse = p.lse[lse_index];
-      state_lse = __shfl_sync(0xffffffffu, state_lse, lane & ~3);
-      if (!in_sequence) continue;
+      const bool reads = p.state_read && in_sequence;
+      // (The quad's four lanes load the same word: one request.)
+      const float state_lse = load_global_if(reads, p.lse + lse_index, -positive_infinity());
       const LseMerge merged =
           merge_logsumexp(state_lse, row_logsumexp<kFinalScores, /*kEmptyRowNegative=*/true>(p, st.row_max[0][h], sum));
       const float step_factor = sum > 0.f ? merged.weight_b / sum : 0.f;  // O here is unnormalised
@@ -504,24 +512,34 @@ __device__ void sm90_fwd_kernel(const AttentionSm90FwdParams& params) {
       float* state_row = p.state_o + lse_index * p.head_dim + col0;
       Element* out_row = static_cast<Element*>(p.o) + seq.o_batch_offset + (seq.q_start + row) * p.o_row_stride +
                          work.head * p.o_head_stride + col0;
+      // This lane's columns that exist (the head dim may be below the kernel's), none past the end.
+      const int write_width = in_sequence ? p.head_dim - col0 : 0, read_width = reads ? write_width : 0;
+      // The state's columns in groups of 8 pairs (16 registers) whose loads all issue before the
+      // group's first store (the stores would otherwise keep each load's latency apart).
+      constexpr int kGroup = Warp::kOFrags < 8 ? Warp::kOFrags : 8;
 #pragma unroll
-      for (int nd = 0; nd < Warp::kOFrags; ++nd) {
-        if (col0 + nd * 8 >= p.head_dim) continue;
-        float2 value = make_float2(o[4 * nd + 2 * h] * step_factor, o[4 * nd + 2 * h + 1] * step_factor);
-        if (p.state_read) {
-          const float2 before = *reinterpret_cast<const float2*>(state_row + nd * 8);
-          value.x = fmaf(before.x, merged.weight_a, value.x);
-          value.y = fmaf(before.y, merged.weight_a, value.y);
+      for (int nd0 = 0; nd0 < Warp::kOFrags; nd0 += kGroup) {
+        float2 before[kGroup];  // (0 where unread)
+#pragma unroll
+        for (int g = 0; g < kGroup; ++g)
+          before[g] = load_global_pair_if((nd0 + g) * 8 < read_width, state_row + (nd0 + g) * 8);
+#pragma unroll
+        for (int g = 0; g < kGroup; ++g) {
+          const int nd = nd0 + g;
+          const bool writes = nd * 8 < write_width;
+          float2 value = make_float2(o[4 * nd + 2 * h] * step_factor, o[4 * nd + 2 * h + 1] * step_factor);
+          value.x = fmaf(before[g].x, merged.weight_a, value.x);
+          value.y = fmaf(before[g].y, merged.weight_a, value.y);
+          store_global_u32_if(writes && ends, out_row + nd * 8, pack2<Element>(value.x, value.y));
+          store_global_pair_if(writes && !ends, state_row + nd * 8, value);
         }
-        if (ends) *reinterpret_cast<unsigned*>(out_row + nd * 8) = pack2<Element>(value.x, value.y);
-        else *reinterpret_cast<float2*>(state_row + nd * 8) = value;
       }
       // The final LSE of a row that saw no key follows the kernel's convention (+inf, or -inf under
       // a user's mask); the state keeps -inf, the empty sum's.
-      if (lane % 4 == 0)
-        p.lse[lse_index] = ends && merged.lse == -positive_infinity()
-                               ? row_logsumexp<kFinalScores, kEmptyRowLse>(p, merged.lse, 0.f)
-                               : merged.lse;
+      store_global_if(in_sequence && lane % 4 == 0, p.lse + lse_index,
+                      ends && merged.lse == -positive_infinity()
+                          ? row_logsumexp<kFinalScores, kEmptyRowLse>(p, merged.lse, 0.f)
+                          : merged.lse);
     }
   };
   // Normalise the O of work tile `work` and store it with its LSE. Through TMA (`box` nonzero: the

@@ -137,6 +137,49 @@ __device__ __forceinline__ void launder(unsigned long long& value) { asm volatil
 // each tile width N needs its own asm statement of N / 2 accumulator operands.
 
 // ---------------------------------------------------------------------------------------------
+// Global memory outside TMA.
+
+// Prefetches the 16-byte-aligned part of [begin, end) into L2 (one bulk request, no completion
+// to wait for).
+__device__ __forceinline__ void prefetch_l2(const void* begin, const void* end) {
+  const unsigned long long first = (reinterpret_cast<unsigned long long>(begin) + 15) & ~15ull;
+  const unsigned long long last = reinterpret_cast<unsigned long long>(end) & ~15ull;
+  if (last > first)
+    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;\n" ::"l"(first), "r"(unsigned(last - first)) : "memory");
+}
+
+// Predicated loads and stores: one instruction stream for every lane, the predicate on the
+// access. Inside the consumers' key loop a per-lane branch around a global access makes ptxas move
+// the loop's uniform values (stages, descriptors) out of the uniform registers: a continuing tile's
+// epilogue written with branches cost sm90_fwd 12% more instructions per key block. (The loads are
+// not volatile, so that a row's loads may all issue before its first store: each store's value
+// depends on its own load.)
+__device__ __forceinline__ float load_global_if(bool pred, const float* address, float otherwise) {
+  float value = otherwise;
+  asm("{\n.reg .pred p;\nsetp.ne.b32 p, %1, 0;\n@p ld.global.f32 %0, [%2];\n}\n"
+      : "+f"(value) : "r"(int(pred)), "l"(address));
+  return value;
+}
+__device__ __forceinline__ float2 load_global_pair_if(bool pred, const float* address) {
+  float2 value = make_float2(0.f, 0.f);
+  asm("{\n.reg .pred p;\nsetp.ne.b32 p, %2, 0;\n@p ld.global.v2.f32 {%0, %1}, [%3];\n}\n"
+      : "+f"(value.x), "+f"(value.y) : "r"(int(pred)), "l"(address));
+  return value;
+}
+__device__ __forceinline__ void store_global_if(bool pred, float* address, float value) {
+  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %0, 0;\n@p st.global.f32 [%1], %2;\n}\n"
+               ::"r"(int(pred)), "l"(address), "f"(value) : "memory");
+}
+__device__ __forceinline__ void store_global_pair_if(bool pred, float* address, float2 value) {
+  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %0, 0;\n@p st.global.v2.f32 [%1], {%2, %3};\n}\n"
+               ::"r"(int(pred)), "l"(address), "f"(value.x), "f"(value.y) : "memory");
+}
+__device__ __forceinline__ void store_global_u32_if(bool pred, void* address, unsigned value) {
+  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %0, 0;\n@p st.global.b32 [%1], %2;\n}\n"
+               ::"r"(int(pred)), "l"(address), "r"(value) : "memory");
+}
+
+// ---------------------------------------------------------------------------------------------
 // Named barriers (ids 1..15; 0 is __syncthreads) between warpgroups.
 
 __device__ __forceinline__ void named_barrier_sync(int id, int threads) {

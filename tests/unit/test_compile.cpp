@@ -6,6 +6,7 @@
 #include <future>
 #include <mutex>
 #include <thread>
+#include <utility>
 
 #include "compiler.hpp"
 #include "flashjit/dispatch.hpp"
@@ -65,12 +66,14 @@ std::vector<KernelSpec> sweep_specs(const Arch& arch) {
     }
   if (arch.sm == 80 || arch.sm == 90)
     specs.push_back(default_spec(Family::block_mask, arch, DType::bf16, 0, MaskKind::none, false, document));
-  // Ring attention's continuing forward and backward, unmasked and causal (the calls a ring makes).
+  // Ring attention's continuing forward and backward, unmasked and causal (the calls a ring makes),
+  // and with a window and a softcap together (the most code).
   for (Family family : {Family::sm90_fwd, Family::sm90_bwd})
     for (int d : {64, 96, 128, 192, 256})
       if (family_covers(family, arch, d))
-        for (MaskKind mask : {MaskKind::none, MaskKind::causal}) {
-          KernelSpec s = default_spec(family, arch, DType::bf16, d, mask, false);
+        for (auto [mask, softcap] : {std::pair{MaskKind::none, false}, std::pair{MaskKind::causal, false},
+                                     std::pair{MaskKind::window, true}}) {
+          KernelSpec s = default_spec(family, arch, DType::bf16, d, mask, softcap);
           s.continues = true;
           specs.push_back(s);
         }

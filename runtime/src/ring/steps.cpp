@@ -274,6 +274,13 @@ void pack(const TensorView& t, char* destination, CUstream stream) {
   const int64_t batch = t.shape[0], rows = t.shape[1], heads = t.shape[2], dim = t.shape[3];
   const size_t element = element_size(t.dtype), row_bytes = heads * dim * element;
   const bool heads_contiguous = heads == 1 || t.strides[2] == dim;
+  // Wholly contiguous: one plain copy (the copy engine ran a 2D copy of 4 KB rows at half the rate).
+  if (heads_contiguous && (rows == 1 || t.strides[1] == heads * dim) &&
+      (batch == 1 || t.strides[0] == rows * heads * dim)) {
+    FLASHJIT_CU(cuMemcpyDtoDAsync, reinterpret_cast<CUdeviceptr>(destination), reinterpret_cast<CUdeviceptr>(t.data),
+                static_cast<size_t>(batch * rows) * row_bytes, stream);
+    return;
+  }
   for (int64_t b = 0; b < batch; ++b)
     for (int64_t h = 0; h < (heads_contiguous ? 1 : heads); ++h) {
       CUDA_MEMCPY2D copy{};
