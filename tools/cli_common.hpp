@@ -10,6 +10,7 @@
 
 #include "flashjit/codegen/kernel_spec.hpp"
 #include "flashjit/error.hpp"
+#include "flashjit/flashjit.h"
 
 namespace flashjit::cli {
 
@@ -19,12 +20,17 @@ constexpr int kExitFailed = 1;  // the work ran and something failed (a compile,
 constexpr int kExitUsage = 2;   // bad arguments or input files: nothing was done
 
 // Runs `body` and maps every failure to a message on stderr and an exit code.
+// (Every tool takes --version: the library's version, as flashjit_version() gives it.)
 template <class Body>
 int run_tool(const char* tool, CLI::App& app, int argc, char** argv, Body&& body) {
+  app.set_version_flag("--version", fmt::format("{} {}", tool, flashjit_version()));
   try {
     app.parse(argc, argv);
   } catch (const CLI::CallForHelp&) {
     std::fputs(app.help().c_str(), stdout);
+    return kExitOk;
+  } catch (const CLI::CallForVersion& e) {
+    std::puts(e.what());
     return kExitOk;
   } catch (const CLI::ParseError& e) {
     fmt::print(stderr, "{}: {}\nRun '{} --help' for usage.\n", tool, e.what(), tool);

@@ -15,6 +15,7 @@
 
 #include "dispatch.hpp"
 #include "flashjit/dispatch.hpp"
+#include "flashjit/flashjit.h"
 #include "flashjit/codegen/render.hpp"
 #include "flashjit/tuning.hpp"
 #include "support/subprocess.hpp"
@@ -529,6 +530,17 @@ TEST_CASE("the tools check every argument before any work: exit 2, naming the fl
     CHECK_THAT(t.output, Catch::Contains(c.named));
   }
   CHECK_FALSE(std::filesystem::exists(cache + "/sm_80"));  // nothing was compiled
+}
+
+TEST_CASE("the tools' --version names the tool and the library's version, exit 0", "[tuning]") {
+  for (const char* tool : {FLASHJIT_TUNE_TOOL, FLASHJIT_WARM_TOOL, FLASHJIT_BENCH_TOOL}) {
+    const Tool t = run_tool({tool, "--version"});
+    INFO(tool << ": " << t.output);
+    CHECK(t.status == 0);
+    const std::string name = std::filesystem::path(tool).filename().string();
+    CHECK(t.output == fmt::format("{} {}\n", name, flashjit_version()));
+  }
+  CHECK(std::string(flashjit_version()).find('.') != std::string::npos);
 }
 
 TEST_CASE("tuning databases: 64-bit range checks, validated saves, no file written through a planted link", "[tuning]") {
