@@ -46,22 +46,37 @@ def main():
     refs = [ctypes.byref(x) for x in views] + [ctypes.byref(options)]
     qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
 
-    def sdpa(backend):
-        def call():
-            with sdpa_kernel(backend):
-                return F.scaled_dot_product_attention(qt, kt, vt, is_causal=True)
-        return call
+    def sdpa():
+        return F.scaled_dot_product_attention(qt, kt, vt, is_causal=True)
 
+    qg, kg, vg = (t.detach().requires_grad_() for t in (q, k, v))
+    qgt, kgt, vgt = (t.transpose(1, 2) for t in (qg, kg, vg))
+    dout = torch.randn_like(q)
+    doutt = dout.transpose(1, 2)
+
+    def flashjit_step():
+        flashjit.flash_attn_func(qg, kg, vg, causal=True).backward(dout)
+
+    def sdpa_step():
+        F.scaled_dot_product_attention(qgt, kgt, vgt, is_causal=True).backward(doutt)
+
+    # (The backend is chosen outside the timed loops: sdpa_kernel's context costs host time itself.)
+    rows = {}
     with torch.no_grad():
-        rows = {
-            "flashjit.flash_attn_func": host_us(lambda: flashjit.flash_attn_func(q, k, v, causal=True)),
-            "flashjit C API (views prebuilt)": host_us(lambda: lib.flashjit_forward(*refs)),
-            "sdpa flash": host_us(sdpa(SDPBackend.FLASH_ATTENTION)),
-            "sdpa cudnn": host_us(sdpa(SDPBackend.CUDNN_ATTENTION)),
-        }
-        for name, us in rows.items():
-            print(f"{name:34} {us:7.1f} us per call", file=sys.stderr)
-        profile = cProfile.Profile()
+        rows["flashjit.flash_attn_func"] = host_us(lambda: flashjit.flash_attn_func(q, k, v, causal=True))
+        rows["flashjit C API (views prebuilt)"] = host_us(lambda: lib.flashjit_forward(*refs))
+        for name, backend in (("sdpa flash", SDPBackend.FLASH_ATTENTION), ("sdpa cudnn", SDPBackend.CUDNN_ATTENTION)):
+            with sdpa_kernel(backend):
+                rows[name] = host_us(sdpa)
+    rows["flashjit fwd+bwd"] = host_us(flashjit_step, calls=500)
+    for name, backend in (("sdpa flash fwd+bwd", SDPBackend.FLASH_ATTENTION),
+                          ("sdpa cudnn fwd+bwd", SDPBackend.CUDNN_ATTENTION)):
+        with sdpa_kernel(backend):
+            rows[name] = host_us(sdpa_step, calls=500)
+    for name, us in rows.items():
+        print(f"{name:34} {us:7.1f} us per call", file=sys.stderr)
+    with torch.no_grad():
+        profile = cProfile.Profile()  # the inference path
         profile.enable()
         for _ in range(500):
             flashjit.flash_attn_func(q, k, v, causal=True)

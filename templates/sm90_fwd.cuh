@@ -198,6 +198,9 @@ __device__ void sm90_fwd_kernel(const AttentionSm90FwdParams& params) {
   const int warp = warp_uniform(tid / 32), group = warp / 4;
   const int num_work_items = sm90_whole_tiles(params) + params.num_split_tiles * params.splits;
   const bool varlen = p.cu_seqlens_q != nullptr;
+  // The counter's next value; without a counter (one CTA per work item, no scratch memory to zero
+  // for a small launch) a value past the end.
+  auto claim_next_item = [&] { return params.tile_counter != nullptr ? atomicAdd(params.tile_counter, 1) : num_work_items; };
   // A continuing spec merges O into its running state from the registers: no staging for TMA.
   constexpr bool kContinues = ContinuesOf<Config>::value;
   const bool o_via_tma = !kContinues && Shape::kStagesOutputInQSlot && params.o_via_tma != 0;
@@ -227,7 +230,7 @@ __device__ void sm90_fwd_kernel(const AttentionSm90FwdParams& params) {
         work = sm90_work_item(params, index);
         seq = sequence_extent<true>(p, work.batch);
         if (work.m_block * kBlockM >= seq.seqlen_q) {  // varlen: a shorter sequence
-          next_index = gridDim.x + atomicAdd(params.tile_counter, 1);
+          next_index = gridDim.x + claim_next_item();
           continue;
         }
       }
@@ -296,7 +299,7 @@ __device__ void sm90_fwd_kernel(const AttentionSm90FwdParams& params) {
       // list read per tile); otherwise its tile is computed at its load, as K's is.
       SparseTile last_k_tile{};
       for (int i = 0; i <= keys.count() && keys.count() > 0; ++i) {
-        if (i == claim_at) claimed = atomicAdd(params.tile_counter, 1);
+        if (i == claim_at) claimed = claim_next_item();
         const SparseTile v_tile = last_k_tile;
         if (i < keys.count()) {
           const SparseTile k_tile = tile_at(i);
@@ -305,7 +308,7 @@ __device__ void sm90_fwd_kernel(const AttentionSm90FwdParams& params) {
         }
         if (i > 0) load(sV, params.v_map, v_ring, i - 1, Mods::kBlockSparse ? v_tile : tile_at(i - 1), false);
       }
-      if (keys.count() == 0) claimed = atomicAdd(params.tile_counter, 1);
+      if (keys.count() == 0) claimed = claim_next_item();
       next_index = gridDim.x + claimed;
       kv_count += keys.count();
     }

@@ -55,6 +55,7 @@ struct Options {
   // --ring: ring attention over these numbers of virtual ranks, beside one call (batch 1).
   std::vector<int> ring_sizes;
   std::string ring_layout = "zigzag";
+  bool host_cost = false;  // --host-cost: host time per C++ API call
 };
 
 // Dense bf16 tensor-core rates measured on real GPUs (a GEMM on random data), the ceiling the
@@ -395,7 +396,76 @@ int run_ring(const Options& o) {
   return cli::kExitOk;
 }
 
+// --host-cost: the host's time per call of the C++ API on problems whose GPU work is shorter than
+// it (a forward and a backward of 1 x 128 tokens x 8 heads, causal, and a decode step of 16
+// sequences of 1000 cached tokens, 32/8 heads): median over bursts of 100 queued calls, each burst
+// started on an idle stream, so the loop measures the host (the kernels are cached and loaded).
+int run_host_cost(const Options& o) {
+  const DType dtype = parse_dtype(o.dtype);
+  const ScalarType scalar = dtype == DType::bf16 ? ScalarType::bfloat16 : ScalarType::float16;
+  const int d = o.head_dims.front();
+  const DeviceProperties& device = device_properties(o.device);
+  detail::make_context_current(o.device);
+  Runtime& runtime = Runtime::global();
+  CUstream stream;
+  FLASHJIT_CU(cuStreamCreate, &stream, CU_STREAM_NON_BLOCKING);
+  const std::vector<uint16_t> random = detail::random_half_bits(size_t(1) << 20, dtype, 11);
+  std::vector<std::unique_ptr<detail::DeviceMemory>> memory;
+  auto tensor = [&](std::initializer_list<int64_t> shape, ScalarType type) {
+    int64_t n = 1;
+    for (int64_t e : shape) n *= e;
+    const size_t bytes = size_t(n) * (type == ScalarType::float32 || type == ScalarType::int32 ? 4 : 2);
+    memory.push_back(std::make_unique<detail::DeviceMemory>(bytes));
+    for (size_t at = 0; at < bytes; at += random.size() * 2)
+      FLASHJIT_CU(cuMemcpyHtoD, memory.back()->address() + at, random.data(), std::min(random.size() * 2, bytes - at));
+    return TensorView::contiguous(reinterpret_cast<void*>(memory.back()->address()), type, shape, o.device);
+  };
+  const int b = 1, s = 128, h = 8;
+  const TensorView q = tensor({b, s, h, d}, scalar), k = tensor({b, s, h, d}, scalar), v = tensor({b, s, h, d}, scalar);
+  const TensorView out = tensor({b, s, h, d}, scalar), dout = tensor({b, s, h, d}, scalar);
+  const TensorView dq = tensor({b, s, h, d}, scalar), dk = tensor({b, s, h, d}, scalar), dv = tensor({b, s, h, d}, scalar);
+  const TensorView lse = tensor({b, h, s}, ScalarType::float32);
+  AttentionOptions options;
+  options.causal = true;
+  options.stream = stream;
+  const int decode_batch = 16, capacity = 1024;
+  const TensorView decode_q = tensor({decode_batch, 1, 32, d}, scalar), decode_out = tensor({decode_batch, 1, 32, d}, scalar);
+  const TensorView k_cache = tensor({decode_batch, capacity, 8, d}, scalar), v_cache = tensor({decode_batch, capacity, 8, d}, scalar);
+  const TensorView lengths = tensor({decode_batch}, ScalarType::int32);
+  const std::vector<int> cached(decode_batch, 1000);
+  FLASHJIT_CU(cuMemcpyHtoD, reinterpret_cast<CUdeviceptr>(lengths.data), cached.data(), cached.size() * 4);
+  const KvCache cache{k_cache, v_cache, nullptr, &lengths, nullptr, nullptr};
+  AttentionOptions decode_options;
+  decode_options.stream = stream;
+  const std::pair<const char*, std::function<void()>> rows[] = {
+      {"forward", [&] { runtime.forward(q, k, v, out, &lse, options); }},
+      {"backward", [&] { runtime.backward(q, k, v, out, dout, &lse, dq, dk, dv, options); }},
+      {"decode", [&] { runtime.forward_kvcache(decode_q, cache, decode_out, nullptr, decode_options); }},
+  };
+  json result = json::array();
+  if (!o.json_output) fmt::print("{} --host-cost on {}: C++ API, head dim {}, {}\n", kTool, device.name, d, o.dtype);
+  for (const auto& [name, call] : rows) {
+    for (int i = 0; i < 50; ++i) call();  // compiles or loads the kernels, warms the caches
+    FLASHJIT_CU(cuStreamSynchronize, stream);
+    std::vector<double> per_call;
+    for (int burst = 0; burst < 30; ++burst) {
+      const auto begin = std::chrono::steady_clock::now();
+      for (int i = 0; i < 100; ++i) call();
+      per_call.push_back(std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - begin).count() / 100);
+      FLASHJIT_CU(cuStreamSynchronize, stream);
+    }
+    std::sort(per_call.begin(), per_call.end());
+    const double median = per_call[per_call.size() / 2];
+    result.push_back({{"call", name}, {"host_us", median}});
+    if (!o.json_output) fmt::print("  {:<10} {:6.2f} us per call (host)\n", name, median);
+  }
+  FLASHJIT_CU(cuStreamDestroy, stream);
+  if (o.json_output) fmt::print("{}\n", json{{"device", device.name}, {"head_dim", d}, {"rows", result}}.dump(2));
+  return cli::kExitOk;
+}
+
 int run(const Options& o) {
+  if (o.host_cost) return run_host_cost(o);
   if (o.decode) return run_decode(o);
   if (!o.ring_sizes.empty()) return run_ring(o);
   const DType dtype = parse_dtype(o.dtype);
@@ -647,6 +717,8 @@ int main(int argc, char** argv) {
   app.add_option("--ring", o.ring_sizes, "Ring attention over these numbers of virtual ranks on one GPU, beside one call (batch 1)")
       ->delimiter(',');
   app.add_option("--ring-layout", o.ring_layout, "--ring: zigzag (the default) or contiguous");
+  app.add_flag("--host-cost", o.host_cost,
+               "Host time per C++ API call (forward, backward, decode step) on problems the host outpaces");
   app.add_flag("--json", o.json_output, "Print JSON");
   return cli::run_tool(kTool, app, argc, argv, [&] { return run(o); });
 }

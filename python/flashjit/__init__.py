@@ -9,7 +9,9 @@ tensors' device; the first call for a new kernel compiles it (or loads it from t
 """
 import ctypes
 import math
+import os
 import sys
+import threading
 
 from . import _capi
 
@@ -88,6 +90,49 @@ def _options(tensor, softmax_scale, causal, window_left, window_right, softcap, 
     return o
 
 
+def _current_stream(device):
+    """The raw handle of the current torch stream of `device` (the cheapest way torch offers)."""
+    torch = _torch()
+    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+    if raw is not None:
+        return raw(device.index)
+    return torch.cuda.current_stream(device).cuda_stream
+
+
+class _CallPlan:
+    """A C call's argument structs for one key (every tensor's shape, strides, dtype and device, and
+    the options), built once per thread; a call then sets only the data pointers and the stream. `copy`: some input's strides
+    are not the kernels' (see _kernel_input), so calls take the copying path instead."""
+    __slots__ = ("views", "options", "args", "copy")
+
+    def __init__(self, named_tensors, options, copy=False):
+        # An optional tensor left out (None) is a NULL argument; `call` takes the others' pointers.
+        self.views = [_view(t, name) for t, name in named_tensors if t is not None]
+        views = iter(self.views)
+        self.options = options
+        self.args = [None if t is None else ctypes.byref(next(views)) for t, _ in named_tensors]
+        self.args.append(ctypes.byref(options))
+        self.copy = copy
+
+    def call(self, function, pointers, stream):
+        for view, pointer in zip(self.views, pointers):
+            view.data = pointer
+        self.options.stream = stream
+        _check(function(*self.args))
+
+
+_thread = threading.local()
+_MAX_PLANS = 256  # per thread and operation; a process of endless shapes starts over
+
+
+def _plans(operation):
+    plans = getattr(_thread, operation, None)
+    if plans is None or len(plans) >= _MAX_PLANS:
+        plans = {}
+        setattr(_thread, operation, plans)
+    return plans
+
+
 def _check_options(softmax_scale, window_size, backend):
     if softmax_scale is not None and not (softmax_scale > 0 and math.isfinite(softmax_scale)):
         raise ValueError(f"softmax_scale must be a positive finite number, got {softmax_scale}")
@@ -102,18 +147,48 @@ def _kernel_ready(t):
     return t.stride(-1) == 1 and all(s % 8 == 0 for s, n in zip(t.stride()[:-1], t.shape[:-1]) if n > 1)
 
 
+_VERBOSE = os.environ.get("FLASHJIT_VERBOSE", "") not in ("", "0")
+
+
+def _kernel_input(t, name):
+    """t, or a contiguous copy where the kernels' 16-byte loads cannot read it: a data pointer off
+    16-byte alignment or strides off 8 elements (a slice of a packed tensor, say). PyTorch's SDPA
+    takes such tensors too; the copy costs one pass over t. FLASHJIT_VERBOSE=1 reports it."""
+    if t.data_ptr() % 16 == 0 and _kernel_ready(t):
+        return t
+    if _VERBOSE:
+        print(f"flashjit: {name} (data pointer {t.data_ptr():#x}, strides {tuple(t.stride())}) is copied to an "
+              "aligned contiguous tensor for the kernels", file=sys.stderr)
+    return t.clone(memory_format=_torch().contiguous_format)
+
+
 # The raw calls, on the current stream of the tensors' device. _torch_ops wraps them in custom ops and
 # autograd.Functions.
 
-def _forward(q, k, v, softmax_scale, causal, window_left, window_right, softcap, backend, sm_margin):
+def _forward(q, k, v, softmax_scale, causal, window_left, window_right, softcap, backend, sm_margin, with_lse=True,
+             may_copy=True):
+    """(out, lse); lse None unless with_lse (inference that does not return it skips writing it)."""
     torch = _torch()
+    plans = _plans("forward")
+    key = (q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), q.dtype, k.dtype, v.dtype, q.device,
+           k.device, v.device, softmax_scale, causal, window_left, window_right, softcap, backend, sm_margin, with_lse)
+    plan = plans.get(key)
+    pointers = (q.data_ptr(), k.data_ptr(), v.data_ptr())
+    if may_copy and ((plan is not None and plan.copy) or (pointers[0] | pointers[1] | pointers[2]) & 15):
+        # (Once: a copy the kernels still cannot read, such as a head_dim off 8, gets the C API's error.)
+        return _forward(_kernel_input(q, "q"), _kernel_input(k, "k"), _kernel_input(v, "v"), softmax_scale, causal,
+                        window_left, window_right, softcap, backend, sm_margin, with_lse, may_copy=False)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    lse = torch.empty((q.shape[0], q.shape[2], q.shape[1]), dtype=torch.float32, device=q.device)
-    with torch.cuda.device(q.device):
+    lse = torch.empty((q.shape[0], q.shape[2], q.shape[1]), dtype=torch.float32, device=q.device) if with_lse else None
+    if plan is None:
         options = _options(q, softmax_scale, causal, window_left, window_right, softcap, backend, sm_margin=sm_margin)
-        _check(_lib.flashjit_forward(ctypes.byref(_view(q, "q")), ctypes.byref(_view(k, "k")),
-                                     ctypes.byref(_view(v, "v")), ctypes.byref(_view(out, "out")),
-                                     ctypes.byref(_view(lse, "lse")), ctypes.byref(options)))
+        copy = not all(_kernel_ready(t) for t in (q, k, v))
+        plan = plans[key] = _CallPlan(((q, "q"), (k, "k"), (v, "v"), (out, "out"), (lse, "lse")), options, copy)
+        if copy and may_copy:
+            return _forward(q, k, v, softmax_scale, causal, window_left, window_right, softcap, backend, sm_margin,
+                            with_lse)
+    pointers += (out.data_ptr(), lse.data_ptr()) if with_lse else (out.data_ptr(),)
+    plan.call(_lib.flashjit_forward, pointers, _current_stream(q.device))
     return out, lse
 
 
@@ -121,6 +196,7 @@ def _forward_mod(q, k, v, softmax_scale, causal, window_left, window_right, soft
                  block_mask):
     from . import _modifiers
     torch = _torch()
+    q, k, v = _kernel_input(q, "q"), _kernel_input(k, "k"), _kernel_input(v, "v")
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     lse = torch.empty((q.shape[0], q.shape[2], q.shape[1]), dtype=torch.float32, device=q.device)
     if mod is not None:
@@ -141,8 +217,7 @@ def _forward_mod(q, k, v, softmax_scale, causal, window_left, window_right, soft
 def _backward_mod(dout, q, k, v, out, lse, softmax_scale, causal, window_left, window_right, softcap, mod, block_mask):
     from . import _modifiers
     torch = _torch()
-    if not _kernel_ready(dout):
-        dout = dout.contiguous()
+    q, k, v, dout = _kernel_input(q, "q"), _kernel_input(k, "k"), _kernel_input(v, "v"), _kernel_input(dout, "dout")
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     mod_tensors, mod_count = mod._tensor_views() if mod is not None else (None, 0)
     mask = _modifiers.as_block_mask(block_mask)._c_struct() if block_mask is not None else None
@@ -156,22 +231,38 @@ def _backward_mod(dout, q, k, v, out, lse, softmax_scale, causal, window_left, w
     return dq, dk, dv
 
 
-def _backward(dout, q, k, v, out, lse, softmax_scale, causal, window_left, window_right, softcap, deterministic):
+def _backward(dout, q, k, v, out, lse, softmax_scale, causal, window_left, window_right, softcap, deterministic,
+              may_copy=True):
     torch = _torch()
-    if not _kernel_ready(dout):
-        dout = dout.contiguous()
+    plans = _plans("backward")
+    key = (dout.shape, dout.stride(), q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), out.shape,
+           out.stride(), lse.shape, lse.stride(), q.dtype, k.dtype, v.dtype, out.dtype, dout.dtype, lse.dtype,
+           q.device, k.device, v.device, out.device, dout.device, lse.device, softmax_scale, causal, window_left,
+           window_right, softcap, deterministic)
+    plan = plans.get(key)
+    pointers = (q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), dout.data_ptr(), lse.data_ptr())
+    if may_copy and ((plan is not None and plan.copy) or (pointers[0] | pointers[1] | pointers[2] | pointers[4]) & 15):
+        return _backward(_kernel_input(dout, "dout"), _kernel_input(q, "q"), _kernel_input(k, "k"),
+                         _kernel_input(v, "v"), out, lse, softmax_scale, causal, window_left, window_right, softcap,
+                         deterministic, may_copy=False)
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-    with torch.cuda.device(q.device):
+    if plan is None:
         options = _options(q, softmax_scale, causal, window_left, window_right, softcap, "auto", deterministic)
-        views = [_view(t, n) for t, n in ((q, "q"), (k, "k"), (v, "v"), (out, "out"), (dout, "dout"), (lse, "lse"),
-                                          (dq, "dq"), (dk, "dk"), (dv, "dv"))]
-        _check(_lib.flashjit_backward(*(ctypes.byref(t) for t in views), ctypes.byref(options)))
+        copy = not all(_kernel_ready(t) for t in (q, k, v, dout))
+        plan = plans[key] = _CallPlan(((q, "q"), (k, "k"), (v, "v"), (out, "out"), (dout, "dout"), (lse, "lse"),
+                                       (dq, "dq"), (dk, "dk"), (dv, "dv")), options, copy)
+        if copy and may_copy:
+            return _backward(dout, q, k, v, out, lse, softmax_scale, causal, window_left, window_right, softcap,
+                             deterministic)
+    plan.call(_lib.flashjit_backward, pointers + (dq.data_ptr(), dk.data_ptr(), dv.data_ptr()),
+              _current_stream(q.device))
     return dq, dk, dv
 
 
 def _forward_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
                     window_left, window_right, softcap, backend, sm_margin):
     torch = _torch()
+    q, k, v = _kernel_input(q, "q"), _kernel_input(k, "k"), _kernel_input(v, "v")
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     lse = torch.empty((q.shape[1], q.shape[0]), dtype=torch.float32, device=q.device)
     with torch.cuda.device(q.device):
@@ -187,8 +278,7 @@ def _forward_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqle
 def _backward_varlen(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
                      causal, window_left, window_right, softcap, deterministic):
     torch = _torch()
-    if not _kernel_ready(dout):
-        dout = dout.contiguous()
+    q, k, v, dout = _kernel_input(q, "q"), _kernel_input(k, "k"), _kernel_input(v, "v"), _kernel_input(dout, "dout")
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     with torch.cuda.device(q.device):
         options = _options(q, softmax_scale, causal, window_left, window_right, softcap, "auto", deterministic)
@@ -210,12 +300,12 @@ def _unsupported(dropout_p, alibi_slopes, return_attn_probs):
 
 
 def _same_device(tensors, names):
+    device = tensors[0].device
     for t, name in zip(tensors, names):
         if not t.is_cuda:
             raise ValueError(f"{name}: expected a CUDA tensor, got one on {t.device}")
-    devices = {t.device for t in tensors}
-    if len(devices) != 1:
-        raise ValueError(f"q, k, v must be on one device, got {sorted(str(d) for d in devices)}")
+        if t.device != device:
+            raise ValueError(f"q, k, v must be on one device, got {sorted({str(t.device) for t in tensors})}")
 
 
 def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
@@ -253,7 +343,7 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
                              float(softcap), backend, int(sm_margin), bool(deterministic))
     else:  # inference: the raw call, without the custom op's dispatch
         out, lse = _forward(q, k, v, softmax_scale, bool(causal), int(window_size[0]), int(window_size[1]),
-                            float(softcap), backend, int(sm_margin))
+                            float(softcap), backend, int(sm_margin), with_lse=return_lse)
     return (out, lse) if return_lse else out
 
 
@@ -310,6 +400,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=N
         if t is not None:
             tensors.append((t, name))
     _same_device([t for t, _ in tensors], [n for _, n in tensors])
+    q = _kernel_input(q, "q")  # (the caches are written in place: they must be readable as they are)
+    k, v = (None if t is None else _kernel_input(t, n) for t, n in ((k, "k"), (v, "v")))
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     lse = torch.empty((q.shape[0], q.shape[2], q.shape[1]), dtype=torch.float32, device=q.device)
     with torch.cuda.device(q.device):

@@ -152,12 +152,12 @@ std::optional<KernelSpec> tuned_spec(const TuningSources* tuning, const PassProb
   // Tuning entries hold plain specs: a user's modifier or block mask runs the heuristic's tiles.
   if (problem.forward.modifier != nullptr || problem.forward.block_sparse) return std::nullopt;
   const Family key_family = usable.front()->tuning_key;
-  const auto entry = tuning->lookup(device_stamp(device), problem_key(problem.forward, key_family));
-  if (!entry || entry->spec.arch != device.arch() || entry->spec.validate()) return std::nullopt;
+  auto spec = tuning->lookup_spec(device_stamp(device), problem_key(problem.forward, key_family));
+  if (!spec || spec->arch != device.arch() || spec->validate()) return std::nullopt;
   const bool runs_here = std::any_of(usable.begin(), usable.end(), [&](const RuntimeFamily* f) {
-    return f->family == entry->spec.family && f->tuning_key == key_family;
+    return f->family == spec->family && f->tuning_key == key_family;
   });
-  return runs_here ? std::optional<KernelSpec>(entry->spec) : std::nullopt;
+  return runs_here ? spec : std::nullopt;
 }
 
 }  // namespace

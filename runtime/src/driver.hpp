@@ -28,6 +28,8 @@ namespace flashjit::detail {
   X(cuDevicePrimaryCtxRetain, 7000)     \
   X(cuCtxGetCurrent, 4000)              \
   X(cuCtxSetCurrent, 4000)              \
+  X(cuCtxPushCurrent, 4000)             \
+  X(cuCtxPopCurrent, 4000)              \
   X(cuCtxGetDevice, 2000)               \
   X(cuCtxSynchronize, 2000)             \
   X(cuLibraryLoadData, 12000)           \

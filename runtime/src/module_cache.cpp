@@ -127,27 +127,54 @@ const LoadedKernel& ModuleCache::get(const KernelSpec& spec, const DevicePropert
   return *kernel;
 }
 
-void make_context_current(int device) {
+namespace {
+
+// Whether the current context is `device`'s, none, or another device's (and `device`'s CUdevice).
+enum class CurrentContext { of_device, none, other_device };
+CurrentContext current_context(int device, CUdevice& cu_device) {
   const DriverApi& api = driver();
   CUcontext current = nullptr;
   FLASHJIT_CU(cuCtxGetCurrent, &current);
-  CUdevice cu_device;
   FLASHJIT_CU(cuDeviceGet, &cu_device, device);
-  if (current != nullptr) {
-    CUdevice current_device;
-    if (api.cuCtxGetDevice(&current_device) == CUDA_SUCCESS && current_device == cu_device) return;
-  }
-  // Retained once per device and held for the life of the process (as the runtime API does).
+  if (current == nullptr) return CurrentContext::none;
+  CUdevice current_device;
+  if (api.cuCtxGetDevice(&current_device) == CUDA_SUCCESS && current_device == cu_device)
+    return CurrentContext::of_device;
+  return CurrentContext::other_device;
+}
+
+// Retained once per device and held for the life of the process (as the runtime API does).
+CUcontext primary_context(CUdevice cu_device) {
   static std::mutex mutex;
   static std::unordered_map<CUdevice, CUcontext> primary_contexts;
-  CUcontext primary = nullptr;
-  {
-    std::lock_guard<std::mutex> lock(mutex);
-    CUcontext& slot = primary_contexts[cu_device];
-    if (slot == nullptr) FLASHJIT_CU(cuDevicePrimaryCtxRetain, &slot, cu_device);
-    primary = slot;
+  std::lock_guard<std::mutex> lock(mutex);
+  CUcontext& slot = primary_contexts[cu_device];
+  if (slot == nullptr) FLASHJIT_CU(cuDevicePrimaryCtxRetain, &slot, cu_device);
+  return slot;
+}
+
+}  // namespace
+
+void make_context_current(int device) {
+  CUdevice cu_device;
+  if (current_context(device, cu_device) != CurrentContext::of_device)
+    FLASHJIT_CU(cuCtxSetCurrent, primary_context(cu_device));
+}
+
+DeviceContextScope::DeviceContextScope(int device) {
+  CUdevice cu_device;
+  switch (current_context(device, cu_device)) {
+    case CurrentContext::of_device: return;
+    case CurrentContext::none: FLASHJIT_CU(cuCtxSetCurrent, primary_context(cu_device)); return;
+    case CurrentContext::other_device:
+      FLASHJIT_CU(cuCtxPushCurrent, primary_context(cu_device));
+      pushed_ = true;
   }
-  FLASHJIT_CU(cuCtxSetCurrent, primary);
+}
+
+DeviceContextScope::~DeviceContextScope() {
+  CUcontext popped = nullptr;
+  if (pushed_ && driver_available()) driver().cuCtxPopCurrent(&popped);
 }
 
 }  // namespace flashjit::detail

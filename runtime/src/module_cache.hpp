@@ -76,4 +76,18 @@ class ModuleCache {
 // Makes the device's primary context current unless a context of that device already is.
 void make_context_current(int device);
 
+// make_context_current for the length of one call: where the caller had another device's context
+// current, it is current again afterwards (the CUDA runtime, PyTorch's included, takes its
+// current device from it).
+class DeviceContextScope {
+ public:
+  explicit DeviceContextScope(int device);
+  ~DeviceContextScope();
+  DeviceContextScope(const DeviceContextScope&) = delete;
+  DeviceContextScope& operator=(const DeviceContextScope&) = delete;
+
+ private:
+  bool pushed_ = false;
+};
+
 }  // namespace flashjit::detail

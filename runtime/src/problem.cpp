@@ -6,6 +6,7 @@
 #include <mutex>
 #include <optional>
 #include <string>
+#include <type_traits>
 
 #include <fmt/format.h>
 #include <fmt/ranges.h>
@@ -83,13 +84,14 @@ std::string shape_text(const TensorView& t) {
   return s + ")";
 }
 
+// (An empty tensor may have no memory: PyTorch's have a null data pointer.)
 void check_rank(const TensorView& t, const char* name, int rank, const char* layout) {
-  if (t.data == nullptr) throw bad(fmt::format("{}: data pointer is null", name));
   if (t.rank != rank)
     throw bad(fmt::format("{}: expected {} dims {}, got {} dims {}", name, rank, layout, t.rank,
                           shape_text(t)));
   for (int d = 0; d < rank; ++d)
     if (t.shape[d] < 0) throw bad(fmt::format("{}: negative extent in shape {}", name, shape_text(t)));
+  if (t.data == nullptr && t.numel() > 0) throw bad(fmt::format("{}: data pointer is null", name));
 }
 
 // Last dim contiguous, other strides multiples of 8 elements and the base 16-byte aligned, so the
@@ -170,7 +172,7 @@ AttentionHeads check_attention_tensors(const TensorView& q, NamedView k, NamedVi
   if (h.head_dim > kMaxHeadDim || h.head_dim % 8 != 0 || h.head_dim == 0)
     throw bad(fmt::format("q: head_dim {} is not supported (expected a multiple of 8, at most {})", h.head_dim,
                           kMaxHeadDim));
-  if (h.heads_kv == 0 || h.heads_q % h.heads_kv != 0)
+  if (h.heads_kv == 0 ? h.heads_q != 0 : h.heads_q % h.heads_kv != 0)  // (no heads at all: an empty problem)
     throw bad(fmt::format("{}: heads_kv {} must divide heads_q {} (GQA/MQA)", k.name, h.heads_kv, h.heads_q));
   return h;
 }
@@ -528,6 +530,7 @@ uint64_t view_extent_bytes(const TensorView& view) {
 }  // namespace
 
 void check_device_pointer(const TensorView& view, const char* name) {
+  if (view.numel() == 0) return;  // nothing is read or written through it
   const auto address = reinterpret_cast<uintptr_t>(view.data);
   const uint64_t extent = view_extent_bytes(view);
   auto fits = [&](const AllocationRanges::Range& r) {
@@ -622,7 +625,6 @@ ForwardProblem make_forward_problem(const TensorView& q, const TensorView& k, co
   p.heads_q = to_int(heads_q, "heads_q");
   p.heads_kv = to_int(heads_kv, "heads_kv");
   p.head_dim = static_cast<int>(head_dim);
-  if (p.heads_q > 65535) throw bad(fmt::format("q: {} heads exceed the grid limit of 65535", p.heads_q));
 
   AttentionFwdParams& a = p.params;
   if (p.is_varlen) {
@@ -674,7 +676,6 @@ ForwardProblem make_forward_problem(const TensorView& q, const TensorView& k, co
     p.seqlen_q = to_int(q.shape[1], "seqlen_q");
     p.seqlen_k = to_int(k.shape[1], "seqlen_k");
   }
-  if (p.batch > 65535) throw bad(fmt::format("batch {} exceeds the grid limit of 65535", p.batch));
 
   if (lse != nullptr) bind_lse(p, *lse, q);
 
@@ -958,6 +959,70 @@ BackwardProblem make_backward_problem(const TensorView& q, const TensorView& k, 
   kernel_strides(dv, f.is_varlen, a.dv_batch_stride, a.dv_row_stride, a.dv_head_stride);
   a.workspace_rows = f.is_varlen ? to_int(q.shape[0], "total_q") : to_int(int64_t(f.batch) * f.seqlen_q, "batch x seqlen_q");
   return b;
+}
+
+
+std::vector<ProblemSlice> grid_slices(const ForwardProblem& p) {
+  if (fits_one_grid(p)) return {{0, p.batch, 0, p.heads_kv}};
+  if (p.modifier != nullptr || p.block_sparse || p.continues)
+    throw bad(fmt::format("batch {} x heads {}: over {} sequences or heads a problem runs in slices, which a mod, a "
+                          "block mask or a continuation (indexed by sequence and head) cannot follow",
+                          p.batch, p.heads_q, kMaxGridBatch));
+  const int group = p.heads_q / p.heads_kv;
+  if (group > kMaxGridBatch)
+    throw bad(fmt::format("q: {} query heads share one KV head; at most {} can", group, kMaxGridBatch));
+  const int kv_heads_per_slice = std::min(p.heads_kv, kMaxGridBatch / group);
+  std::vector<ProblemSlice> slices;
+  for (int b = 0; b < p.batch; b += kMaxGridBatch)
+    for (int h = 0; h < p.heads_kv; h += kv_heads_per_slice)
+      slices.push_back({b, std::min(kMaxGridBatch, p.batch - b), h, std::min(kv_heads_per_slice, p.heads_kv - h)});
+  return slices;
+}
+
+namespace {
+
+// `base` moved by `elements` 16-bit values (the attention tensors' elements).
+template <class Pointer>
+Pointer advanced(Pointer base, long long elements) {
+  if (base == nullptr) return base;
+  using Byte = std::conditional_t<std::is_const_v<std::remove_pointer_t<Pointer>>, const char, char>;
+  return reinterpret_cast<Pointer>(reinterpret_cast<Byte*>(base) + elements * 2);
+}
+
+}  // namespace
+
+ForwardProblem slice_problem(const ForwardProblem& p, const ProblemSlice& s) {
+  ForwardProblem part = p;
+  AttentionFwdParams& a = part.params;
+  const int group = p.heads_q / p.heads_kv;
+  const long long b = s.batch_begin, hq = static_cast<long long>(s.kv_head_begin) * group, hk = s.kv_head_begin;
+  // (Varlen batch strides are 0: its rows are addressed through cu_seqlens, which move instead.)
+  a.q = advanced(a.q, b * a.q_batch_stride + hq * a.q_head_stride);
+  a.k = advanced(a.k, b * a.k_batch_stride + hk * a.k_head_stride);
+  a.v = advanced(a.v, b * a.v_batch_stride + hk * a.v_head_stride);
+  a.o = advanced(a.o, b * a.o_batch_stride + hq * a.o_head_stride);
+  if (a.lse != nullptr) a.lse += b * a.lse_batch_stride + hq * a.lse_head_stride;
+  for (const int** lengths : {&a.cu_seqlens_q, &a.cu_seqlens_k, &a.seqused_q, &a.seqused_k})
+    if (*lengths != nullptr) *lengths += b;
+  part.batch = a.batch = s.batch_count;
+  part.heads_kv = a.num_heads_kv = s.kv_head_count;
+  part.heads_q = a.num_heads_q = s.kv_head_count * group;
+  return part;
+}
+
+BackwardProblem slice_problem(const BackwardProblem& p, const ProblemSlice& s) {
+  BackwardProblem part = p;
+  part.forward = slice_problem(p.forward, s);
+  AttentionBwdParams& a = part.params;
+  a.fwd = part.forward.params;
+  const int group = p.forward.heads_q / p.forward.heads_kv;
+  const long long b = s.batch_begin, hq = static_cast<long long>(s.kv_head_begin) * group, hk = s.kv_head_begin;
+  a.d_o = advanced(a.d_o, b * a.do_batch_stride + hq * a.do_head_stride);
+  a.dq = advanced(a.dq, b * a.dq_batch_stride + hq * a.dq_head_stride);
+  a.dk = advanced(a.dk, b * a.dk_batch_stride + hk * a.dk_head_stride);
+  a.dv = advanced(a.dv, b * a.dv_batch_stride + hk * a.dv_head_stride);
+  if (!part.forward.is_varlen) a.workspace_rows = s.batch_count * part.forward.seqlen_q;  // (varlen: packed rows)
+  return part;
 }
 
 }  // namespace detail

@@ -3,6 +3,8 @@
 // checked before anything is launched.
 #pragma once
 
+#include <vector>
+
 #include "common/params.cuh"
 #include "flashjit/flashjit.hpp"
 
@@ -63,6 +65,24 @@ BackwardProblem make_backward_problem(const TensorView& q, const TensorView& k, 
                                       const TensorView& out, const TensorView& dout, const TensorView* lse,
                                       const TensorView& dq, const TensorView& dk, const TensorView& dv,
                                       const VarlenBatch* varlen, const AttentionOptions& options);
+
+// The part of a forward or backward problem over sequences [batch_begin, batch_begin + batch_count)
+// and KV heads [kv_head_begin, kv_head_begin + kv_head_count) with their query heads: the same
+// tensors, their pointers offset. Grids hold at most 65535 CTAs along y and z, where the families
+// put heads and batch, so the runtime runs a larger problem as such slices, one after another.
+struct ProblemSlice {
+  int batch_begin, batch_count, kv_head_begin, kv_head_count;
+};
+constexpr int kMaxGridBatch = 65535;  // CTAs along a grid's y or z
+
+// Whether the problem's batch and heads fit one launch (the families' grids).
+inline bool fits_one_grid(const ForwardProblem& p) { return p.batch <= kMaxGridBatch && p.heads_q <= kMaxGridBatch; }
+// Slices that each fit one launch and together cover the problem; throws Error(invalid_argument)
+// for problems whose side tensors are indexed by sequence and head (a modifier, a block mask, a
+// continuation) or whose GQA groups alone exceed the limit.
+std::vector<ProblemSlice> grid_slices(const ForwardProblem& p);
+ForwardProblem slice_problem(const ForwardProblem& p, const ProblemSlice& s);
+BackwardProblem slice_problem(const BackwardProblem& p, const ProblemSlice& s);
 
 // forward_kvcache's problem: `forward` describes q, out, lse and the options, with k/v the caches
 // and seqlen_k the capacity of one sequence; `params` holds the cache's addressing and the

@@ -9,6 +9,8 @@
 
 #include <vector>
 
+#include <fmt/format.h>
+
 namespace flashjit {
 
 using namespace detail;
@@ -42,13 +44,32 @@ struct Runtime::Impl {
     const DeviceProperties& device = device_properties(f.device);
     for (const auto& [view, name] : tensors)
       if (view != nullptr) check_device_pointer(*view, name);
-    make_context_current(f.device);
+    const DeviceContextScope context(f.device);
     check_on_device();
     if (problem.is_empty()) return;
 
     const KernelSpec spec = select_kernel(problem, device, &tuning);
     const LoadedKernel& kernel = modules.get(spec, device);
-    runtime_family(spec.family).run(FamilyCall{problem, spec, kernel, device, static_cast<CUstream>(f.stream)});
+    const RuntimeFamily& family = runtime_family(spec.family);
+    const auto stream = static_cast<CUstream>(f.stream);
+    const bool sliceable = problem.pass == Pass::forward || problem.pass == Pass::backward;
+    if (!sliceable || fits_one_grid(f)) {
+      family.run(FamilyCall{problem, spec, kernel, device, stream});
+      return;
+    }
+    const std::vector<ProblemSlice> slices = grid_slices(f);
+    if (environment().verbose)
+      fmt::print(stderr, "flashjit: {} of batch {} x {} heads runs as {} launches of at most {} sequences and heads\n",
+                 problem.operation(), f.batch, f.heads_q, slices.size(), kMaxGridBatch);
+    for (const ProblemSlice& slice : slices) {
+      if (problem.pass == Pass::backward) {
+        const BackwardProblem part = slice_problem(*problem.backward, slice);
+        family.run(FamilyCall{PassProblem{Pass::backward, part.forward, &part}, spec, kernel, device, stream});
+      } else {
+        const ForwardProblem part = slice_problem(f, slice);
+        family.run(FamilyCall{PassProblem{Pass::forward, part}, spec, kernel, device, stream});
+      }
+    }
   }
 };
 

@@ -16,6 +16,8 @@
 #include <mutex>
 #include <set>
 #include <sstream>
+#include <unordered_map>
+#include <vector>
 
 #include <fmt/format.h>
 #include <fmt/ranges.h>
@@ -80,6 +82,23 @@ bool ProblemKey::operator==(const ProblemKey& o) const {
          seqlen_bucket == o.seqlen_bucket && batch_heads_bucket == o.batch_heads_bucket && head_major == o.head_major &&
          query_rows_bucket == o.query_rows_bucket;
 }
+
+namespace {
+
+struct ProblemKeyHash {
+  size_t operator()(const ProblemKey& k) const noexcept {
+    size_t h = 0;
+    for (long long field : {static_cast<long long>(k.family), static_cast<long long>(k.dtype),
+                            static_cast<long long>(k.head_dim), static_cast<long long>(k.mask),
+                            static_cast<long long>(k.softcap), static_cast<long long>(k.seqlen_bucket),
+                            static_cast<long long>(k.batch_heads_bucket), static_cast<long long>(k.head_major),
+                            static_cast<long long>(k.query_rows_bucket)})
+      h = h * 1000003u ^ std::hash<long long>{}(field);
+    return h;
+  }
+};
+
+}  // namespace
 
 // ---------------------------------------------------------------------------------------------
 // JSON
@@ -415,8 +434,15 @@ struct TuningSources::Impl {
   TuningDb in_memory, user, bundled;
   std::string user_origin = "the user tuning database";
   mutable std::set<std::string> warned;  // "<origin>|<device>"
+  // lookup_spec's answers by problem, each with the device it was found for.
+  struct Remembered {
+    DeviceStamp device;
+    std::optional<KernelSpec> spec;
+  };
+  mutable std::unordered_map<ProblemKey, std::vector<Remembered>, ProblemKeyHash> remembered;
 
-  void update_has_entries() {  // under the mutex
+  void update_has_entries() {  // under the mutex, after every change of a source
+    remembered.clear();
     has_entries.store(!in_memory.entries().empty() || !user.entries().empty() || !bundled.entries().empty(),
                       std::memory_order_release);
   }
@@ -462,6 +488,21 @@ void TuningSources::set_bundled_db(TuningDb db) {
 }
 
 bool TuningSources::empty() const { return !impl_->has_entries.load(std::memory_order_acquire); }
+
+std::optional<KernelSpec> TuningSources::lookup_spec(const DeviceStamp& device, const ProblemKey& problem) const {
+  {
+    std::lock_guard<std::mutex> lock(impl_->mutex);
+    if (auto it = impl_->remembered.find(problem); it != impl_->remembered.end())
+      for (const Impl::Remembered& r : it->second)
+        if (r.device == device) return r.spec;
+  }
+  auto entry = lookup(device, problem);
+  std::optional<KernelSpec> spec = entry ? std::optional<KernelSpec>(std::move(entry->spec)) : std::nullopt;
+  std::lock_guard<std::mutex> lock(impl_->mutex);
+  if (impl_->remembered.size() > 4096) impl_->remembered.clear();  // (a bound for processes of endless shapes)
+  impl_->remembered[problem].push_back({device, spec});
+  return spec;
+}
 
 std::optional<TunedEntry> TuningSources::lookup(const DeviceStamp& device, const ProblemKey& problem) const {
   std::lock_guard<std::mutex> lock(impl_->mutex);

@@ -86,7 +86,8 @@ struct alignas(64) TmaDescriptor {
 // kBlockM rows per sequence (the longest, when varlen), ordered in sections of `section_pairs`
 // (batch, head) pairs whose K/V share the L2. Work items are the tiles, the last num_split_tiles
 // each replaced by `splits` items (below). Each CTA starts with item blockIdx.x and then takes
-// gridDim.x + atomicAdd(tile_counter, 1): the counter must be zero at launch.
+// gridDim.x + atomicAdd(tile_counter, 1): the counter must be zero at launch. Null: launched with
+// a CTA per work item, each takes its blockIdx.x alone.
 struct AttentionSm90FwdParams {
   TmaDescriptor q_map;
   TmaDescriptor k_map;

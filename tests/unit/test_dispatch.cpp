@@ -397,3 +397,83 @@ TEST_CASE("dispatch: a varlen batch with seqused runs on the sm_90 families only
   batch.seqused_q = batch.seqused_k = TensorView{};
   CHECK_FALSE(detail::make_forward_problem(q, q, q, q, nullptr, &batch, {}).seqused);
 }
+
+TEST_CASE("problems over 65535 sequences or heads run as slices that cover them once", "[dispatch]") {
+  auto byte_offset = [](const void* p) { return static_cast<const unsigned char*>(p) - arena; };
+  struct Case {
+    int64_t batch, heads_q, heads_kv;
+    size_t slices;
+  };
+  for (Case c : {Case{70000, 2, 1, 2}, Case{140000, 1, 1, 3}, Case{2, 70000, 10000, 2}, Case{65535, 65535, 65535, 1}}) {
+    INFO("batch " << c.batch << " heads " << c.heads_q << "/" << c.heads_kv);
+    auto q = TensorView::contiguous(arena, ScalarType::bfloat16, {c.batch, 3, c.heads_q, 64});
+    auto k = TensorView::contiguous(arena, ScalarType::bfloat16, {c.batch, 5, c.heads_kv, 64});
+    auto lse = TensorView::contiguous(arena, ScalarType::float32, {c.batch, c.heads_q, 3});
+    const auto b = detail::make_backward_problem(q, k, k, q, q, &lse, q, k, k, nullptr, AttentionOptions{});
+    const auto slices = detail::grid_slices(b.forward);
+    CHECK(slices.size() == c.slices);
+    CHECK(detail::fits_one_grid(b.forward) == (c.slices == 1));
+    std::vector<int> covered(size_t(c.batch) * c.heads_kv, 0);
+    const int group = static_cast<int>(c.heads_q / c.heads_kv);
+    for (const auto& s : slices) {
+      const auto part = detail::slice_problem(b, s);
+      const auto& f = part.forward;
+      CHECK(detail::fits_one_grid(f));
+      CHECK(f.batch == s.batch_count);
+      CHECK(f.params.batch == s.batch_count);
+      CHECK(f.heads_kv == s.kv_head_count);
+      CHECK(f.params.num_heads_q == s.kv_head_count * group);
+      const int64_t hq = int64_t(s.kv_head_begin) * group;
+      CHECK(byte_offset(f.params.q) == 2 * (s.batch_begin * q.strides[0] + hq * q.strides[2]));
+      CHECK(byte_offset(f.params.o) == byte_offset(f.params.q));
+      CHECK(byte_offset(f.params.k) == 2 * (s.batch_begin * k.strides[0] + s.kv_head_begin * k.strides[2]));
+      CHECK(byte_offset(f.params.lse) == 4 * (s.batch_begin * lse.strides[0] + hq * lse.strides[1]));
+      CHECK(part.params.fwd.q == f.params.q);
+      CHECK(byte_offset(part.params.dq) == byte_offset(f.params.q));
+      CHECK(byte_offset(part.params.dv) == byte_offset(f.params.k));
+      CHECK(part.params.workspace_rows == s.batch_count * 3);
+      for (int bi = s.batch_begin; bi < s.batch_begin + s.batch_count; ++bi)
+        for (int h = s.kv_head_begin; h < s.kv_head_begin + s.kv_head_count; ++h) ++covered[size_t(bi) * c.heads_kv + h];
+    }
+    CHECK(std::all_of(covered.begin(), covered.end(), [](int n) { return n == 1; }));
+  }
+  SECTION("a varlen batch moves its lengths, not its rows") {
+    auto q = TensorView::contiguous(arena, ScalarType::bfloat16, {64, 2, 64});
+    auto cu = TensorView::contiguous(arena, ScalarType::int32, {70001});
+    VarlenBatch batch{cu, cu, 1, 1};
+    const auto f = detail::make_forward_problem(q, q, q, q, nullptr, &batch, AttentionOptions{});
+    const auto slices = detail::grid_slices(f);
+    REQUIRE(slices.size() == 2);
+    const auto last = detail::slice_problem(f, slices[1]);
+    CHECK(last.params.q == f.params.q);
+    CHECK(last.params.cu_seqlens_q == f.params.cu_seqlens_q + 65535);
+    CHECK(last.batch == 70000 - 65535);
+  }
+  SECTION("query heads of one KV head beyond the limit are refused by name") {
+    auto q = TensorView::contiguous(arena, ScalarType::bfloat16, {1, 1, 70000, 8});
+    auto k = TensorView::contiguous(arena, ScalarType::bfloat16, {1, 1, 1, 8});
+    const auto f = detail::make_forward_problem(q, k, k, q, nullptr, nullptr, AttentionOptions{});
+    CHECK_THROWS_WITH(detail::grid_slices(f), Catch::Contains("70000 query heads share one KV head"));
+  }
+}
+
+TEST_CASE("empty tensors may have null data; an empty problem is valid", "[dispatch]") {
+  for (auto [batch, seqlen_q, seqlen_k, heads] :
+       {std::tuple{0, 16, 16, 2}, {2, 0, 16, 2}, {2, 16, 0, 2}, {2, 0, 0, 2}, {2, 16, 16, 0}}) {
+    INFO("batch " << batch << " seqlen " << seqlen_q << "/" << seqlen_k << " heads " << heads);
+    auto q = TensorView::contiguous(nullptr, ScalarType::bfloat16, {batch, seqlen_q, heads, 64});
+    auto k = TensorView::contiguous(nullptr, ScalarType::bfloat16, {batch, seqlen_k, heads, 64});
+    auto lse = TensorView::contiguous(nullptr, ScalarType::float32, {batch, heads, seqlen_q});
+    // A tensor that has elements keeps its own memory (arena); the empty ones have none.
+    if (q.numel() > 0) q.data = arena;
+    if (k.numel() > 0) k.data = arena;
+    if (lse.numel() > 0) lse.data = arena;
+    const auto p = detail::make_backward_problem(q, k, k, q, q, &lse, q, k, k, nullptr, AttentionOptions{});
+    // No queries or no keys still leaves gradients to zero (the other side's).
+    CHECK(p.forward.is_empty() == (batch == 0 || seqlen_q == 0 || heads == 0));
+    CHECK(p.is_empty() == (batch == 0 || heads == 0 || (seqlen_q == 0 && seqlen_k == 0)));
+  }
+  auto q = TensorView::contiguous(nullptr, ScalarType::bfloat16, {2, 16, 2, 64});
+  CHECK_THROWS_WITH(detail::make_forward_problem(q, q, q, q, nullptr, nullptr, AttentionOptions{}),
+                    Catch::Contains("q: data pointer is null"));
+}

@@ -38,7 +38,11 @@ typedef enum flashjit_backend {
   FLASHJIT_BACKEND_SM90 = 3 /* Hopper family (TMA, wgmma); auto picks it on sm_90 when TMA can read q, k, v */
 } flashjit_backend;
 
-/* A strided view of device memory; strides in elements. */
+/* A strided view of device memory; strides in elements. An empty tensor (an extent of 0) may have
+ * data NULL, as PyTorch's do: a call whose outputs are empty returns at once. The kernels read 16
+ * bytes at a time, so q, k, v and the outputs need a 16-byte aligned data pointer, a contiguous last
+ * dim and other strides in multiples of 8 elements; other views are refused by name (the Python
+ * package copies them first). */
 typedef struct flashjit_tensor {
   void* data;
   int32_t dtype; /* flashjit_dtype */

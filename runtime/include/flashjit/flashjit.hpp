@@ -203,7 +203,9 @@ class Runtime {
   // out = softmax(scale * q k^T + mask) v, per head.
   //   q, out: (batch, seqlen_q, heads_q, head_dim)   k, v: (batch, seqlen_k, heads_kv, head_dim)
   //   lse:    optional float32 (batch, heads_q, seqlen_q), natural-log logsumexp of each row
-  // fp16 or bf16; heads_q a multiple of heads_kv; head_dim a multiple of 8 up to 256.
+  // fp16 or bf16; heads_q a multiple of heads_kv; head_dim a multiple of 8 up to 256. Empty tensors
+  // may have no memory (data null); no keys gives out 0 and LSE +inf. Batches and head counts over
+  // a grid's 65535 run as several launches, one after another on the stream.
   void forward(const TensorView& q, const TensorView& k, const TensorView& v,
                const TensorView& out, const TensorView* lse, const AttentionOptions& options = {});
 

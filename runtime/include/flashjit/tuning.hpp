@@ -128,6 +128,9 @@ class TuningSources {
   // The first entry for this device and problem: in-memory, user, bundled; nullopt if none.
   // Copies out, so the result stays valid while sources change.
   std::optional<TunedEntry> lookup(const DeviceStamp& device, const ProblemKey& problem) const;
+  // lookup()'s spec, remembered per (device, problem) until a source changes: dispatch's path on
+  // every call (a lookup walks the databases: about a microsecond).
+  std::optional<KernelSpec> lookup_spec(const DeviceStamp& device, const ProblemKey& problem) const;
 
  private:
   struct Impl;
