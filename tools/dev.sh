@@ -5,6 +5,7 @@
 #   tools/dev.sh test    set up, build, run the test suite (GPU tests skip without a GPU)
 #   tools/dev.sh sanitize  the CPU tests again in an ASan + UBSan build (UBSan aborts on any
 #                        finding), in build-sanitize/
+#   tools/dev.sh wheel   pip install . into a fresh virtual environment, then import it and run a tool
 #   tools/dev.sh deps | build
 set -euo pipefail
 
@@ -68,11 +69,29 @@ sanitize() {
       ctest --test-dir "$dir" --output-on-failure -j "$(nproc)" --label-exclude 'sweep|install'
 }
 
+# pip install . into a fresh virtual environment, as a user would: the wheel's library, package and
+# console scripts work with no environment variables (built by scikit-build-core from PyPI).
+wheel() {
+  export PATH=$PATH:/usr/local/cuda/bin
+  local venv
+  venv=$(mktemp -d)
+  trap 'rm -rf "$venv"' RETURN
+  python3 -m venv "$venv"
+  "$venv/bin/pip" install -q "$root"
+  (cd "$venv" && "$venv/bin/python" -c 'import flashjit; print("dev.sh: installed flashjit", flashjit.__version__, "at", flashjit.__file__)')
+  "$venv/bin/flashjit-warm" --version
+  # One compile through the installed tool, into a cache of its own.
+  printf '[{"family":"reference_fwd","arch":"sm_90a","dtype":"bf16","head_dim":64,"block_m":4,"block_n":32,"num_warps":4,"num_stages":1,"mask":"causal","softcap":false,"block_sparse":false,"continues":false}]' \
+      > "$venv/spec.json"
+  "$venv/bin/flashjit-warm" --specs "$venv/spec.json" --cache-dir "$venv/cache"
+}
+
 case "${1:-}" in
   deps) deps ;;
   build) deps && configure_and_build ;;
   main) deps && configure_and_build && main_job ;;
   test) deps && configure_and_build && ctest --test-dir "$build" --output-on-failure -j "$(nproc)" ;;
   sanitize) deps && sanitize ;;
-  *) echo "usage: tools/dev.sh main|test|sanitize|deps|build" >&2; exit 2 ;;
+  wheel) deps && wheel ;;
+  *) echo "usage: tools/dev.sh main|test|sanitize|wheel|deps|build" >&2; exit 2 ;;
 esac

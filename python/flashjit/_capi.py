@@ -67,7 +67,8 @@ class RingOptions(ctypes.Structure):  # flashjit_ring_options
 
 
 def _candidates():
-    # The library lives in the build tree (tools/dev.sh builds it) unless FLASHJIT_LIBRARY names it.
+    # FLASHJIT_LIBRARY, else the installed package's own (pip install .), else the source tree's
+    # build (tools/dev.sh build).
     explicit = os.environ.get("FLASHJIT_LIBRARY")
     if explicit:
         yield pathlib.Path(explicit)
@@ -78,16 +79,44 @@ def _candidates():
         yield build / "runtime" / "libflashjit.so"
 
 
+def nvrtc_wheel_dirs():
+    """Where pip's NVIDIA NVRTC wheel (which PyTorch depends on) keeps libnvrtc.so.13, if installed."""
+    import importlib.util
+    spec = importlib.util.find_spec("nvidia")
+    if spec is None or not spec.submodule_search_locations:
+        return []
+    found = []
+    for base in spec.submodule_search_locations:
+        for sub in ("cu13/lib", "cuda_nvrtc/lib"):
+            if (pathlib.Path(base) / sub / "libnvrtc.so.13").exists():
+                found.append(str(pathlib.Path(base) / sub))
+    return found
+
+
+def _open(path):
+    """The library at `path`; where the CUDA toolkit's NVRTC is not on the loader's path, with the
+    NVRTC of pip's wheel loaded first (its soname then satisfies the library's)."""
+    try:
+        return ctypes.CDLL(str(path))
+    except OSError as e:
+        wheel_dirs = nvrtc_wheel_dirs() if "libnvrtc" in str(e) else []
+        if not wheel_dirs:
+            raise ImportError(f"flashjit: {path} does not load ({e}); it needs NVRTC 13 from the CUDA toolkit "
+                              "(on the loader's path) or the nvidia-cuda-nvrtc wheel") from e
+        ctypes.CDLL(str(pathlib.Path(wheel_dirs[0]) / "libnvrtc.so.13"), mode=ctypes.RTLD_GLOBAL)
+        return ctypes.CDLL(str(path))
+
+
 def load():
     tried = []
     for path in _candidates():
         tried.append(str(path))
         if path.exists():
-            lib = ctypes.CDLL(str(path))
+            lib = _open(path)
             break
     else:
         raise ImportError("flashjit: libflashjit.so not found (looked at: " + ", ".join(tried) +
-                          "); build it with tools/dev.sh build or set FLASHJIT_LIBRARY")
+                          "); pip install . builds and installs it, or tools/dev.sh build, or set FLASHJIT_LIBRARY")
     P = ctypes.POINTER
     lib.flashjit_attention_options_init.argtypes = [P(AttentionOptions)]
     lib.flashjit_attention_options_init.restype = None
