@@ -240,7 +240,7 @@ class KvCase {
         for (int i = 0; i < s_.seqlen_q; ++i)
           compare(lse, got_lse[(size_t(b) * s_.heads_q + h) * s_.seqlen_q + i],
                   want_lse[size_t(h) * total_q + b * s_.seqlen_q + i], tensor_core_lse_tolerance(),
-                  "lse[" + std::to_string(b) + ", " + std::to_string(h) + ", " + std::to_string(i) + "]");
+                  [&] { return "lse[" + std::to_string(b) + ", " + std::to_string(h) + ", " + std::to_string(i) + "]"; });
     INFO("lse: " << lse.bad << " bad; first " << lse.first_bad);
     CHECK(lse.ok());
   }

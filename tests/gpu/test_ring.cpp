@@ -325,7 +325,7 @@ void check_ring(const RingRun& r, uint64_t seed) {
   Comparison lse;
   for (size_t i = 0; i < got_lse.size(); ++i)
     if (!std::isnan(whole.want_lse()[i]))
-      compare(lse, got_lse[i], whole.want_lse()[i], tensor_core_lse_tolerance(), "lse[" + std::to_string(i) + "]");
+      compare(lse, got_lse[i], whole.want_lse()[i], tensor_core_lse_tolerance(), [&] { return "lse[" + std::to_string(i) + "]"; });
   INFO(lse.first_bad);
   CHECK(lse.bad == 0);
   CHECK(ring_rms <= 1.2 * single_rms);

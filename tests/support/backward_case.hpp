@@ -175,9 +175,10 @@ class BackwardCase {
     const int d = shape_.head_dim;
     for (size_t i = 0; i < want.size(); ++i) {
       const Tolerance element{t.atol + t.mass_factor * mass[i] + t.cancellation_factor * cancellation[i], t.rtol};
-      compare(c, from_storage(dtype_, got[i]), want[i], element,
-              std::string(name) + "[row " + std::to_string(i / (size_t(heads) * d)) + ", head " +
-                  std::to_string(i / d % heads) + ", dim " + std::to_string(i % d) + "]");
+      compare(c, from_storage(dtype_, got[i]), want[i], element, [&] {
+        return std::string(name) + "[row " + std::to_string(i / (size_t(heads) * d)) + ", head " +
+               std::to_string(i / d % heads) + ", dim " + std::to_string(i % d) + "]";
+      });
     }
   }
 

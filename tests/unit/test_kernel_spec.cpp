@@ -4,6 +4,7 @@
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
 
+#include <fstream>
 #include <unordered_set>
 
 #include "flashjit/codegen/kernel_spec.hpp"
@@ -234,4 +235,23 @@ TEST_CASE("fa2_bwd: tile rules, per-entry shared memory (and sm90_bwd's), names"
   CHECK_THROWS_WITH(forward.constant("kDqBlockM"), Catch::Contains("family fa2_fwd renders no constant kDqBlockM"));
   CHECK_FALSE(is_forward_family(Family::fa2_bwd));
   CHECK(is_forward_family(Family::fa2_fwd));
+}
+
+TEST_CASE("the quick GPU tier's kernel list reads as legal specs that render", "[spec]") {
+  // tests/gpu/quick_specs.json: what the quick tier compiles in parallel (gpu/main.cpp). A schema
+  // change that left it unreadable would silently send the tier back to compiling case by case.
+  std::ifstream file(FLASHJIT_QUICK_SPECS);
+  REQUIRE(file);
+  const json list = json::parse(file);
+  REQUIRE(list.is_array());
+  CHECK(list.size() >= 50);
+  std::unordered_set<std::string> names;
+  for (const auto& j : list) {
+    const KernelSpec spec = KernelSpec::from_json(j);
+    INFO(spec.name());
+    CHECK_FALSE(spec.validate().has_value());
+    CHECK_NOTHROW(render(spec));
+    names.insert(spec.name());
+  }
+  CHECK(names.size() == list.size());
 }
