@@ -991,11 +991,24 @@ Pointer advanced(Pointer base, long long elements) {
 
 }  // namespace
 
+namespace {
+
+// Where a slice starts: its first sequence, query head and KV head.
+struct SliceStart {
+  long long batch, q_head, kv_head;
+};
+
+SliceStart slice_start(const ForwardProblem& p, const ProblemSlice& s) {
+  const int group = p.heads_q / p.heads_kv;
+  return {s.batch_begin, static_cast<long long>(s.kv_head_begin) * group, s.kv_head_begin};
+}
+
+}  // namespace
+
 ForwardProblem slice_problem(const ForwardProblem& p, const ProblemSlice& s) {
   ForwardProblem part = p;
   AttentionFwdParams& a = part.params;
-  const int group = p.heads_q / p.heads_kv;
-  const long long b = s.batch_begin, hq = static_cast<long long>(s.kv_head_begin) * group, hk = s.kv_head_begin;
+  const auto [b, hq, hk] = slice_start(p, s);
   // (Varlen batch strides are 0: its rows are addressed through cu_seqlens, which move instead.)
   a.q = advanced(a.q, b * a.q_batch_stride + hq * a.q_head_stride);
   a.k = advanced(a.k, b * a.k_batch_stride + hk * a.k_head_stride);
@@ -1006,7 +1019,7 @@ ForwardProblem slice_problem(const ForwardProblem& p, const ProblemSlice& s) {
     if (*lengths != nullptr) *lengths += b;
   part.batch = a.batch = s.batch_count;
   part.heads_kv = a.num_heads_kv = s.kv_head_count;
-  part.heads_q = a.num_heads_q = s.kv_head_count * group;
+  part.heads_q = a.num_heads_q = s.kv_head_count * (p.heads_q / p.heads_kv);
   return part;
 }
 
@@ -1015,8 +1028,7 @@ BackwardProblem slice_problem(const BackwardProblem& p, const ProblemSlice& s) {
   part.forward = slice_problem(p.forward, s);
   AttentionBwdParams& a = part.params;
   a.fwd = part.forward.params;
-  const int group = p.forward.heads_q / p.forward.heads_kv;
-  const long long b = s.batch_begin, hq = static_cast<long long>(s.kv_head_begin) * group, hk = s.kv_head_begin;
+  const auto [b, hq, hk] = slice_start(p.forward, s);
   a.d_o = advanced(a.d_o, b * a.do_batch_stride + hq * a.do_head_stride);
   a.dq = advanced(a.dq, b * a.dq_batch_stride + hq * a.dq_head_stride);
   a.dk = advanced(a.dk, b * a.dk_batch_stride + hk * a.dk_head_stride);

@@ -48,16 +48,18 @@ struct Runtime::Impl {
     check_on_device();
     if (problem.is_empty()) return;
 
+    const bool sliceable = problem.pass == Pass::forward || problem.pass == Pass::backward;
+    const bool one_grid = !sliceable || fits_one_grid(f);
+    // Before dispatch, so that a problem no slices can cover is refused before anything compiles.
+    const std::vector<ProblemSlice> slices = one_grid ? std::vector<ProblemSlice>{} : grid_slices(f);
     const KernelSpec spec = select_kernel(problem, device, &tuning);
     const LoadedKernel& kernel = modules.get(spec, device);
     const RuntimeFamily& family = runtime_family(spec.family);
     const auto stream = static_cast<CUstream>(f.stream);
-    const bool sliceable = problem.pass == Pass::forward || problem.pass == Pass::backward;
-    if (!sliceable || fits_one_grid(f)) {
+    if (one_grid) {
       family.run(FamilyCall{problem, spec, kernel, device, stream});
       return;
     }
-    const std::vector<ProblemSlice> slices = grid_slices(f);
     if (environment().verbose)
       fmt::print(stderr, "flashjit: {} of batch {} x {} heads runs as {} launches of at most {} sequences and heads\n",
                  problem.operation(), f.batch, f.heads_q, slices.size(), kMaxGridBatch);
