@@ -455,6 +455,15 @@ TEST_CASE("problems over 65535 sequences or heads run as slices that cover them 
     CHECK(last.params.cu_seqlens_q == f.params.cu_seqlens_q + 65535);
     CHECK(last.batch == 70000 - 65535);
   }
+  SECTION("a mod, a block mask or a continuation, indexed by sequence and head, is refused by name") {
+    auto q = TensorView::contiguous(arena, ScalarType::bfloat16, {70000, 3, 2, 64});
+    const auto plain = detail::make_forward_problem(q, q, q, q, nullptr, nullptr, AttentionOptions{});
+    for (int which = 0; which < 2; ++which) {
+      auto f = plain;
+      (which == 0 ? f.block_sparse : f.continues) = true;
+      CHECK_THROWS_WITH(detail::grid_slices(f), Catch::Contains("cannot follow"));
+    }
+  }
   SECTION("query heads of one KV head beyond the limit are refused by name") {
     auto q = TensorView::contiguous(arena, ScalarType::bfloat16, {1, 1, 70000, 8});
     auto k = TensorView::contiguous(arena, ScalarType::bfloat16, {1, 1, 1, 8});
