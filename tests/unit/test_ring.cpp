@@ -56,6 +56,30 @@ TEST_CASE("ring: shards of the contiguous and zigzag layouts", "[ring]") {
     }
 }
 
+TEST_CASE("ring: a call's attention options take its mask and the ring's scale, softcap, backend and stream", "[ring]") {
+  ring::Options options;
+  options.softmax_scale = 0.25f;
+  options.softcap = 30.f;
+  options.backend = Backend::sm90;
+  options.sm_margin = 4;
+  int stream_tag = 0;
+  options.stream = &stream_tag;
+  ring::StepCall call{};
+  call.causal = true;
+  call.window_left = 100;
+  call.window_right = 0;
+  const AttentionOptions a = ring::detail::call_options(options, call);
+  CHECK(a.softmax_scale == 0.25f);
+  CHECK((a.causal && a.window_left == 100 && a.window_right == 0));
+  CHECK(a.softcap == 30.f);
+  CHECK(a.backend == Backend::sm90);
+  CHECK(a.stream == &stream_tag);
+  CHECK(a.sm_margin == 0);  // (the forward's to add)
+  CHECK((a.continuation == nullptr && a.backward_continuation == nullptr));
+  options.softmax_scale.reset();
+  CHECK_FALSE(ring::detail::call_options(options, call).softmax_scale.has_value());
+}
+
 TEST_CASE("ring: a sequence that does not divide into the layout's chunks is refused", "[ring]") {
   CHECK_THROWS_WITH(ring::shard_of(Layout::zigzag, 0, 4, 100), Catch::Contains("does not divide into the zigzag layout's 8"));
   CHECK_THROWS_WITH(ring::shard_of(Layout::contiguous, 0, 3, 100), Catch::Contains("3 equal chunks"));

@@ -98,14 +98,7 @@ void backward(Runtime& runtime, Transport& transport, const TensorView& q, const
       const StepCall& call = calls[c];
       BackwardContinuation continuation;
       continuation.final = own && detail::ends_its_rows(calls, c);
-      AttentionOptions attention;
-      attention.softmax_scale = options.softmax_scale;
-      attention.causal = call.causal;
-      attention.window_left = call.window_left;
-      attention.window_right = call.window_right;
-      attention.softcap = options.softcap;
-      attention.backend = options.backend;
-      attention.stream = options.stream;
+      AttentionOptions attention = detail::call_options(options, call);
       attention.backward_continuation = &continuation;
       if (varlen) {  // whole tensors, the call's chunk of each sequence picked by its varlen batch
         continuation.dq_state = dq_sums;

@@ -30,7 +30,6 @@ void forward(Runtime& runtime, Transport& transport, const TensorView& q, const 
   const int row_dim = varlen ? 0 : 1;
   const int64_t batch = varlen ? 1 : q.shape[0], shard_rows = q.shape[row_dim], heads_q = q.shape[row_dim + 1],
                 heads_kv = k.shape[row_dim + 1], head_dim = q.shape[row_dim + 2];
-  const float scale = options.softmax_scale.value_or(1.f / std::sqrt(static_cast<float>(head_dim)));
   const auto stream = static_cast<CUstream>(options.stream);
   if (batch == 0 || shard_rows == 0 || heads_q == 0) return;
   const detail::VarlenShards shards = varlen ? detail::varlen_shards(options, world, shard_rows, "ring forward")
@@ -102,15 +101,8 @@ void forward(Runtime& runtime, Transport& transport, const TensorView& q, const 
       const StepCall& call = planned.call;
       ForwardContinuation continuation;
       continuation.has_state = planned.has_state;
-      AttentionOptions attention;
-      attention.softmax_scale = scale;
-      attention.causal = call.causal;
-      attention.window_left = call.window_left;
-      attention.window_right = call.window_right;
-      attention.softcap = options.softcap;
-      attention.backend = options.backend;
+      AttentionOptions attention = detail::call_options(options, call);
       attention.sm_margin = options.sm_margin;
-      attention.stream = options.stream;
       attention.continuation = &continuation;
       if (varlen) {
         continuation.o_state = state;

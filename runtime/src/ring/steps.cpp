@@ -167,6 +167,18 @@ std::vector<PlannedCall> plan_forward(const Options& options, int rank, int worl
   return plan;
 }
 
+AttentionOptions call_options(const Options& options, const StepCall& call) {
+  AttentionOptions attention;
+  attention.softmax_scale = options.softmax_scale;  // (unset: the runtime's 1 / sqrt(head_dim))
+  attention.causal = call.causal;
+  attention.window_left = call.window_left;
+  attention.window_right = call.window_right;
+  attention.softcap = options.softcap;
+  attention.backend = options.backend;
+  attention.stream = options.stream;
+  return attention;
+}
+
 std::vector<StepCall> backward_step_calls(const Options& options, int rank, int source, int world, int64_t shard_rows, bool own) {
   std::vector<StepCall> calls = calls_of_step(options, rank, source, world, shard_rows);
   if (own) std::reverse(calls.begin(), calls.end());

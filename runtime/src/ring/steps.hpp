@@ -74,6 +74,11 @@ std::vector<PlannedCall> plan_forward(const Options& options, int rank, int worl
 // queries and keys) last, so that they finish every row; and whether call c of the own shard's
 // step is the last to touch its queries and keys (then it writes them out). A call either is, or
 // has every row touched again later (checked: Error(internal) otherwise).
+// The attention options of one planned call under the ring's: its mask and the ring's scale,
+// softcap, backend and stream. The forward adds its continuation and sm_margin, the backward its own
+// continuation.
+AttentionOptions call_options(const Options& options, const StepCall& call);
+
 std::vector<StepCall> backward_step_calls(const Options& options, int rank, int source, int world, int64_t shard_rows,
                                           bool own);
 bool ends_its_rows(const std::vector<StepCall>& calls, size_t c);
