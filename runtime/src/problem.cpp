@@ -989,10 +989,6 @@ Pointer advanced(Pointer base, long long elements) {
   return reinterpret_cast<Pointer>(reinterpret_cast<Byte*>(base) + elements * 2);
 }
 
-}  // namespace
-
-namespace {
-
 // Where a slice starts: its first sequence, query head and KV head.
 struct SliceStart {
   long long batch, q_head, kv_head;
