@@ -42,7 +42,8 @@
 //   can run as split items over contiguous shares of their key blocks (split-KV for the schedule's
 //   tail; the host decides, see choose_tail_split). An item ends with the drain, writes its
 //   unnormalised O and row statistics to global memory and counts itself in per warp; the warp that
-//   completes its rows' count merges all the items in item order and stores O and the LSE.
+//   completes its rows' count merges all the items in item order and stores O and the LSE. Only
+//   specs with tail_splits (Config::kTailSplits) have that code: a quarter of the kernel's.
 //   Continuing specs (Config::kContinues; ring attention's steps): each row's O and LSE merge by the
 //   logsumexp rule into a running fp32 state (AttentionFwdParams::state_o and lse) from the
 //   registers, which are written back, or where the row ends, as the output; O is never staged for
@@ -196,7 +197,9 @@ __device__ void sm90_fwd_kernel(const AttentionSm90FwdParams& params) {
   // path it must treat as divergent is serialized (C7520), and the overlap is lost.
   const int tid = threadIdx.x, lane = tid % 32;
   const int warp = warp_uniform(tid / 32), group = warp / 4;
-  const int num_work_items = sm90_whole_tiles(params) + params.num_split_tiles * params.splits;
+  // Split items are compiled in only where the spec splits tails (codegen's kTailSplits).
+  constexpr bool kTailSplits = Config::kTailSplits != 0;
+  const int num_work_items = sm90_work_items<kTailSplits>(params);
   const bool varlen = p.cu_seqlens_q != nullptr;
   // The counter's next value; without a counter (one CTA per work item, no scratch memory to zero
   // for a small launch) a value past the end.
@@ -227,7 +230,7 @@ __device__ void sm90_fwd_kernel(const AttentionSm90FwdParams& params) {
       Sm90WorkTile work{};
       SequenceExtent seq{};
       if (index < num_work_items) {
-        work = sm90_work_item(params, index);
+        work = sm90_work_item<kTailSplits>(params, index);
         seq = sequence_extent<true>(p, work.batch);
         if (work.m_block * kBlockM >= seq.seqlen_q) {  // varlen: a shorter sequence
           next_index = gridDim.x + claim_next_item();
@@ -592,28 +595,20 @@ __device__ void sm90_fwd_kernel(const AttentionSm90FwdParams& params) {
     } else {
       Element* gO = static_cast<Element*>(p.o) + seq.o_batch_offset + seq.q_start * p.o_row_stride +
                     work.head * p.o_head_stride;
-      // Where the head dim is the kernel's, no column needs a bounds check: the stores then share
-      // one address register at constant offsets. Checked one by one, each had its own branch and
-      // address, and the next address waited for the previous store to read its registers.
-      const bool full_width = p.head_dim == Shape::kHeadDim;
+      // Each store predicated on its row and columns being there (a head dim below the kernel's
+      // leaves columns out), in asm: no branches, and one address register at constant offsets.
+      // (Branches per column gave each store its own address, the next waiting on the previous;
+      // a full-width copy of the loop without them cost a tenth of the kernel's code.)
+      const int col0 = (lane % 4) * 2;
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         const int row = thread_row0 + h * 8;
-        if (row >= seq.seqlen_q) continue;
-        const int col0 = (lane % 4) * 2;
+        const int write_width = row < seq.seqlen_q ? p.head_dim - col0 : 0;
         Element* out_row = gO + static_cast<long long>(row) * p.o_row_stride + col0;
-        if (full_width) {
 #pragma unroll
-          for (int nd = 0; nd < Warp::kOFrags; ++nd)
-            *reinterpret_cast<unsigned*>(out_row + nd * 8) =
-                pack2<Element>(o[4 * nd + 2 * h] * inv_sum[h], o[4 * nd + 2 * h + 1] * inv_sum[h]);
-        } else {
-#pragma unroll
-          for (int nd = 0; nd < Warp::kOFrags; ++nd)
-            if (col0 + nd * 8 < p.head_dim)
-              *reinterpret_cast<unsigned*>(out_row + nd * 8) =
-                  pack2<Element>(o[4 * nd + 2 * h] * inv_sum[h], o[4 * nd + 2 * h + 1] * inv_sum[h]);
-        }
+        for (int nd = 0; nd < Warp::kOFrags; ++nd)
+          store_global_u32_if(nd * 8 < write_width, out_row + nd * 8,
+                              pack2<Element>(o[4 * nd + 2 * h] * inv_sum[h], o[4 * nd + 2 * h + 1] * inv_sum[h]));
       }
     }
     if (p.lse != nullptr && lane % 4 == 0) {
@@ -632,7 +627,7 @@ __device__ void sm90_fwd_kernel(const AttentionSm90FwdParams& params) {
   // has drained: at the step that starts the next tile, the merge's registers would spill.)
   auto store_item_output = [&](const Sm90WorkTile& work, RowStatistics<Warp>& st, float (&o)[Shape::kHeadDim / 2],
                                unsigned box, unsigned panel_bytes) {
-    if (work.split < 0) store_output(work, st, o, box, panel_bytes);
+    if (!kTailSplits || work.split < 0) store_output(work, st, o, box, panel_bytes);
     else if (merge_split_items(work, st, o)) store_output(work, st, o, 0, 0);
   };
   // After a staged O: once TMA has read it (the issuing thread waits), each warp frees the space
@@ -654,13 +649,14 @@ __device__ void sm90_fwd_kernel(const AttentionSm90FwdParams& params) {
   auto read_tile = [&](int q_slot) {
     PublishedTile t{};
     if (lane == 0) t = read_published_tile(published_tile(q_slot));
-    return PublishedTile{warp_uniform(t.index), {warp_uniform(t.work.m_block), warp_uniform(t.work.head),
-                                                 warp_uniform(t.work.batch), warp_uniform(t.work.split)}};
+    return PublishedTile{warp_uniform(t.index),
+                         {warp_uniform(t.work.m_block), warp_uniform(t.work.head), warp_uniform(t.work.batch),
+                          kTailSplits ? warp_uniform(t.work.split) : -1}};
   };
   // A finished tile's coordinates for its O store: from its Q slot where O is staged there (the slot
   // is still held), else decoded from the index (the producer may have reused the slot).
   auto finished_tile = [&](int index, int q_slot) {
-    return o_via_tma ? read_tile(q_slot).work : sm90_work_item(params, index);
+    return o_via_tma ? read_tile(q_slot).work : sm90_work_item<kTailSplits>(params, index);
   };
 
   // The work tile whose key blocks the consumers compute: it arrives with its Q tile, in Q slot
@@ -798,7 +794,9 @@ __device__ void sm90_fwd_kernel(const AttentionSm90FwdParams& params) {
         fetched = true;
         // (A tile without this consumer's rows is skipped after the drain. A split item, whose O is
         // merged, ends with the drain too.)
-        if (!more || front.keys.count() == 0 || !front.has_rows || back_index >= sm90_whole_tiles(params)) break;
+        if (!more || front.keys.count() == 0 || !front.has_rows ||
+            (kTailSplits && back_index >= sm90_whole_tiles(params)))
+          break;
         n_block = front.keys.n_block_max;
       }
       const int next = (kv_count + 1) % kStages, next_block = n_block - 1;
@@ -880,8 +878,8 @@ __device__ void sm90_fwd_kernel(const AttentionSm90FwdParams& params) {
     if (!stages_in_v) release(bar_v_empty(stage));
     ++kv_count;
     if (stages_in_v) {
-      store_item_output(sm90_work_item(params, back_index), st, o_flat, sV + stage * Shape::kKVTileBytes,
-                        Shape::kKVPanelBytes);
+      store_item_output(sm90_work_item<kTailSplits>(params, back_index), st, o_flat,
+                        sV + stage * Shape::kKVTileBytes, Shape::kKVPanelBytes);
       release_staged_output(bar_v_empty(stage));
     } else {
       store_item_output(finished_tile(back_index, back_slot), st, o_flat, q_slot_box(back_slot), Shape::kQPanelBytes);

@@ -53,6 +53,7 @@ struct FamilyRules {
   bool takes_continuation = false;  // merges into a running fp32 (O, LSE) where the spec continues
   bool takes_seqused = false;       // reads VarlenBatch::seqused_q/k (the other families' kernels skip
                                     // that load: a register more spilled fa2's widest)
+  bool takes_tail_splits = false;   // splits its schedule's last tiles over keys where the spec has tail_splits
 };
 
 // The family table, in the order of the Family enum (src/render.cpp).

@@ -62,6 +62,10 @@ bool family_takes_modifiers(Family family) { return family_rules(family).takes_m
 bool family_takes_block_mask(Family family) { return family_rules(family).takes_block_mask; }
 bool family_takes_continuation(Family family) { return family_rules(family).takes_continuation; }
 bool family_takes_seqused(Family family) { return family_rules(family).takes_seqused; }
+bool family_takes_tail_splits(Family family) { return family_rules(family).takes_tail_splits; }
+bool default_tail_splits(Family family, MaskKind mask, bool block_sparse) {
+  return family_takes_tail_splits(family) && mask == MaskKind::none && !block_sparse;
+}
 
 bool family_covers(Family family, const Arch& arch, int head_dim) {
   const auto& rules = family_rules(family);
@@ -133,17 +137,20 @@ std::optional<std::string> KernelSpec::validate() const {
   if (continues && !rules.takes_continuation)
     return fmt::format("{} does not continue partial results (ring attention's steps run on sm90_fwd and sm90_bwd)",
                        rules.name);
+  if (tail_splits && !rules.takes_tail_splits)
+    return fmt::format("{} does not split tails (the persistent sm90_fwd does)", rules.name);
   return rules.validate_tiles(*this);
 }
 
 std::string KernelSpec::name() const {
   std::string mask_part = mask == MaskKind::none ? "" : fmt::format("_{}", to_string(mask));
   const std::string modifier_part = modifier != nullptr ? "_mod" + modifier->hash().substr(0, 12) : "";
-  return fmt::format("{}_{}_d{}_m{}n{}w{}s{}{}{}{}{}{}_sm{}{}", to_string(family), to_string(dtype),
+  const char* split_part =
+      tail_splits == default_tail_splits(family, mask, block_sparse) ? "" : tail_splits ? "_split" : "_nosplit";
+  return fmt::format("{}_{}_d{}_m{}n{}w{}s{}{}{}{}{}{}{}_sm{}{}", to_string(family), to_string(dtype),
                      head_dim, block_m, block_n, num_warps, num_stages, mask_part,
                      has_softcap ? "_softcap" : "", modifier_part, block_sparse ? "_sparse" : "",
-                     continues ? "_cont" : "", arch.sm,
-                     arch.arch_specific ? "a" : "");
+                     continues ? "_cont" : "", split_part, arch.sm, arch.arch_specific ? "a" : "");
 }
 
 json KernelSpec::to_json() const {
@@ -156,6 +163,7 @@ json KernelSpec::to_json() const {
   if (modifier != nullptr) j["modifier"] = modifier->to_json();
   if (block_sparse) j["block_sparse"] = true;
   if (continues) j["continues"] = true;
+  if (tail_splits != default_tail_splits(family, mask, block_sparse)) j["tail_splits"] = tail_splits;
   return j;
 }
 
@@ -163,7 +171,7 @@ KernelSpec KernelSpec::from_json(const json& j) {
   static const std::vector<std::string> kFields{"family",  "arch",      "dtype",      "head_dim",
                                                 "block_m", "block_n",   "num_warps",  "num_stages",
                                                 "mask",    "softcap",   "modifier",   "block_sparse",
-                                                "continues"};
+                                                "continues", "tail_splits"};
   auto fail = [](const std::string& message) {
     return Error(ErrorCode::invalid_argument, "spec JSON", message);
   };
@@ -214,6 +222,11 @@ KernelSpec KernelSpec::from_json(const json& j) {
     if (!it->is_boolean()) throw fail(fmt::format("field 'continues' must be true or false, got {}", it->dump()));
     s.continues = it->get<bool>();
   }
+  s.tail_splits = default_tail_splits(s.family, s.mask, s.block_sparse);
+  if (auto it = j.find("tail_splits"); it != j.end()) {
+    if (!it->is_boolean()) throw fail(fmt::format("field 'tail_splits' must be true or false, got {}", it->dump()));
+    s.tail_splits = it->get<bool>();
+  }
   return s;
 }
 
@@ -221,7 +234,7 @@ bool KernelSpec::operator==(const KernelSpec& o) const {
   return family == o.family && arch == o.arch && dtype == o.dtype && head_dim == o.head_dim &&
          block_m == o.block_m && block_n == o.block_n && num_warps == o.num_warps &&
          num_stages == o.num_stages && mask == o.mask && has_softcap == o.has_softcap &&
-         block_sparse == o.block_sparse && continues == o.continues &&
+         block_sparse == o.block_sparse && continues == o.continues && tail_splits == o.tail_splits &&
          (modifier == o.modifier || (modifier != nullptr && o.modifier != nullptr && *modifier == *o.modifier));
 }
 
@@ -231,7 +244,8 @@ size_t KernelSpecHash::operator()(const KernelSpec& s) const noexcept {
   for (uint64_t v : {uint64_t(s.arch.sm), uint64_t(s.arch.arch_specific), uint64_t(s.dtype),
                      uint64_t(s.head_dim), uint64_t(s.block_m), uint64_t(s.block_n),
                      uint64_t(s.num_warps), uint64_t(s.num_stages), uint64_t(s.mask),
-                     uint64_t(s.has_softcap), uint64_t(s.block_sparse), uint64_t(s.continues)})
+                     uint64_t(s.has_softcap), uint64_t(s.block_sparse), uint64_t(s.continues),
+                     uint64_t(s.tail_splits)})
     packed = packed * 0x100000001b3ull ^ v;
   if (s.modifier != nullptr) packed = packed * 0x100000001b3ull ^ std::hash<std::string>{}(s.modifier->hash());
   return std::hash<uint64_t>{}(packed);
@@ -248,6 +262,7 @@ KernelSpec default_spec(Family family, Arch arch, DType dtype, int head_dim, Mas
   s.has_softcap = has_softcap;
   s.modifier = std::move(modifier);
   s.block_sparse = block_sparse;
+  s.tail_splits = default_tail_splits(family, mask, block_sparse);
   family_rules(family).set_default_tiles(s);
   return s;
 }

@@ -89,11 +89,18 @@ std::vector<const RuntimeFamily*> usable_families(const PassProblem& problem, co
   return usable;
 }
 
+// A masked call that asks for tail splits (num_splits > 1) gets a spec that has them; other specs
+// keep their default (unmasked specs have them, the others are smaller without).
+void add_requested_tail_splits(KernelSpec& spec, const ForwardProblem& problem) {
+  if (problem.num_splits > 1 && family_takes_tail_splits(spec.family)) spec.tail_splits = true;
+}
+
 KernelSpec heuristic_spec(const RuntimeFamily& family, const PassProblem& problem, const Arch& arch) {
   const ForwardProblem& f = problem.forward;
   KernelSpec spec = default_spec(family.family, arch, f.dtype, kernel_head_dim(family.family, f.head_dim), f.mask,
                                  f.has_softcap, f.modifier, f.block_sparse);
   spec.continues = f.continues;
+  add_requested_tail_splits(spec, f);
   if (family.fit_to_problem != nullptr) family.fit_to_problem(spec, problem);
   if (auto reason = spec.validate())
     throw Error(ErrorCode::unsupported, problem.operation(),
@@ -127,6 +134,8 @@ void check_forced_kernel(const KernelSpec& spec, const PassProblem& problem, con
   if (spec.continues != f.continues)
     throw bad(spec.continues ? "it continues a running result and the options have no continuation"
                              : "it cannot continue the options' running result");
+  if (f.num_splits > 1 && family_takes_tail_splits(spec.family) && !spec.tail_splits)
+    throw bad(fmt::format("options.num_splits is {} and it has no tail splits (tail_splits)", f.num_splits));
   if (spec.head_dim < f.head_dim)
     throw bad(fmt::format("head_dim {} is smaller than the problem's {}", spec.head_dim, f.head_dim));
   if (spec.arch != arch) throw bad(fmt::format("arch {} but the device is {}", spec.arch.name(), arch.name()));
@@ -185,10 +194,12 @@ KernelSpec select_kernel(const PassProblem& problem, const DeviceProperties& dev
     return *forced;
   }
   const std::vector<const RuntimeFamily*> usable = usable_families(problem, arch);
-  if (auto spec = tuned_spec(tuning, problem, device, usable)) {
-    if (!problem.forward.continues) return *spec;
-    spec->continues = true;  // (the dense tuned tiles serve a continuing call too)
-    if (!spec->validate()) return *spec;
+  if (auto tuned = tuned_spec(tuning, problem, device, usable)) {
+    // The dense tuned tiles serve a continuing call, or one that asks for tail splits, too.
+    KernelSpec spec = *tuned;
+    spec.continues = problem.forward.continues;
+    add_requested_tail_splits(spec, problem.forward);
+    if (spec == *tuned || !spec.validate()) return spec;  // (validated once where unchanged)
   }
   return heuristic_spec(*usable.front(), problem, arch);
 }

@@ -54,15 +54,20 @@ __device__ __forceinline__ Sm90WorkTile sm90_work_tile(const Params& params, int
           pair / params.fwd.num_heads_q, -1};
 }
 // Work item `index`: the tiles in order, the last num_split_tiles of them replaced by `splits` items
-// each (a tile's items one after another).
+// each (a tile's items one after another). A kernel compiled without tail splits (kTailSplits false:
+// the host then splits none) has the tiles alone, and no split code.
 template <class Params>
 __device__ __forceinline__ int sm90_whole_tiles(const Params& params) {
   return params.num_m_blocks * params.fwd.num_heads_q * params.fwd.batch - params.num_split_tiles;
 }
-template <class Params>
+template <bool kTailSplits, class Params>
+__device__ __forceinline__ int sm90_work_items(const Params& params) {
+  return sm90_whole_tiles(params) + (kTailSplits ? params.num_split_tiles * params.splits : 0);
+}
+template <bool kTailSplits, class Params>
 __device__ __forceinline__ Sm90WorkTile sm90_work_item(const Params& params, int index) {
   const int whole_tiles = sm90_whole_tiles(params);
-  if (index < whole_tiles) return sm90_work_tile(params, index);
+  if (!kTailSplits || index < whole_tiles) return sm90_work_tile(params, index);
   const int split = index - whole_tiles;
   Sm90WorkTile work = sm90_work_tile(params, whole_tiles + split / params.splits);
   work.split = split;

@@ -66,6 +66,14 @@ std::vector<KernelSpec> sweep_specs(const Arch& arch) {
     }
   if (arch.sm == 80 || arch.sm == 90)
     specs.push_back(default_spec(Family::block_mask, arch, DType::bf16, 0, MaskKind::none, false, document));
+  // A masked forward that asks for tail splits (num_splits > 1): the split items' merge beside a
+  // window and a softcap, the most code.
+  for (int d : {64, 96, 128, 192, 256})
+    if (family_covers(Family::sm90_fwd, arch, d)) {
+      KernelSpec s = default_spec(Family::sm90_fwd, arch, DType::bf16, d, MaskKind::window, true);
+      s.tail_splits = true;
+      specs.push_back(s);
+    }
   // Ring attention's continuing forward and backward, unmasked and causal (the calls a ring makes),
   // and with a window and a softcap together (the most code).
   for (Family family : {Family::sm90_fwd, Family::sm90_bwd})

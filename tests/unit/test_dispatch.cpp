@@ -153,6 +153,48 @@ TEST_CASE("tail splits spread the last round of whole tiles over the CTAs", "[di
   CHECK(split(1320, 132, 26, 4) == std::pair<long long, int>{0, 1});
 }
 
+TEST_CASE("a masked forward that asks for tail splits gets a spec that has them", "[dispatch]") {
+  auto hopper_problem = [](bool causal, int num_splits) {
+    auto q = TensorView::contiguous(arena, ScalarType::bfloat16, {2, 64, 4, 128});
+    AttentionOptions options;
+    options.causal = causal;
+    options.num_splits = num_splits;
+    return detail::make_forward_problem(q, q, q, q, nullptr, nullptr, options);
+  };
+  // Unmasked specs have them; masked ones only where asked (num_splits > 1), being smaller without.
+  CHECK(detail::select_forward_kernel(hopper_problem(false, 0), kH200).tail_splits);
+  CHECK_FALSE(detail::select_forward_kernel(hopper_problem(true, 0), kH200).tail_splits);
+  CHECK_FALSE(detail::select_forward_kernel(hopper_problem(true, 1), kH200).tail_splits);
+  const KernelSpec split = detail::select_forward_kernel(hopper_problem(true, 3), kH200);
+  CHECK(split.tail_splits);
+  CHECK(split.mask == MaskKind::causal);
+  CHECK_FALSE(detail::select_forward_kernel(hopper_problem(true, 3), kA100).tail_splits);  // (fa2_fwd has none)
+  // A tuned causal entry serves the call with its tiles and the splits added.
+  DeviceProperties h200 = kH200;
+  h200.ordinal = 8;  // (the device stamp cache is by ordinal: apart from the other tests' H200)
+  TunedEntry entry;
+  entry.device = DeviceStamp::of(h200);
+  entry.problem = detail::problem_key(hopper_problem(true, 0), Family::sm90_fwd);
+  entry.spec = detail::select_forward_kernel(hopper_problem(true, 0), h200);
+  entry.spec.block_n = 112;
+  REQUIRE_FALSE(entry.spec.validate());
+  entry.median_ms = 1;
+  entry.tuned_at = "2026-12-04T00:00:00Z";
+  TuningSources sources;
+  sources.add_in_memory(entry);
+  CHECK(detail::select_forward_kernel(hopper_problem(true, 0), h200, &sources) == entry.spec);
+  KernelSpec tuned_split = entry.spec;
+  tuned_split.tail_splits = true;
+  CHECK(detail::select_forward_kernel(hopper_problem(true, 3), h200, &sources) == tuned_split);
+  // A forced spec without them is refused for such a call, naming why.
+  detail::ForwardProblem forced = hopper_problem(true, 3);
+  forced.forced_kernel = entry.spec;
+  CHECK_THROWS_WITH(detail::select_forward_kernel(forced, h200),
+                    Catch::Contains("options.num_splits is 3 and it has no tail splits"));
+  forced.forced_kernel = tuned_split;
+  CHECK(detail::select_forward_kernel(forced, h200) == tuned_split);
+}
+
 TEST_CASE("options become mask kinds and kernel arguments", "[dispatch]") {
   auto q = TensorView::contiguous(arena, ScalarType::bfloat16, {1, 10, 2, 64});
   auto k = TensorView::contiguous(arena, ScalarType::bfloat16, {1, 20, 2, 64});

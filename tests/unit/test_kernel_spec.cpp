@@ -140,6 +140,46 @@ TEST_CASE("a continuing spec: sm90_fwd only, its own name, hash and JSON", "[spe
   CHECK_THAT(*fa2.validate(), Catch::Contains("does not continue partial results"));
 }
 
+TEST_CASE("tail splits: sm90_fwd's where unmasked; elsewhere their own name and JSON", "[spec]") {
+  const Arch hopper = Arch::parse("sm_90a");
+  const KernelSpec unmasked = default_spec(Family::sm90_fwd, hopper, DType::bf16, 128);
+  const KernelSpec causal = default_spec(Family::sm90_fwd, hopper, DType::bf16, 128, MaskKind::causal);
+  const KernelSpec sparse =
+      default_spec(Family::sm90_fwd, hopper, DType::bf16, 128, MaskKind::none, false, nullptr, /*block_sparse=*/true);
+  CHECK(unmasked.tail_splits);
+  CHECK_FALSE(causal.tail_splits);
+  CHECK_FALSE(sparse.tail_splits);
+  CHECK_FALSE(default_spec(Family::fa2_fwd, hopper, DType::bf16, 128).tail_splits);
+  // The defaults keep the names and JSON plain specs always had (the tuning database's, the caches').
+  CHECK(unmasked.name() == "sm90_fwd_bf16_d128_m128n128w12s2_sm90a");
+  CHECK(unmasked.to_json().count("tail_splits") == 0);
+  CHECK(KernelSpec::from_json(unmasked.to_json()) == unmasked);
+  CHECK(KernelSpec::from_json(causal.to_json()) == causal);
+  // Otherwise a suffix and a field, both ways.
+  KernelSpec split_causal = causal, unsplit = unmasked;
+  split_causal.tail_splits = true;
+  unsplit.tail_splits = false;
+  CHECK(split_causal.name() == "sm90_fwd_bf16_d128_m128n128w12s2_causal_split_sm90a");
+  CHECK(unsplit.name() == "sm90_fwd_bf16_d128_m128n128w12s2_nosplit_sm90a");
+  for (const KernelSpec& s : {split_causal, unsplit}) {
+    CHECK_FALSE(s.validate());
+    CHECK(s.to_json().at("tail_splits") == s.tail_splits);
+    CHECK(KernelSpec::from_json(s.to_json()) == s);
+  }
+  CHECK(split_causal != causal);
+  CHECK(KernelSpecHash{}(split_causal) != KernelSpecHash{}(causal));
+  json bad = split_causal.to_json();
+  bad["tail_splits"] = "yes";
+  CHECK_THROWS_WITH(KernelSpec::from_json(bad), Catch::Contains("'tail_splits' must be true or false"));
+  KernelSpec fa2 = default_spec(Family::fa2_fwd, hopper, DType::bf16, 128);
+  fa2.tail_splits = true;
+  REQUIRE(fa2.validate());
+  CHECK_THAT(*fa2.validate(), Catch::Contains("fa2_fwd does not split tails"));
+  // The kernel compiles the split items' code only where the spec has them.
+  CHECK(render(split_causal).text.find("kTailSplits = 1;") != std::string::npos);
+  CHECK(render(causal).text.find("kTailSplits = 0;") != std::string::npos);
+}
+
 TEST_CASE("JSON with unknown, missing or mistyped fields is rejected", "[spec]") {
   const json good = reference().to_json();
   auto rejects = [&](json j, const char* message) {

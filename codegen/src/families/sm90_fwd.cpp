@@ -93,6 +93,7 @@ int threads(const KernelSpec& s) { return 32 * s.num_warps; }
 // per split item a float4 of row statistics and head_dim / 4 float4s of O per consumer thread.
 std::vector<KernelConstant> constants(const KernelSpec& s) {
   return {{"kQStages", q_stages(s)},
+          {"kTailSplits", s.tail_splits ? 1 : 0},
           {"kSmemBytes", smem_bytes(s)},
           {"kProducerRegisters", producer_registers(s)},
           {"kConsumerRegisters", consumer_register_budget(s)},
@@ -130,6 +131,7 @@ const FamilyRules kSm90FwdRules{
     /*takes_block_mask=*/true,
     /*takes_continuation=*/true,
     /*takes_seqused=*/true,
+    /*takes_tail_splits=*/true,
 };
 
 }  // namespace flashjit::codegen_detail

@@ -98,14 +98,15 @@ AttentionSm90FwdParams hopper_params(const KernelSpec& spec, const ForwardProble
       std::max(1ll, 4ll * problem.seqlen_k * spec.head_dim / (problem.heads_q / problem.heads_kv));
   params.section_pairs = static_cast<int>(std::clamp(device.l2_bytes / 2 / kv_bytes_per_pair, 1ll,
                                                      static_cast<long long>(problem.heads_q) * problem.batch));
-  // Tail splits: automatic only without a mask, where the tiles are equal and the last round is
-  // whole tiles; causal tiles already end the schedule with the shortest. Not varlen, whose tiles
-  // past a short sequence's end are skipped.
+  // Tail splits, where the spec has them: automatic only without a mask, where the tiles are equal
+  // and the last round is whole tiles; causal tiles already end the schedule with the shortest. Not
+  // varlen, whose tiles past a short sequence's end are skipped.
   const long long tiles = static_cast<long long>(params.num_m_blocks) * problem.heads_q * problem.batch;
   const int key_blocks = static_cast<int>(blocks(problem.seqlen_k, spec.block_n));
   TailSplit split;
   // (Nor with a block mask, whose rows differ in length.)
-  if (!problem.is_varlen && (problem.num_splits > 1 || (problem.mask == MaskKind::none && !problem.block_sparse)))
+  if (spec.tail_splits && !problem.is_varlen &&
+      (problem.num_splits > 1 || (problem.mask == MaskKind::none && !problem.block_sparse)))
     split = choose_tail_split(tiles, persistent_ctas(problem, device), key_blocks, problem.num_splits);
   params.num_split_tiles = static_cast<int>(split.tiles);
   params.splits = split.splits;

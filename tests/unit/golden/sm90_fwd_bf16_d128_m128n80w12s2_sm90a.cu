@@ -13,6 +13,7 @@ struct Config {
   static constexpr bool kHasSoftcap = false;
   static constexpr int kArch = 90;
   static constexpr int kQStages = 2;
+  static constexpr int kTailSplits = 1;
   static constexpr int kSmemBytes = 148640;
   static constexpr int kProducerRegisters = 24;
   static constexpr int kConsumerRegisters = 240;
