@@ -1,0 +1,1 @@
+"""Integrations of flashjit's attention into other libraries (imported on demand)."""
