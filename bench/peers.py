@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """Time flashjit's peers on the standard grid of DESIGN.md, with the same method as flashjit-bench
 (batched calls between CUDA events, median of samples): PyTorch SDPA with the FLASH
-(FlashAttention-2) and CUDNN backends, and FlexAttention. The backends of a row are timed in turn,
+(FlashAttention-2) and CUDNN backends, FlexAttention, and FlashAttention-4 ("fa4", flash-attn-4's
+flash_attn.cute where installed: ../shared/peers/fa4/). The backends of a row are timed in turn,
 one sample each per round, with the SM clock read after each sample (NVML, where present). Prints
 one JSON document.
 
@@ -121,6 +122,8 @@ def main():
         from torch.nn.attention.flex_attention import create_block_mask, flex_attention
         torch._dynamo.config.cache_size_limit = 256
         flex = torch.compile(flex_attention, dynamic=False)
+    if "fa4" in backends:
+        from flash_attn.cute import flash_attn_func as fa4_attention
     if "flashjit" in backends:
         sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "python"))
         import flashjit
@@ -155,6 +158,11 @@ def main():
                     if name == "flashjit":  # (b, s, h, d) views of the same tensors
                         return lambda: flashjit.flash_attn_func(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                                                                 causal=causal).transpose(1, 2)
+                    if name == "fa4":  # (b, s, h, d) views too; it may return (out, lse)
+                        def attention():
+                            out = fa4_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=causal)
+                            return (out[0] if isinstance(out, tuple) else out).transpose(1, 2)
+                        return attention
                     if name == "flex" and str(d) in args.flex_head_dims.split(","):
                         mask = None
                         if causal:

@@ -35,8 +35,9 @@ def main():
     mode = peers.get("mode", "fwd")
     peer = {(r["backend"], r["head_dim"], r["seqlen"], r["causal"]): r["tflops"] for r in peers["rows"]}
     peer_clock = {(r["backend"], r["head_dim"], r["seqlen"], r["causal"]): r.get("sm_clock_mhz") for r in peers["rows"]}
-    rows, ratios = [], {"flash": [], "cudnn": [], "flex": []}
-    print(f"{'d':>4} {'S':>6} {'mask':7} {'flashjit':>8} {'FA2':>7} {'cuDNN':>7} {'Flex':>7} {'/FA2':>6} {'/cuDNN':>7}  spec")
+    rows, ratios = [], {"flash": [], "cudnn": [], "flex": [], "fa4": []}
+    print(f"{'d':>4} {'S':>6} {'mask':7} {'flashjit':>8} {'FA2':>7} {'cuDNN':>7} {'Flex':>7} {'FA4':>7} {'/FA2':>6} "
+          f"{'/cuDNN':>7} {'/FA4':>6}  spec")
     for r in grid["rows"]:
         key = (r["head_dim"], r["seqlen"], r["causal"])
         row = dict(head_dim=r["head_dim"], seqlen=r["seqlen"], batch=r["batch"], heads=r["heads"],
@@ -54,8 +55,9 @@ def main():
         rows.append(row)
         fmt = lambda x: f"{x:7.1f}" if x else "      -"
         print(f"{r['head_dim']:>4} {r['seqlen']:>6} {'causal' if r['causal'] else 'full':7} {r['tflops']:8.1f} "
-              f"{fmt(row['flash_tflops'])} {fmt(row['cudnn_tflops'])} {fmt(row['flex_tflops'])} "
-              f"{row['ratio_vs_flash'] or 0:6.3f} {row['ratio_vs_cudnn'] or 0:7.3f}  {r['spec']}")
+              f"{fmt(row['flash_tflops'])} {fmt(row['cudnn_tflops'])} {fmt(row['flex_tflops'])} {fmt(row['fa4_tflops'])} "
+              f"{row['ratio_vs_flash'] or 0:6.3f} {row['ratio_vs_cudnn'] or 0:7.3f} {row['ratio_vs_fa4'] or 0:6.3f}"
+              f"  {r['spec']}")
     summary = {}
     for name, values in ratios.items():
         if values:
