@@ -9,9 +9,10 @@ The name is "fjit", not "flashjit": Transformers takes any implementation whose 
 
 Causal and bidirectional modules, sliding windows (Mistral, Gemma), softcap (Gemma 2), GQA/MQA,
 padded batches (left or right padding, through the varlen kernels) and sequences packed into one
-row (cu_seq_lens_q/k, as DataCollatorWithFlattening passes them) run on flashjit, in training and in
-generation with a KV cache. Masks come in FlashAttention's form (a 2D padding mask, or none), so
-the model builds no 4D mask. Attention dropout and returned attention weights are not supported.
+row (cu_seq_lens_q/k, or position ids restarting at 0, as DataCollatorWithFlattening passes them) run
+on flashjit, in training and in generation with a KV cache. Masks come in FlashAttention's form (a
+2D padding mask, or none), so the model builds no 4D mask. Attention dropout, attention sinks and
+returned attention weights raise NotImplementedError.
 """
 import warnings
 
