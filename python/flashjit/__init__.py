@@ -323,8 +323,9 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
     mod: an AttentionMod (user mask/score functions compiled into the kernel); block_mask: a BlockMask
     (create_block_mask) or a FlexAttention BlockMask, whose empty tiles are skipped (it replaces
     causal and window_size). Rows that see no key under them get out 0, LSE -inf and no gradient.
-    With mod or block_mask (sm_90) the call is differentiable too; under torch.compile it runs
-    outside the graph (a graph break), as the mod is a Python object.
+    With mod or block_mask (sm_90) the call is differentiable too; under torch.compile it goes through
+    the custom op torch.ops.flashjit.mod_attention (the mod's code and side tensors and the block
+    mask's arrays are its arguments), so fullgraph=True holds.
     """
     _unsupported(dropout_p, alibi_slopes, return_attn_probs)
     _check_options(softmax_scale, window_size, backend)

@@ -8,6 +8,7 @@ flashjit's kernels by NVRTC from CUDA C++ bodies.
     out = flashjit.flash_attn_func(q, k, v, mod=mod, block_mask=bm)
 """
 import ctypes
+import json
 
 from . import _capi
 
@@ -56,6 +57,9 @@ class AttentionMod:
                                              (ctypes.c_int32 * len(codes))(*codes), ctypes.byref(handle)))
         self._handle = handle
         self._lib = _lib
+        # The code and tensor names as one string: a custom op argument under torch.compile.
+        self.op_code = json.dumps(dict(mask=self.mask, score=self.score, score_grad=self.score_grad,
+                                       tensors=list(self.tensors)))
 
     def __del__(self):
         handle = getattr(self, "_handle", None)
@@ -122,6 +126,49 @@ class BlockMask:
             array = getattr(self, name)
             views[name] = _view_any(array, f"block_mask.{name}") if array is not None else _capi.Tensor()
         return _capi.BlockMaskArrays(**views, q_block_size=self.BLOCK_SIZE[0], kv_block_size=self.BLOCK_SIZE[1])
+
+
+_BLOCK_ARRAYS = ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices", "q_num_blocks", "q_indices",
+                 "full_q_num_blocks", "full_q_indices")
+
+
+def mod_arguments(mod, block_mask):
+    """A mod and a block mask as custom op arguments (what torch.compile can put in a graph): the mod's
+    code and side-tensor names as one string (AttentionMod.op_code, "" for none) and its tensors, the
+    block mask's eight arrays (None where not given) and [q, kv] block size (empty lists for none)."""
+    code, tensors = (mod.op_code, list(mod.tensors.values())) if mod is not None else ("", [])
+    if block_mask is None:
+        return code, tensors, [], []
+    bm = as_block_mask(block_mask)
+    return code, tensors, [getattr(bm, name) for name in _BLOCK_ARRAYS], list(bm.BLOCK_SIZE)
+
+
+class _BoundMod:
+    """An AttentionMod's compiled code (its handle, kept by the cache below) with one call's side tensors."""
+
+    def __init__(self, owner, tensors):
+        self._owner, self._handle, self.tensors = owner, owner._handle, tensors
+
+    def _tensor_views(self):
+        return AttentionMod._tensor_views(self)
+
+
+_mods_by_code = {}  # (op_code, tensor dtypes) -> AttentionMod: one modifier handle per distinct code
+
+
+def from_arguments(code, tensors, block_arrays, block_size):
+    """mod_arguments' inverse: (a mod or None, a BlockMask or None)."""
+    mod = None
+    if code:
+        key = (code, tuple(t.dtype for t in tensors))
+        owner = _mods_by_code.get(key)
+        if owner is None:
+            fields = json.loads(code)
+            owner = _mods_by_code[key] = AttentionMod(fields["mask"], fields["score"],
+                                                      dict(zip(fields["tensors"], tensors)), fields["score_grad"])
+        mod = _BoundMod(owner, {n: t.contiguous() for n, t in zip(owner.tensors, tensors)})
+    block_mask = BlockMask(*block_arrays, block_size=tuple(block_size)) if block_arrays else None
+    return mod, block_mask
 
 
 def _int32():

@@ -3,10 +3,12 @@ flashjit::attention_backward, plus fake implementations so torch.compile traces 
 without graph breaks; and the same autograd as plain autograd.Functions for eager calls.
 Imported on first use by the package (which itself loads without torch)."""
 import types
-from typing import Optional, Tuple
+from typing import List, Optional, Tuple
 
 import torch
 from torch import Tensor
+
+from . import _modifiers
 
 
 def register(impl):
@@ -136,8 +138,62 @@ def register(impl):
             return impl._backward_varlen(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k,
                                          *ctx.options) + (None,) * 12
 
-    # User modifiers and block masks: the mod and the mask are Python objects, not op arguments, so
-    # an autograd.Function serves them, and under torch.compile mod_attention runs outside the graph.
+    # User modifiers and block masks. Under torch.compile the mod and the block mask travel as op
+    # arguments (the mod's code and side tensors, the mask's arrays and block sizes: _modifiers'
+    # mod_arguments), so the graph holds the ops; eager calls keep the Python objects in an
+    # autograd.Function, without the custom op's dispatch.
+    @torch.library.custom_op("flashjit::mod_attention", mutates_args=(), device_types="cuda")
+    def traced_mod_attention(q: Tensor, k: Tensor, v: Tensor, softmax_scale: Optional[float], causal: bool,
+                             window_left: int, window_right: int, softcap: float, backend: str, sm_margin: int,
+                             mod_code: str, tensors: List[Tensor], block_arrays: List[Optional[Tensor]],
+                             block_size: List[int]) -> Tuple[Tensor, Tensor]:
+        mod, block_mask = _modifiers.from_arguments(mod_code, tensors, block_arrays, block_size)
+        return impl._forward_mod(q, k, v, softmax_scale, causal, window_left, window_right, softcap, backend, sm_margin,
+                                 mod, block_mask)
+
+    @traced_mod_attention.register_fake
+    def _(q, k, v, softmax_scale, causal, window_left, window_right, softcap, backend, sm_margin, mod_code, tensors,
+          block_arrays, block_size):
+        return (torch.empty(q.shape, dtype=q.dtype, device=q.device),
+                torch.empty((q.shape[0], q.shape[2], q.shape[1]), dtype=torch.float32, device=q.device))
+
+    @torch.library.custom_op("flashjit::mod_attention_backward", mutates_args=(), device_types="cuda")
+    def traced_mod_attention_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
+                                      softmax_scale: Optional[float], causal: bool, window_left: int,
+                                      window_right: int, softcap: float, mod_code: str, tensors: List[Tensor],
+                                      block_arrays: List[Optional[Tensor]],
+                                      block_size: List[int]) -> Tuple[Tensor, Tensor, Tensor]:
+        mod, block_mask = _modifiers.from_arguments(mod_code, tensors, block_arrays, block_size)
+        return impl._backward_mod(dout, q, k, v, out, lse, softmax_scale, causal, window_left, window_right, softcap,
+                                  mod, block_mask)
+
+    @traced_mod_attention_backward.register_fake
+    def _(dout, q, k, v, out, lse, softmax_scale, causal, window_left, window_right, softcap, mod_code, tensors,
+          block_arrays, block_size):
+        return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+    def setup_context_mod(ctx, inputs, output):
+        q, k, v, softmax_scale, causal, window_left, window_right, softcap, _backend, _sm_margin = inputs[:10]
+        out, lse = output
+        ctx.mark_non_differentiable(lse)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.options = (softmax_scale, causal, window_left, window_right, softcap) + tuple(inputs[10:])
+        # No gradient for the other inputs, in their structure: a tensor list's (tensors, block_arrays:
+        # inputs 11 and 12) is a list of None, anything else's None.
+        ctx.no_grads = tuple([None] * len(x) if i in (11, 12) else None for i, x in enumerate(inputs) if i >= 3)
+
+    def backward_mod(ctx, dout, _dlse):
+        q, k, v, out, lse = ctx.saved_tensors
+        dq, dk, dv = traced_mod_attention_backward(dout, q, k, v, out, lse, *ctx.options)
+        return (dq, dk, dv) + ctx.no_grads
+
+    traced_mod_attention.register_autograd(backward_mod, setup_context=setup_context_mod)
+
+    def traced_mod(q, k, v, softmax_scale, causal, window_left, window_right, softcap, backend, sm_margin, mod,
+                   block_mask):
+        return traced_mod_attention(q, k, v, softmax_scale, causal, window_left, window_right, softcap, backend,
+                                    sm_margin, *_modifiers.mod_arguments(mod, block_mask))
+
     class ModAttention(torch.autograd.Function):
         @staticmethod
         def forward(ctx, q, k, v, softmax_scale, causal, window_left, window_right, softcap, backend, sm_margin,
@@ -157,9 +213,11 @@ def register(impl):
             q, k, v, out, lse = ctx.saved_tensors
             return impl._backward_mod(dout, q, k, v, out, lse, *ctx.options) + (None,) * 9
 
-    @torch.compiler.disable
     def mod_attention(q, k, v, softmax_scale, causal, window_left, window_right, softcap, backend, sm_margin, mod,
                       block_mask):
+        if torch.compiler.is_compiling():
+            return traced_mod(q, k, v, softmax_scale, causal, window_left, window_right, softcap, backend, sm_margin,
+                              mod, block_mask)
         args = (q, k, v, softmax_scale, causal, window_left, window_right, softcap, backend, sm_margin, mod, block_mask)
         if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
             return ModAttention.apply(*args)
