@@ -178,9 +178,11 @@ def register(impl):
         ctx.mark_non_differentiable(lse)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.options = (softmax_scale, causal, window_left, window_right, softcap) + tuple(inputs[10:])
-        # No gradient for the other inputs, in their structure: a tensor list's (tensors, block_arrays:
-        # inputs 11 and 12) is a list of None, anything else's None.
-        ctx.no_grads = tuple([None] * len(x) if i in (11, 12) else None for i, x in enumerate(inputs) if i >= 3)
+        # No gradient for the other inputs, in the structure torch checks them against: a list holding
+        # only tensors (an empty one too) is a node and gets a list of None; anything else, a list
+        # with a None or an int in it included, is a leaf and gets None.
+        tensor_list = lambda x: isinstance(x, list) and all(isinstance(e, Tensor) for e in x)
+        ctx.no_grads = tuple([None] * len(x) if tensor_list(x) else None for x in inputs[3:])
 
     def backward_mod(ctx, dout, _dlse):
         q, k, v, out, lse = ctx.saved_tensors
