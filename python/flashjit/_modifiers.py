@@ -166,6 +166,7 @@ def from_arguments(code, tensors, block_arrays, block_size):
             fields = json.loads(code)
             owner = _mods_by_code[key] = AttentionMod(fields["mask"], fields["score"],
                                                       dict(zip(fields["tensors"], tensors)), fields["score_grad"])
+            owner.tensors = dict.fromkeys(owner.tensors)  # (the names only: no call's tensors kept alive)
         mod = _BoundMod(owner, {n: t.contiguous() for n, t in zip(owner.tensors, tensors)})
     block_mask = BlockMask(*block_arrays, block_size=tuple(block_size)) if block_arrays else None
     return mod, block_mask
