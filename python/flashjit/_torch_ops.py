@@ -1,6 +1,7 @@
-"""torch custom ops around the C API: flashjit::attention (and _varlen) with autograd through
-flashjit::attention_backward, plus fake implementations so torch.compile traces through them
-without graph breaks; and the same autograd as plain autograd.Functions for eager calls.
+"""torch custom ops around the C API: flashjit::attention (and _varlen, and mod_attention for user
+modifiers and block masks) with autograd through their _backward ops, plus fake implementations so
+torch.compile traces through them without graph breaks; and the same autograd as plain
+autograd.Functions for eager calls.
 Imported on first use by the package (which itself loads without torch)."""
 import types
 from typing import List, Optional, Tuple

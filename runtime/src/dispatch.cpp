@@ -224,9 +224,9 @@ TuningPlan tuning_plan(const PassProblem& problem, const Arch& arch) {
   TuningPlan plan{usable.front()->family, problem_key(automatic, key_family), {}};
   for (const RuntimeFamily* family : usable) {
     if (family->tuning_key != key_family) continue;
-    const KernelSpec base = default_spec(family->family, arch, automatic.dtype,
-                                         kernel_head_dim(family->family, automatic.head_dim), automatic.mask,
-                                         automatic.has_softcap);
+    KernelSpec base = default_spec(family->family, arch, automatic.dtype, kernel_head_dim(family->family, automatic.head_dim),
+                                   automatic.mask, automatic.has_softcap);
+    add_requested_tail_splits(base, automatic);  // (candidates a masked call with num_splits > 1 can run)
     for (const KernelSpec& s : family->tuning_candidates(base)) plan.candidates.push_back(s);
   }
   return plan;

@@ -193,6 +193,11 @@ TEST_CASE("a masked forward that asks for tail splits gets a spec that has them"
                     Catch::Contains("options.num_splits is 3 and it has no tail splits"));
   forced.forced_kernel = tuned_split;
   CHECK(detail::select_forward_kernel(forced, h200) == tuned_split);
+  // The tuner's and flashjit-bench --sweep's candidates for such a call have them too.
+  const detail::ForwardProblem asks = hopper_problem(true, 3);
+  const auto plan = detail::tuning_plan(detail::PassProblem{detail::Pass::forward, asks}, kH200.arch());
+  REQUIRE_FALSE(plan.candidates.empty());
+  for (const KernelSpec& s : plan.candidates) CHECK(s.tail_splits);
 }
 
 TEST_CASE("options become mask kinds and kernel arguments", "[dispatch]") {
