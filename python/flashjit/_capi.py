@@ -37,16 +37,17 @@ class AttentionOptions(ctypes.Structure):
     ]
 
 
+# A block mask's arrays (FlexAttention's names), in the order of the C structs below.
+BLOCK_ARRAYS = ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices", "q_num_blocks", "q_indices",
+                "full_q_num_blocks", "full_q_indices")
+
+
 class BlockMaskArrays(ctypes.Structure):  # flashjit_block_mask
-    _fields_ = [(n, Tensor) for n in ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices",
-                                      "q_num_blocks", "q_indices", "full_q_num_blocks", "full_q_indices")] + [
-        ("q_block_size", ctypes.c_int32), ("kv_block_size", ctypes.c_int32)]
+    _fields_ = [(n, Tensor) for n in BLOCK_ARRAYS] + [("q_block_size", ctypes.c_int32), ("kv_block_size", ctypes.c_int32)]
 
 
 class BlockMaskBuffers(ctypes.Structure):  # flashjit_block_mask_buffers
-    _fields_ = [(n, Tensor) for n in ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices",
-                                      "q_num_blocks", "q_indices", "full_q_num_blocks", "full_q_indices")] + [
-        ("q_block_size", ctypes.c_int32), ("kv_block_size", ctypes.c_int32)]
+    _fields_ = [(n, Tensor) for n in BLOCK_ARRAYS] + [("q_block_size", ctypes.c_int32), ("kv_block_size", ctypes.c_int32)]
 
 
 class RingOptions(ctypes.Structure):  # flashjit_ring_options

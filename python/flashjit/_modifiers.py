@@ -107,9 +107,7 @@ class BlockMask:
         block = flex_mask.BLOCK_SIZE
         block = (block, block) if isinstance(block, int) else tuple(block)
         as_int32 = lambda t: None if t is None else t.to(dtype=_int32()).contiguous()
-        arrays = ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices", "q_num_blocks", "q_indices",
-                  "full_q_num_blocks", "full_q_indices")
-        return cls(*(as_int32(getattr(flex_mask, name, None)) for name in arrays), block_size=block,
+        return cls(*(as_int32(getattr(flex_mask, name, None)) for name in _capi.BLOCK_ARRAYS), block_size=block,
                    seq_lengths=getattr(flex_mask, "seq_lengths", None))
 
     def density(self):
@@ -119,17 +117,11 @@ class BlockMask:
 
     def _c_struct(self):
         """The C API's flashjit_block_mask; arrays that are None become empty views (not given)."""
-        names = ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices", "q_num_blocks", "q_indices",
-                 "full_q_num_blocks", "full_q_indices")
         views = {}
-        for name in names:
+        for name in _capi.BLOCK_ARRAYS:
             array = getattr(self, name)
             views[name] = _view_any(array, f"block_mask.{name}") if array is not None else _capi.Tensor()
         return _capi.BlockMaskArrays(**views, q_block_size=self.BLOCK_SIZE[0], kv_block_size=self.BLOCK_SIZE[1])
-
-
-_BLOCK_ARRAYS = ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices", "q_num_blocks", "q_indices",
-                 "full_q_num_blocks", "full_q_indices")
 
 
 def mod_arguments(mod, block_mask):
@@ -140,7 +132,7 @@ def mod_arguments(mod, block_mask):
     if block_mask is None:
         return code, tensors, [], []
     bm = as_block_mask(block_mask)
-    return code, tensors, [getattr(bm, name) for name in _BLOCK_ARRAYS], list(bm.BLOCK_SIZE)
+    return code, tensors, [getattr(bm, name) for name in _capi.BLOCK_ARRAYS], list(bm.BLOCK_SIZE)
 
 
 class _BoundMod:
@@ -190,11 +182,7 @@ def _empty_block_mask(B, H, Sq, Sk, block_size, device):
 
 
 def _buffers(bm):
-    arrays = [bm.kv_num_blocks, bm.kv_indices, bm.full_kv_num_blocks, bm.full_kv_indices, bm.q_num_blocks,
-              bm.q_indices, bm.full_q_num_blocks, bm.full_q_indices]
-    names = ["kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices", "q_num_blocks", "q_indices",
-             "full_q_num_blocks", "full_q_indices"]
-    return _capi.BlockMaskBuffers(*(_view_any(a, n) for a, n in zip(arrays, names)),
+    return _capi.BlockMaskBuffers(*(_view_any(getattr(bm, n), n) for n in _capi.BLOCK_ARRAYS),
                                   q_block_size=bm.BLOCK_SIZE[0], kv_block_size=bm.BLOCK_SIZE[1])
 
 
