@@ -51,6 +51,12 @@
 //   Varlen: the maps cover the packed rows as one batch entry; rows past a sequence's end belong
 //   to the next sequence, so its edge tiles are always masked and its rows past the end never
 //   written.
+//   FP8 (Element e4m3, OutputElement bf16): Q K^T and P V are 8-bit wgmma k32 steps, whose shared
+//   operands must be K-major: the producer warpgroup's three spare warps transpose each V tile into a
+//   Vt ring (transpose_v_tiles; V's stage is then freed by them, Vt's by the consumers), with keys
+//   permuted within each 16 to match P's registers; P is rounded to e4m3 after an offset of 2^6
+//   (softmax_scores); q_descale k_descale scale the scores and v_descale O (per batch and KV head).
+//   O leaves from the registers (the Q slots' layout is for 8-bit values).
 //   From templates/common/: the Q, K and V rings (pipeline.cuh), the persistent schedule and its
 //   published tiles (tile_scheduler.cuh), the band (mask.cuh), the online softmax (softmax.cuh).
 #pragma once
@@ -67,29 +73,54 @@ namespace flashjit::kernels {
 template <class Config>
 struct Sm90FwdShape {
   using Element = typename Config::Element;
+  using OutputElement = typename Config::OutputElement;
   static constexpr int kHeadDim = Config::kHeadDim;
   static constexpr int kBlockM = Config::kBlockM;
   static constexpr int kBlockN = Config::kBlockN;
   static constexpr int kStages = Config::kNumStages;
   static constexpr int kConsumers = kBlockM / 64;  // consumer warpgroups of 64 rows
   static constexpr int kThreads = Config::kNumWarps * 32;
-  static constexpr int kPanels = (kHeadDim + 63) / 64;  // 128-byte-wide column panels
+  // FP8 (e4m3) inputs: Q, K and V one byte a value, O in bf16 (OutputElement). wgmma's 8-bit k
+  // step is 32 values, 32 bytes as the 16-bit one's 16 values, and it reads both operands K-major:
+  // V, MN-major for P V, is transposed in shared memory by the producer warpgroup's other warps
+  // (kTransposeWarps; see transpose_v_tile), into the Vt ring beside the V one.
+  static constexpr bool kFp8 = sizeof(Element) == 1;
+  static constexpr int kGemmK = kFp8 ? 32 : 16;    // values per wgmma k step
+  static constexpr int kPanelValues = 128 / sizeof(Element);
+  static constexpr int kPanels = (kHeadDim + kPanelValues - 1) / kPanelValues;  // 128-byte-wide column panels
   static constexpr int kQPanelBytes = kBlockM * 128;
   static constexpr int kQBytes = kPanels * kQPanelBytes;
   static constexpr int kKVPanelBytes = kBlockN * 128;
   static constexpr int kKVTileBytes = kPanels * kKVPanelBytes;
+  // V transposed (FP8): kHeadDim rows of kBlockN keys, in 128-key panels.
+  static constexpr int kVtPanelBytes = kFp8 ? kHeadDim * 128 : 0;
+  static constexpr int kVtTileBytes = kFp8 ? kHeadDim * kBlockN : 0;
+  static constexpr int kTransposeWarps = kFp8 ? 3 : 0;
   // Q slots: with two, the next work tile's Q loads while this one's runs (where shared memory
   // has room for a second; codegen decides).
   static constexpr int kQStages = Config::kQStages;
-  // q_full and q_empty per Q slot, then k_full, v_full, k_empty and v_empty per stage.
-  static constexpr int kBarrierBytes = 8 * (2 * kQStages + 4 * kStages);
+  // q_full and q_empty per Q slot, then k_full, v_full, k_empty and v_empty per stage (FP8: then
+  // vt_full and vt_empty).
+  static constexpr int kBarrierBytes = 8 * (2 * kQStages + (kFp8 ? 6 : 4) * kStages);
   // User modifiers and the block-mask walk (NoModifiers for a plain spec).
   using Mods = typename ModifiersOf<Config>::type;
   // After the barriers: the work item the producer published with each Q slot (32 bytes each), then
-  // with a block mask each K stage's SparseTile (8 bytes), which the producer writes with the load.
+  // with a block mask each K stage's SparseTile (8 bytes), which the producer writes with the load;
+  // FP8: the V slot that ends the transposers' loop (8 bytes).
   static constexpr int kSparseTileBytes = Mods::kBlockSparse ? 8 * kStages : 0;
-  static constexpr int kSmemBytes =
-      1024 + kQStages * kQBytes + 2 * kStages * kKVTileBytes + kBarrierBytes + 32 * kQStages + kSparseTileBytes;
+  static constexpr int kEndSlotBytes = kFp8 ? 8 : 0;
+  static constexpr int kSmemBytes = 1024 + kQStages * kQBytes + 2 * kStages * kKVTileBytes + kStages * kVtTileBytes +
+                                    kBarrierBytes + 32 * kQStages + kSparseTileBytes + kEndSlotBytes;
+  // Offsets from the 1024-aligned base: the Q slots, the K, V and (FP8) Vt rings, the barriers, and
+  // the transposers' end slot.
+  static constexpr int kKOffset = kQStages * kQBytes;
+  static constexpr int kVOffset = kKOffset + kStages * kKVTileBytes;
+  static constexpr int kVtOffset = kVOffset + kStages * kKVTileBytes;
+  static constexpr int kBarrierOffset = kVtOffset + kStages * kVtTileBytes;
+  static constexpr int kEndSlotOffset = kBarrierOffset + kBarrierBytes + 32 * kQStages + kSparseTileBytes;
+  // The V ring (its barriers after the Q slots' and K's full ones) and FP8's Vt ring (after all others).
+  using VRing = PipelineRing<kStages, 8 * (2 * kQStages + kStages), 8 * (2 * kQStages + 3 * kStages)>;
+  using VtRing = PipelineRing<kStages, 8 * (2 * kQStages + 4 * kStages), 8 * (2 * kQStages + 5 * kStages)>;
   static_assert(kSmemBytes == Config::kSmemBytes, "the shared-memory layout is the size codegen launches it with");
   // setmaxnreg split of the 64K registers (codegen's, FlashAttention-3's): the producer keeps a few.
   static constexpr int kProducerRegisters = Config::kProducerRegisters;
@@ -112,6 +143,7 @@ struct Sm90FwdShape {
 
   static_assert(kBlockM % 64 == 0 && kThreads == 128 * (1 + kConsumers), "one producer and kConsumers warpgroups");
   static_assert(kHeadDim % 32 == 0 && kBlockN % 16 == 0 && kStages >= 2, "whole k16 steps, two stages to overlap");
+  static_assert(!kFp8 || (kBlockN % 128 == 0 && kHeadDim % 32 == 0), "FP8: whole 128-key Vt panels, whole k32 steps");
   static_assert(kQStages == 1 || kQStages == 2, "one or two Q slots");
   // The tail splits' workspace as the host sizes it: per split item, a float4 of row statistics and
   // kHeadDim / 4 float4s of O per consumer thread; a counter per warp (16 rows) of a split tile.
@@ -124,13 +156,14 @@ struct Sm90FwdShape {
   // in the 64 rows only its QK^T read) and leaves by TMA stores, while the next tile runs in the other
   // slot; the producer refills the slot a step later, long before it needs it. With one Q slot the
   // next tile's Q is loading into it by then, and no other space is free: O leaves from registers.
-  static constexpr bool kStagesOutputInQSlot = kQStages == 2;
+  // (FP8: the slot's layout is for 8-bit values, O's is bf16.)
+  static constexpr bool kStagesOutputInQSlot = kQStages == 2 && !kFp8;
   // With one Q slot and no ping-pong (head dims 192 and 256), the last consumer warpgroup stages its
   // O in the first 64 rows of the V tile that every consumer's last P V has just read (the producer
   // refills that stage only for the next tile's second block); the others store from registers
   // meanwhile. The consumers meet on a barrier first: without ping-pong their last P V end
   // together, with it the first would wait half a step.
-  static constexpr bool kStagesOutputInVStage = kQStages == 1 && !kPingPong && kBlockN >= 64;
+  static constexpr bool kStagesOutputInVStage = kQStages == 1 && !kPingPong && kBlockN >= 64 && !kFp8;
 };
 
 // Key tiles [n_block_min, n_block_max) that query block m0 must visit; walked from the last. With a
@@ -157,11 +190,70 @@ __device__ __forceinline__ KeyTileRange key_tile_range(const AttentionFwdParams&
   return {tile.n_block_min + count * share / splits, tile.n_block_min + count * (share + 1) / splits};
 }
 
+// FP8: the producer warpgroup's warps 1-3 turn each V tile (kBlockN keys of kHeadDim bytes, the
+// 128-byte-swizzled panels TMA writes) into Vt (kHeadDim rows of kBlockN keys: the K-major B
+// operand 8-bit wgmma needs for P V), in V's ring order, until the slot the producer marks as the
+// end. Within each 16 keys, Vt's column 4 t + i holds key 2 t + (i & 1) + 8 (i >> 1): the keys
+// that lane t of a quad holds in P's C layout (pack_probabilities), so P needs no shuffles. A job
+// is 16 keys x 32 columns: one ldmatrix.trans reads them as four 8x8 16-bit matrices (keys 0-7 and
+// 8-15 of two 16-byte column chunks), which gives each thread two keys' bytes at two columns per
+// matrix; byte permutes make four keys at one column of them; one stmatrix writes 8 Vt rows x 16
+// bytes per matrix. (FlashAttention-3 transposes FP8 V in its producer warps too.)
+// Every address derives from the shared-memory symbol and the lane from %tid, which ptxas recomputes
+// rather than holds: passed in, they spilled in the producer's 24 registers (head dim 256, causal).
+template <class Shape>
+__device__ void transpose_v_tiles(int transposer) {
+  extern __shared__ __align__(1024) unsigned char smem[];
+  constexpr int kKeyGroups = Shape::kBlockN / 16, kJobs = kKeyGroups * (Shape::kHeadDim / 32);
+  const unsigned base = (shared_address(smem) + 1023u) & ~1023u;
+  const typename Shape::VRing v_ring{base + Shape::kBarrierOffset};
+  const typename Shape::VtRing vt_ring{base + Shape::kBarrierOffset};
+  const unsigned sV = base + Shape::kVOffset, sVt = base + Shape::kVtOffset, end_v_slot = base + Shape::kEndSlotOffset;
+  for (int slot = 0;; ++slot) {
+    const int stage = v_ring.stage(slot);
+    v_ring.wait_full(slot);
+    int end_slot;
+    asm volatile("ld.shared.s32 %0, [%1];\n" : "=r"(end_slot) : "r"(end_v_slot) : "memory");
+    if (end_slot == slot) return;
+    vt_ring.wait_empty(slot);
+    const unsigned v_tile = sV + stage * Shape::kKVTileBytes, vt_tile = sVt + stage * Shape::kVtTileBytes;
+    // (Two jobs at a time, reads first, measured 4-15% slower at head dims 128 and 256. The lane's
+    // address parts are recomputed in each job: kept live across the loop, head dim 256, whose
+    // producer has 24 registers, spilled.)
+    for (int job = transposer; job < kJobs; job += Shape::kTransposeWarps) {
+      const int lane = fresh_thread_index() % 32, matrix = lane / 8, matrix_row = lane % 8;  // (this lane's matrix row)
+      const int key_group = job % kKeyGroups, column0 = job / kKeyGroups * 32;
+      // ldmatrix: matrix j holds keys 8 (j % 2) .. + 7 of the group at column chunk column0 / 16 + j / 2.
+      const int key = key_group * 16 + matrix % 2 * 8 + matrix_row, column = column0 + matrix / 2 * 16;
+      unsigned r[4];
+      ldmatrix_x4_trans(r, v_tile + column / 128 * Shape::kKVPanelBytes + key * 128 +
+                               ((column % 128 / 16 ^ key % 8) << 4));
+      // stmatrix: thread g's registers hold Vt rows 2 g and 2 g + 1 of each column chunk. Matrix j
+      // (e = j % 2) takes row 2 g + e from threads g < 4 and row 2 g + 1 - e from the others: its 8
+      // rows then differ mod 8, so their swizzled 16-byte chunks fall in distinct banks (rows 2 g + e
+      // alone, two by two in the same banks, cost half the stores' bandwidth).
+      const int vt_row = column0 + matrix / 2 * 16 + 2 * matrix_row + (matrix % 2 ^ (matrix_row >= 4));
+      const unsigned even = lane >= 16 ? 0x7531 : 0x6420, odd = lane >= 16 ? 0x6420 : 0x7531;  // (g = lane / 4)
+      stmatrix_x4(vt_tile + key_group / 8 * Shape::kVtPanelBytes + vt_row * 128 + ((key_group % 8 ^ vt_row % 8) << 4),
+                  byte_permute(r[0], r[1], even), byte_permute(r[0], r[1], odd), byte_permute(r[2], r[3], even),
+                  byte_permute(r[2], r[3], odd));
+    }
+    fence_proxy_async_shared();  // the Vt writes before the consumers' wgmma reads them
+    __syncwarp();
+    if (fresh_thread_index() % 32 == 0) {
+      mbarrier_arrive(vt_ring.full_barrier(stage));
+      mbarrier_arrive(v_ring.empty_barrier(stage));
+    }
+  }
+}
+
 template <class Config>
 __device__ void sm90_fwd_kernel(const AttentionSm90FwdParams& params) {
   using Shape = Sm90FwdShape<Config>;
   using Warp = typename Shape::Warp;
   using Element = typename Shape::Element;
+  using OutputElement = typename Shape::OutputElement;
+  constexpr bool kFp8 = Shape::kFp8;
   constexpr int kBlockM = Shape::kBlockM, kBlockN = Shape::kBlockN, kStages = Shape::kStages;
   constexpr int kQStages = Shape::kQStages, kConsumers = Shape::kConsumers;
   constexpr MaskKind kMask = Config::kMask;
@@ -172,19 +264,27 @@ __device__ void sm90_fwd_kernel(const AttentionSm90FwdParams& params) {
   extern __shared__ __align__(1024) unsigned char smem[];
   require_dynamic_smem(Shape::kSmemBytes);
   const unsigned base = (shared_address(smem) + 1023u) & ~1023u;
-  const unsigned sQ = base;                                 // kQStages tiles
-  const unsigned sK = sQ + kQStages * Shape::kQBytes;       // kStages tiles
-  const unsigned sV = sK + kStages * Shape::kKVTileBytes;  // kStages tiles
-  const unsigned barriers = sV + kStages * Shape::kKVTileBytes;
-  // Three rings: the Q slots (one load per work tile) and the K and V stages (one per key block).
-  // Their barriers: the Q slots' full then empty ones, then K full, V full, K empty, V empty.
+  const unsigned sQ = base;                         // kQStages tiles
+  const unsigned sK = base + Shape::kKOffset;       // kStages tiles
+  const unsigned sV = base + Shape::kVOffset;       // kStages tiles
+  const unsigned sVt = base + Shape::kVtOffset;     // FP8: kStages transposed V tiles
+  const unsigned barriers = base + Shape::kBarrierOffset;
+  // The rings: the Q slots (one load per work tile) and the K and V stages (one per key block), and
+  // FP8's Vt stages. Their barriers: the Q slots' full then empty ones, then K full, V full, K empty,
+  // V empty, then Vt full and Vt empty.
   const PipelineRing<kQStages, 0, 8 * kQStages> q_ring{barriers};
   const PipelineRing<kStages, 8 * 2 * kQStages, 8 * (2 * kQStages + 2 * kStages)> k_ring{barriers};
-  const PipelineRing<kStages, 8 * (2 * kQStages + kStages), 8 * (2 * kQStages + 3 * kStages)> v_ring{barriers};
+  const typename Shape::VRing v_ring{barriers};
+  // FP8: the transposers fill the Vt ring from the V one, the consumers' P V reads it (pv_ring).
+  const typename Shape::VtRing vt_ring{barriers};
+  const auto pv_ring = [&] {
+    if constexpr (kFp8) return vt_ring;
+    else return v_ring;
+  }();
   auto bar_q_full = [&](int slot) { return q_ring.full_barrier(slot); };
   auto bar_q_empty = [&](int slot) { return q_ring.empty_barrier(slot); };
   auto bar_k_empty = [&](int stage) { return k_ring.empty_barrier(stage); };
-  auto bar_v_empty = [&](int stage) { return v_ring.empty_barrier(stage); };
+  auto bar_v_empty = [&](int stage) { return pv_ring.empty_barrier(stage); };  // (the consumers')
   // The work tile each Q slot holds (PublishedTile), published by the producer with the Q tile.
   auto published_tile = [&](int slot) { return barriers + Shape::kBarrierBytes + 32 * slot; };
   // With a block mask, the work tile's KeyTileRange follows it in the slot (bytes 24-31).
@@ -192,6 +292,8 @@ __device__ void sm90_fwd_kernel(const AttentionSm90FwdParams& params) {
   // With a block mask: the key tile each K stage holds (written before its load's expect_tx, so its
   // k_full wait makes it visible; read before the stage is freed).
   auto key_tile_info = [&](int stage) { return barriers + Shape::kBarrierBytes + 32 * kQStages + 8 * stage; };
+  // FP8: the V slot the producer never fills, -1 until it is known (the transposers stop there).
+  const unsigned end_v_slot = base + Shape::kEndSlotOffset;
 
   // Warp-uniform values go through a shuffle so that ptxas can see they are uniform: a wgmma on a
   // path it must treat as divergent is serialized (C7520), and the overlap is lost.
@@ -212,11 +314,17 @@ __device__ void sm90_fwd_kernel(const AttentionSm90FwdParams& params) {
   if (tid == 0) {
     // The producer thread fills a stage; lane 0 of each consumer warp frees it.
     q_ring.init(1, 4 * kConsumers);
+    // (FP8: V stages are freed by the transposers, Vt stages by the consumers.)
+    const int v_readers = kFp8 ? Shape::kTransposeWarps : 4 * kConsumers;
     for (int s = 0; s < kStages; ++s) {  // K and V together, in the order of the kernel before the rings
       mbarrier_init(k_ring.full_barrier(s), 1);
       mbarrier_init(v_ring.full_barrier(s), 1);
       mbarrier_init(k_ring.empty_barrier(s), 4 * kConsumers);
-      mbarrier_init(v_ring.empty_barrier(s), 4 * kConsumers);
+      mbarrier_init(v_ring.empty_barrier(s), v_readers);
+    }
+    if constexpr (kFp8) {
+      vt_ring.init(Shape::kTransposeWarps, 4 * kConsumers);
+      asm volatile("st.shared.s32 [%0], -1;\n" ::"r"(end_v_slot) : "memory");
     }
     fence_barrier_init();
   }
@@ -224,6 +332,12 @@ __device__ void sm90_fwd_kernel(const AttentionSm90FwdParams& params) {
 
   if (group == 0) {  // producer
     registers_decrease<Shape::kProducerRegisters>();
+    if constexpr (kFp8) {
+      if (warp != 0) {
+        transpose_v_tiles<Shape>(warp - 1);
+        return;
+      }
+    }
     if (tid != 0) return;
     int kv_count = 0, q_count = 0;  // loads so far: they select the slot or stage and the barrier phase
     for (int index = blockIdx.x, next_index = -1;; index = next_index) {
@@ -244,6 +358,13 @@ __device__ void sm90_fwd_kernel(const AttentionSm90FwdParams& params) {
       publish_tile(published_tile(q_slot), index < num_work_items ? index : -1, work);
       if (index >= num_work_items) {
         mbarrier_arrive(bar_q_full(q_slot));
+        if constexpr (kFp8) {
+          // The transposers' end: the next V slot's full barrier completes with no load, once the
+          // slot is free, after its number is published.
+          v_ring.wait_empty(kv_count);
+          asm volatile("st.shared.s32 [%0], %1;\n" ::"r"(end_v_slot), "r"(kv_count) : "memory");
+          mbarrier_arrive(v_ring.full_barrier(v_ring.stage(kv_count)));
+        }
         break;
       }
       const int m0 = work.m_block * kBlockM;
@@ -261,7 +382,7 @@ __device__ void sm90_fwd_kernel(const AttentionSm90FwdParams& params) {
       mbarrier_arrive_expect_tx(bar_q_full(q_slot), Shape::kQBytes);
       for (int panel = 0; panel < Shape::kPanels; ++panel)
         tma_load_4d(sQ + q_slot * Shape::kQBytes + panel * Shape::kQPanelBytes, params.q_map, bar_q_full(q_slot),
-                    panel * 64, seq.q_start + m0, work.head, tma_batch);
+                    panel * Shape::kPanelValues, seq.q_start + m0, work.head, tma_batch);
       // A continuing tile's running state, read in its epilogue: fetched into L2 with its Q, so that
       // the consumers' loads there wait for L2 rather than for memory.
       if (kContinues && p.state_read) {
@@ -290,7 +411,7 @@ __device__ void sm90_fwd_kernel(const AttentionSm90FwdParams& params) {
         mbarrier_arrive_expect_tx(ring.full_barrier(stage), Shape::kKVTileBytes);
         for (int panel = 0; panel < Shape::kPanels; ++panel)
           tma_load_4d(smem_ring + stage * Shape::kKVTileBytes + panel * Shape::kKVPanelBytes, map,
-                      ring.full_barrier(stage), panel * 64, seq.k_start + n0, kv_head, tma_batch);
+                      ring.full_barrier(stage), panel * Shape::kPanelValues, seq.k_start + n0, kv_head, tma_batch);
       };
       // The next tile is claimed before this one's last K and V loads, which wait for free slots: the
       // atomic's round trip overlaps those waits instead of delaying the next tile's Q and first K.
@@ -334,39 +455,65 @@ __device__ void sm90_fwd_kernel(const AttentionSm90FwdParams& params) {
 
   // Scores a softcap or a score modifier has rewritten are final: only log2(e) remains to apply.
   constexpr bool kFinalScores = Config::kHasSoftcap || Mods::kHasScore;
-  const float scale_log2 = kFinalScores ? kLog2e : p.softmax_scale * kLog2e;
   // A row no key is visible to: LSE -inf under a user's mask (FlexAttention's), else +inf.
   constexpr bool kEmptyRowLse = Mods::kHasMask || Mods::kBlockSparse;
-  const float softcap_scale = Config::kHasSoftcap ? p.softmax_scale / p.softcap : 0.f;
+  // FP8: Q K^T times q_descale k_descale is the score (per batch and KV head; 1 otherwise), and P is
+  // offset by 2^kFp8ProbabilityLog2Offset (see softmax_scores).
+  constexpr int kFp8ProbabilityLog2Offset = 6;
+  constexpr int kProbabilityLog2Offset = kFp8 ? kFp8ProbabilityLog2Offset : 0;
+  auto descale_at = [&](const Fp8Descale& d, int batch, int head) {
+    const int kv_head = head / (p.num_heads_q / p.num_heads_kv);
+    return d.data != nullptr ? __ldg(d.data + batch * d.batch_stride + kv_head * d.head_stride) : 1.f;
+  };
+  auto qk_descale_of = [&](int batch, int head) {
+    return kFp8 ? descale_at(params.q_descale, batch, head) * descale_at(params.k_descale, batch, head) : 1.f;
+  };
+  // log2(e) times the softmax scale for raw scores (Q K^T), and the softcap's scale.
+  auto score_log2_scale = [&](float qk_descale) { return kFinalScores ? kLog2e : p.softmax_scale * kLog2e * qk_descale; };
+  auto softcap_scale_of = [&](float qk_descale) {
+    return Config::kHasSoftcap ? p.softmax_scale * qk_descale / p.softcap : 0.f;
+  };
 
-  // S = Q K^T into `s` (async; the caller commits): 16-value k-steps advance both K-major
-  // descriptors by 32 bytes inside a 64-value panel.
+  // S = Q K^T into `s` (async; the caller commits): k steps (16 values, or 32 in FP8) advance both
+  // K-major descriptors by 32 bytes inside a 128-byte panel.
   auto issue_qk = [&](float (&s)[kBlockN / 2], int q_slot, int stage) {
     unsigned long long q_tile = smem_descriptor_sw128(sQ + q_slot * Shape::kQBytes + consumer * 64 * 128, 16, 1024);
     launder(q_tile);
     const unsigned long long k_tile = smem_descriptor_sw128(sK + stage * Shape::kKVTileBytes, 16, 1024);
 #pragma unroll
-    for (int ks = 0; ks < Shape::kHeadDim / 16; ++ks) {
+    for (int ks = 0; ks < Shape::kHeadDim / Shape::kGemmK; ++ks) {
       const unsigned k_bytes = (ks % 4) * 32;
       Config::wgmma_qk(s, smem_descriptor_advance(q_tile, (ks / 4) * Shape::kQPanelBytes + k_bytes),
                        smem_descriptor_advance(k_tile, (ks / 4) * Shape::kKVPanelBytes + k_bytes), ks > 0);
     }
   };
+  // P V's k steps: P as wgmma A fragments, four registers each.
+  constexpr int kPvSteps = kBlockN / Shape::kGemmK;
   // O += P V (async), or O = P V for a work tile's first key block (`accumulate` false: O still
   // holds the previous tile's output). V is MN-major, each 16-key step is 16 rows (2048 bytes)
   // further, and the 64-dim panels are kKVPanelBytes apart (the descriptor's leading offset).
-  auto issue_pv = [&](float (&o)[Shape::kHeadDim / 2], unsigned (&a)[kBlockN / 16][4], int stage, bool accumulate) {
-    const unsigned long long v_tile =
-        smem_descriptor_sw128(sV + stage * Shape::kKVTileBytes, Shape::kKVPanelBytes, 1024);
+  // FP8: Vt is K-major, as K is for Q K^T: 32-key steps 32 bytes apart in 128-key panels.
+  auto issue_pv = [&](float (&o)[Shape::kHeadDim / 2], unsigned (&a)[kPvSteps][4], int stage, bool accumulate) {
+    if constexpr (kFp8) {
+      const unsigned long long vt_tile = smem_descriptor_sw128(sVt + stage * Shape::kVtTileBytes, 16, 1024);
 #pragma unroll
-    for (int ks = 0; ks < kBlockN / 16; ++ks)
-      Config::wgmma_pv(o, a[ks], smem_descriptor_advance(v_tile, ks * 16 * 128), ks > 0 || accumulate);
+      for (int ks = 0; ks < kPvSteps; ++ks)
+        Config::wgmma_pv(o, a[ks], smem_descriptor_advance(vt_tile, (ks / 4) * Shape::kVtPanelBytes + (ks % 4) * 32),
+                         ks > 0 || accumulate);
+    } else {
+      const unsigned long long v_tile =
+          smem_descriptor_sw128(sV + stage * Shape::kKVTileBytes, Shape::kKVPanelBytes, 1024);
+#pragma unroll
+      for (int ks = 0; ks < kPvSteps; ++ks)
+        Config::wgmma_pv(o, a[ks], smem_descriptor_advance(v_tile, ks * 16 * 128), ks > 0 || accumulate);
+    }
   };
   // Softcap and the mask of tile n0 on fresh scores, then the softmax's first half.
   // Softcap, user modifiers and the mask of key tile `tile` on fresh scores, then the softmax's first
   // half. (batch, head: the work tile's, for the user's functions.)
   auto scores_to_probabilities = [&](RowStatistics<Warp>& st, float (&s)[1][Warp::kSFrags][4],
-                                     const SequenceExtent& seq, int m0, const SparseTile& tile, int batch, int head) {
+                                     const SequenceExtent& seq, int m0, const SparseTile& tile, int batch, int head,
+                                     float qk_descale) {
     // (This thread's first row is written out in each branch: computed once above the softcap it
     // stayed live, and d256 causal spilled 12 bytes.)
     const int n0 = tile.start;
@@ -374,7 +521,7 @@ __device__ void sm90_fwd_kernel(const AttentionSm90FwdParams& params) {
 #pragma unroll
       for (int ni = 0; ni < Warp::kSFrags; ++ni)
 #pragma unroll
-        for (int e = 0; e < 4; ++e) s[0][ni][e] = p.softcap * tanh_accurate(s[0][ni][e] * softcap_scale);
+        for (int e = 0; e < 4; ++e) s[0][ni][e] = p.softcap * tanh_accurate(s[0][ni][e] * softcap_scale_of(qk_descale));
     }
     if constexpr (Mods::kBlockSparse) {
       // A partly visible block's elements go through the mask modifier; a fully visible one's are
@@ -392,7 +539,7 @@ __device__ void sm90_fwd_kernel(const AttentionSm90FwdParams& params) {
       if (warp_uniform(mask.cuts(p, m0, kBlockM, n0, kBlockN)))
         mask.template mask_tile<Warp>(s, p, m0 + warp_row0 + lane / 4, n0, lane);
     }
-    return softmax_scores<Warp, /*kLazyRescale=*/true>(st, s, scale_log2);
+    return softmax_scores<Warp, /*kLazyRescale=*/true, kProbabilityLog2Offset>(st, s, score_log2_scale(qk_descale));
   };
   // The key tile in K stage `stage`, step n_block of the work tile: recorded by the producer under a
   // block mask (read once the stage is full, before it is freed: volatile, so it stays after the
@@ -409,14 +556,25 @@ __device__ void sm90_fwd_kernel(const AttentionSm90FwdParams& params) {
       return {n_block * kBlockN, 1};
     }
   };
-  // P as wgmma A fragments: the C layout of two n8 tiles is the A layout of one k16 step.
-  auto pack_probabilities = [&](unsigned (&a)[kBlockN / 16][4], const float (&s)[1][Warp::kSFrags][4]) {
+  // P as wgmma A fragments: the C layout of two n8 tiles is the A layout of one k16 step. FP8: a
+  // k32 step's register holds four keys of a row where the C layout has pairs 8 keys apart, so
+  // keys 2t, 2t + 1, 2t + 8, 2t + 9 of each 16 go in as 4t .. 4t + 3 (Vt's columns are permuted
+  // to match; transpose_v_tiles).
+  auto pack_probabilities = [&](unsigned (&a)[kPvSteps][4], const float (&s)[1][Warp::kSFrags][4]) {
 #pragma unroll
-    for (int ks = 0; ks < kBlockN / 16; ++ks) {
-      a[ks][0] = pack2<Element>(s[0][2 * ks][0], s[0][2 * ks][1]);
-      a[ks][1] = pack2<Element>(s[0][2 * ks][2], s[0][2 * ks][3]);
-      a[ks][2] = pack2<Element>(s[0][2 * ks + 1][0], s[0][2 * ks + 1][1]);
-      a[ks][3] = pack2<Element>(s[0][2 * ks + 1][2], s[0][2 * ks + 1][3]);
+    for (int ks = 0; ks < kPvSteps; ++ks) {
+      if constexpr (kFp8) {
+        const float(&t)[Warp::kSFrags][4] = s[0];
+        a[ks][0] = pack4_e4m3(t[4 * ks][0], t[4 * ks][1], t[4 * ks + 1][0], t[4 * ks + 1][1]);
+        a[ks][1] = pack4_e4m3(t[4 * ks][2], t[4 * ks][3], t[4 * ks + 1][2], t[4 * ks + 1][3]);
+        a[ks][2] = pack4_e4m3(t[4 * ks + 2][0], t[4 * ks + 2][1], t[4 * ks + 3][0], t[4 * ks + 3][1]);
+        a[ks][3] = pack4_e4m3(t[4 * ks + 2][2], t[4 * ks + 2][3], t[4 * ks + 3][2], t[4 * ks + 3][3]);
+      } else {
+        a[ks][0] = pack2<Element>(s[0][2 * ks][0], s[0][2 * ks][1]);
+        a[ks][1] = pack2<Element>(s[0][2 * ks][2], s[0][2 * ks][3]);
+        a[ks][2] = pack2<Element>(s[0][2 * ks + 1][0], s[0][2 * ks + 1][1]);
+        a[ks][3] = pack2<Element>(s[0][2 * ks + 1][2], s[0][2 * ks + 1][3]);
+      }
     }
   };
   // This warp is done with the K (or V or Q) tile behind a barrier.
@@ -462,6 +620,7 @@ __device__ void sm90_fwd_kernel(const AttentionSm90FwdParams& params) {
       row_max[1] = fmaxf(row_max[1], stats.y);
     }
     // (A row that no item saw keeps max -inf; subtracting 0 then keeps every weight 0.)
+    const float scale_log2 = score_log2_scale(qk_descale_of(work.batch, work.head));
     float max_scaled[2];
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
@@ -516,8 +675,8 @@ __device__ void sm90_fwd_kernel(const AttentionSm90FwdParams& params) {
       const float step_factor = sum > 0.f ? merged.weight_b / sum : 0.f;  // O here is unnormalised
       const bool ends = row >= p.state_final_begin && row < p.state_final_end;
       float* state_row = p.state_o + lse_index * p.head_dim + col0;
-      Element* out_row = static_cast<Element*>(p.o) + seq.o_batch_offset + (seq.q_start + row) * p.o_row_stride +
-                         work.head * p.o_head_stride + col0;
+      OutputElement* out_row = static_cast<OutputElement*>(p.o) + seq.o_batch_offset +
+                               (seq.q_start + row) * p.o_row_stride + work.head * p.o_head_stride + col0;
       // This lane's columns that exist (the head dim may be below the kernel's), none past the end.
       const int write_width = in_sequence ? p.head_dim - col0 : 0, read_width = reads ? write_width : 0;
       // The state's columns in groups of 8 pairs (16 registers) whose loads all issue before the
@@ -536,7 +695,7 @@ __device__ void sm90_fwd_kernel(const AttentionSm90FwdParams& params) {
           float2 value = make_float2(o[4 * nd + 2 * h] * step_factor, o[4 * nd + 2 * h + 1] * step_factor);
           value.x = fmaf(before[g].x, merged.weight_a, value.x);
           value.y = fmaf(before[g].y, merged.weight_a, value.y);
-          store_global_u32_if(writes && ends, out_row + nd * 8, pack2<Element>(value.x, value.y));
+          store_global_u32_if(writes && ends, out_row + nd * 8, pack2<OutputElement>(value.x, value.y));
           store_global_pair_if(writes && !ends, state_row + nd * 8, value);
         }
       }
@@ -564,11 +723,13 @@ __device__ void sm90_fwd_kernel(const AttentionSm90FwdParams& params) {
     const int tid = fresh_thread_index(), lane = tid % 32;  // (consumer threads start at 128)
     const int consumer = tid / 128 - 1;
     const int thread_row0 = work.m_block * kBlockM + tid / 32 % 4 * 16 + consumer * 64 + lane / 4;
+    // FP8: O is P V times v_descale; the sums carry P's offset, which the LSE takes out.
+    const float output_scale = kFp8 ? descale_at(params.v_descale, work.batch, work.head) : 1.f;
     float sum[2], inv_sum[2];
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       sum[h] = quad_sum(st.row_sum[0][h]);
-      inv_sum[h] = sum[h] > 0.f ? 1.f / sum[h] : 0.f;
+      inv_sum[h] = sum[h] > 0.f ? output_scale / sum[h] : 0.f;
     }
     if (box != 0) {
       // Lanes 8 j .. 8 j + 7 address the rows of matrix j: rows h = j % 2 of 8-column block j / 2.
@@ -578,10 +739,10 @@ __device__ void sm90_fwd_kernel(const AttentionSm90FwdParams& params) {
         const int block = 2 * pair + lane / 16;  // 16-byte chunk of the row, before the swizzle
         const unsigned address = box + block / 8 * panel_bytes + row * 128 + ((block % 8 ^ row % 8) << 4);
         const float* f = o + 8 * pair;
-        stmatrix_x4(address, pack2<Element>(f[0] * inv_sum[0], f[1] * inv_sum[0]),
-                    pack2<Element>(f[2] * inv_sum[1], f[3] * inv_sum[1]),
-                    pack2<Element>(f[4] * inv_sum[0], f[5] * inv_sum[0]),
-                    pack2<Element>(f[6] * inv_sum[1], f[7] * inv_sum[1]));
+        stmatrix_x4(address, pack2<OutputElement>(f[0] * inv_sum[0], f[1] * inv_sum[0]),
+                    pack2<OutputElement>(f[2] * inv_sum[1], f[3] * inv_sum[1]),
+                    pack2<OutputElement>(f[4] * inv_sum[0], f[5] * inv_sum[0]),
+                    pack2<OutputElement>(f[6] * inv_sum[1], f[7] * inv_sum[1]));
       }
       fence_proxy_async_shared();
       named_barrier_sync(output_staged, 128);
@@ -593,8 +754,8 @@ __device__ void sm90_fwd_kernel(const AttentionSm90FwdParams& params) {
         bulk_commit_group();
       }
     } else {
-      Element* gO = static_cast<Element*>(p.o) + seq.o_batch_offset + seq.q_start * p.o_row_stride +
-                    work.head * p.o_head_stride;
+      OutputElement* gO = static_cast<OutputElement*>(p.o) + seq.o_batch_offset + seq.q_start * p.o_row_stride +
+                          work.head * p.o_head_stride;
       // Each store predicated on its row and columns being there (a head dim below the kernel's
       // leaves columns out), in asm: no branches, and one address register at constant offsets.
       // (Branches per column gave each store its own address, the next waiting on the previous;
@@ -604,21 +765,24 @@ __device__ void sm90_fwd_kernel(const AttentionSm90FwdParams& params) {
       for (int h = 0; h < 2; ++h) {
         const int row = thread_row0 + h * 8;
         const int write_width = row < seq.seqlen_q ? p.head_dim - col0 : 0;
-        Element* out_row = gO + static_cast<long long>(row) * p.o_row_stride + col0;
+        OutputElement* out_row = gO + static_cast<long long>(row) * p.o_row_stride + col0;
 #pragma unroll
         for (int nd = 0; nd < Warp::kOFrags; ++nd)
           store_global_u32_if(nd * 8 < write_width, out_row + nd * 8,
-                              pack2<Element>(o[4 * nd + 2 * h] * inv_sum[h], o[4 * nd + 2 * h + 1] * inv_sum[h]));
+                              pack2<OutputElement>(o[4 * nd + 2 * h] * inv_sum[h], o[4 * nd + 2 * h + 1] * inv_sum[h]));
       }
     }
     if (p.lse != nullptr && lane % 4 == 0) {
+      // (Raw FP8 scores are Q K^T before the descales; final ones include them.)
+      const float max_to_score = kFp8 && !kFinalScores ? qk_descale_of(work.batch, work.head) : 1.f;
+      constexpr float kSumToExp = 1.f / (1 << kProbabilityLog2Offset);
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         const int row = thread_row0 + h * 8;
         if (row >= seq.seqlen_q) continue;
         const long long lse_row = varlen ? seq.q_start + row : row;
         p.lse[work.batch * p.lse_batch_stride + work.head * p.lse_head_stride + lse_row] =
-            row_logsumexp<kFinalScores, kEmptyRowLse>(p, st.row_max[0][h], sum[h]);
+            row_logsumexp<kFinalScores, kEmptyRowLse>(p, st.row_max[0][h] * max_to_score, sum[h] * kSumToExp);
       }
     }
   };
@@ -664,6 +828,7 @@ __device__ void sm90_fwd_kernel(const AttentionSm90FwdParams& params) {
   // query block (block_m 192 at S = 2048 leaves the third consumer none there: 3% of the work).
   struct FrontTile {
     int index, q_slot, m0, split, batch, head;
+    float qk_descale;  // FP8's q_descale k_descale (1 otherwise)
     bool has_rows;
     SequenceExtent seq;
     KeyTileRange keys;
@@ -680,6 +845,7 @@ __device__ void sm90_fwd_kernel(const AttentionSm90FwdParams& params) {
     t.split = published.work.split;
     t.batch = published.work.batch;
     t.head = published.work.head;
+    t.qk_descale = qk_descale_of(t.batch, t.head);
     t.seq = sequence_extent<true>(p, published.work.batch);
     if constexpr (Mods::kBlockSparse) {
       if (lane == 0)
@@ -736,7 +902,7 @@ __device__ void sm90_fwd_kernel(const AttentionSm90FwdParams& params) {
         wait_turn();
         pass_turn();
         release(bar_k_empty(stage));
-        v_ring.wait_full(kv_count);
+        pv_ring.wait_full(kv_count);
         release(bar_v_empty(stage));
       }
       more = fetch_tile(front);
@@ -753,7 +919,7 @@ __device__ void sm90_fwd_kernel(const AttentionSm90FwdParams& params) {
       staged_slot = -1;
     };
     bool accumulate = false;  // whether O holds this tile's sum so far
-    unsigned a[kBlockN / 16][4];
+    unsigned a[kPvSteps][4];
     {
       float s[1][Warp::kSFrags][4];
       float(&s_flat)[kBlockN / 2] = reinterpret_cast<float(&)[kBlockN / 2]>(s);
@@ -769,7 +935,7 @@ __device__ void sm90_fwd_kernel(const AttentionSm90FwdParams& params) {
       fence_operands(s_flat);
       release(bar_k_empty(stage));
       if (!o_via_tma && front.keys.count() == 1) release(bar_q_empty(front.q_slot));  // Q's last use (see the loop)
-      scores_to_probabilities(st, s, front.seq, front.m0, tile, front.batch, front.head);
+      scores_to_probabilities(st, s, front.seq, front.m0, tile, front.batch, front.head, front.qk_descale);
       pack_probabilities(a, s);
     }
     // With one Q slot, O's rescale to a step's running max waits for the next step and runs between
@@ -803,7 +969,7 @@ __device__ void sm90_fwd_kernel(const AttentionSm90FwdParams& params) {
       float s[1][Warp::kSFrags][4];
       float(&s_flat)[kBlockN / 2] = reinterpret_cast<float(&)[kBlockN / 2]>(s);
       k_ring.wait_full(kv_count + 1, next);
-      v_ring.wait_full(kv_count, stage);
+      pv_ring.wait_full(kv_count, stage);
       wait_turn();
       fence_operands(s_flat);
       fence_operands(o_flat);
@@ -830,7 +996,7 @@ __device__ void sm90_fwd_kernel(const AttentionSm90FwdParams& params) {
       RowStatistics<Warp> st_next = st;
       if (tile_done) st_next.reset();
       OutputRescale<Warp> rescale =
-          scores_to_probabilities(st_next, s, front.seq, front.m0, next_tile, front.batch, front.head);
+          scores_to_probabilities(st_next, s, front.seq, front.m0, next_tile, front.batch, front.head, front.qk_descale);
       rescale.any_moved = rescale.any_moved && !tile_done;  // a new tile's first P V overwrites O
       wgmma_wait<0>();
       fence_operands(o_flat);
@@ -855,7 +1021,7 @@ __device__ void sm90_fwd_kernel(const AttentionSm90FwdParams& params) {
     }
     // P V of the tile's last block alone (the next tile has no key block, there is none, or it
     // waits for the one Q slot), then its output and the next tile.
-    v_ring.wait_full(kv_count, stage);
+    pv_ring.wait_full(kv_count, stage);
     if constexpr (kRescaleUnderQk) rescale_output<Warp>(o_flat, pending);
     fence_operands(o_flat);
     fence_operands(a);

@@ -466,6 +466,9 @@ int run_host_cost(const Options& o) {
 
 int run(const Options& o) {
   if (o.host_cost) return run_host_cost(o);
+  if (parse_dtype(o.dtype) == DType::e4m3)
+    throw Error(ErrorCode::invalid_argument, "--dtype",
+                "flashjit-bench times fp16 and bf16; the FP8 (e4m3) forward is timed by bench/fp8.py");
   if (o.decode) return run_decode(o);
   if (!o.ring_sizes.empty()) return run_ring(o);
   const DType dtype = parse_dtype(o.dtype);

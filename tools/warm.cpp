@@ -105,11 +105,19 @@ std::vector<KernelSpec> gather_specs(const Options& o) {
       throw Error(ErrorCode::invalid_argument, "--preset",
                   fmt::format("unknown preset '{}' (known: default)", o.preset));
     if (archs.empty()) throw Error(ErrorCode::invalid_argument, "--preset", "needs at least one --arch");
+    auto fp8_kernel_exists = [](const Arch& arch, int head_dim, MaskKind mask) {
+      const std::optional<int> kernel_head_dim = family_kernel_head_dim(Family::sm90_fwd, head_dim);
+      return kernel_head_dim && family_covers(Family::sm90_fwd, arch, *kernel_head_dim) &&
+             !default_spec(Family::sm90_fwd, arch, DType::e4m3, *kernel_head_dim, mask).validate();
+    };
     for (const Arch& arch : archs)
       for (DType dtype : cli::parse_dtypes(o.dtypes))
         for (int head_dim : o.head_dims)
           for (MaskKind mask : cli::parse_masks(o.masks))
             for (const auto& pass : o.passes) {
+              // FP8 is forward-only, on sm90_fwd (sm_90a), where its tiles fit (head dim 256 has no
+              // window or softcap kernel): the other combinations have no kernel to warm.
+              if (dtype == DType::e4m3 && (pass != "fwd" || !fp8_kernel_exists(arch, head_dim, mask))) continue;
               if (pass == "kvcache") {  // forward_kvcache: decode and longer query tiles
                 for (const KernelSpec& s : heuristic_kvcache_specs(arch, dtype, head_dim, mask)) specs.push_back(s);
                 continue;
@@ -269,7 +277,7 @@ int main(int argc, char** argv) {
   app.add_option("--arch", o.archs, "Target arch, repeatable (sm_80, sm_86, sm_89, sm_90a, ...)");
   app.add_option("--preset", o.preset, "Named spec set: 'default' = dispatch's heuristic choices and the bundled tuning database's picks");
   app.add_option("--head-dims", o.head_dims, "Head dims for the preset")->delimiter(',')->check(cli::kHeadDimCheck);
-  app.add_option("--dtypes", o.dtypes, "Dtypes for the preset (bf16, fp16)")->delimiter(',');
+  app.add_option("--dtypes", o.dtypes, "Dtypes for the preset (bf16, fp16, e4m3: FP8 forward on sm_90a)")->delimiter(',');
   app.add_option("--masks", o.masks, "Mask kinds for the preset (none, causal, window)")->delimiter(',');
   app.add_option("--passes", o.passes, "Passes for the preset (fwd, bwd, kvcache: forward_kvcache's decode tiles)")->delimiter(',');
   app.add_option("--specs", o.specs_file, "JSON file: an array of kernel specs");

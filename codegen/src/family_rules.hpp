@@ -54,6 +54,7 @@ struct FamilyRules {
   bool takes_seqused = false;       // reads VarlenBatch::seqused_q/k (the other families' kernels skip
                                     // that load: a register more spilled fa2's widest)
   bool takes_tail_splits = false;   // splits its schedule's last tiles over keys where the spec has tail_splits
+  bool takes_fp8 = false;           // has kernels for DType::e4m3 (FP8 inputs, bf16 output)
 };
 
 // The family table, in the order of the Family enum (src/render.cpp).

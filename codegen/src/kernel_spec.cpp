@@ -18,7 +18,7 @@ using nlohmann::json;
 
 namespace {
 
-constexpr std::string_view kDTypeNames[] = {"fp16", "bf16"};
+constexpr std::string_view kDTypeNames[] = {"fp16", "bf16", "e4m3"};
 constexpr std::string_view kMaskNames[] = {"none", "causal", "window"};
 
 template <class Enum, size_t N>
@@ -62,6 +62,7 @@ bool family_takes_modifiers(Family family) { return family_rules(family).takes_m
 bool family_takes_block_mask(Family family) { return family_rules(family).takes_block_mask; }
 bool family_takes_continuation(Family family) { return family_rules(family).takes_continuation; }
 bool family_takes_seqused(Family family) { return family_rules(family).takes_seqused; }
+bool family_takes_fp8(Family family) { return family_rules(family).takes_fp8; }
 bool family_takes_tail_splits(Family family) { return family_rules(family).takes_tail_splits; }
 bool default_tail_splits(Family family, MaskKind mask, bool block_sparse) {
   return family_takes_tail_splits(family) && mask == MaskKind::none && !block_sparse;
@@ -139,6 +140,11 @@ std::optional<std::string> KernelSpec::validate() const {
                        rules.name);
   if (tail_splits && !rules.takes_tail_splits)
     return fmt::format("{} does not split tails (the persistent sm90_fwd does)", rules.name);
+  if (dtype == DType::e4m3) {
+    if (!rules.takes_fp8) return fmt::format("{} has no FP8 kernels (e4m3 runs forward on sm90_fwd)", rules.name);
+    if (modifier != nullptr || block_sparse || continues)
+      return std::string("FP8 specs take no user modifiers, block masks or continuations");
+  }
   return rules.validate_tiles(*this);
 }
 

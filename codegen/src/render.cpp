@@ -14,7 +14,12 @@ using codegen_detail::family_rules;
 namespace {
 
 std::string_view element_type(DType d) {
-  return d == DType::fp16 ? "flashjit::kernels::half_t" : "flashjit::kernels::bfloat16_t";
+  switch (d) {
+    case DType::fp16: return "flashjit::kernels::half_t";
+    case DType::bf16: return "flashjit::kernels::bfloat16_t";
+    case DType::e4m3: return "flashjit::kernels::float8_e4m3_t";
+  }
+  return "";
 }
 
 std::string_view mask_constant(MaskKind m) {

@@ -55,7 +55,8 @@ def _dtype_code(tensor, name):
     if not _DTYPE_CODES:
         torch = _torch()
         _DTYPE_CODES.update({torch.float16: _capi.FLOAT16, torch.bfloat16: _capi.BFLOAT16,
-                             torch.float32: _capi.FLOAT32, torch.int32: _capi.INT32})
+                             torch.float32: _capi.FLOAT32, torch.int32: _capi.INT32,
+                             torch.float8_e4m3fn: _capi.FLOAT8_E4M3})
     code = _DTYPE_CODES.get(tensor.dtype)
     if code is None:
         raise ValueError(f"{name}: dtype {tensor.dtype} is not supported (expected torch.float16 or torch.bfloat16)")
@@ -143,8 +144,9 @@ def _check_options(softmax_scale, window_size, backend):
 
 
 def _kernel_ready(t):
-    """The layout the kernels read: last dim contiguous, other strides multiples of 8 elements."""
-    return t.stride(-1) == 1 and all(s % 8 == 0 for s, n in zip(t.stride()[:-1], t.shape[:-1]) if n > 1)
+    """The layout the kernels read: last dim contiguous, other strides multiples of 16 bytes."""
+    vector = 16 // t.element_size()
+    return t.stride(-1) == 1 and all(s % vector == 0 for s, n in zip(t.stride()[:-1], t.shape[:-1]) if n > 1)
 
 
 _VERBOSE = os.environ.get("FLASHJIT_VERBOSE", "") not in ("", "0")
@@ -189,6 +191,32 @@ def _forward(q, k, v, softmax_scale, causal, window_left, window_right, softcap,
                             with_lse)
     pointers += (out.data_ptr(), lse.data_ptr()) if with_lse else (out.data_ptr(),)
     plan.call(_lib.flashjit_forward, pointers, _current_stream(q.device))
+    return out, lse
+
+
+def _forward_fp8(q, k, v, softmax_scale, causal, window_left, window_right, softcap, backend, sm_margin, q_descale,
+                 k_descale, v_descale, varlen=None):
+    """(out bf16, lse) of float8_e4m3fn q, k, v with optional float32 (batch, heads_kv) descales;
+    varlen: (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k) for packed 3-D tensors."""
+    torch = _torch()
+    for t, name in ((q, "q"), (k, "k"), (v, "v")):
+        if t.dtype != torch.float8_e4m3fn:
+            raise ValueError(f"{name}: FP8 attention takes torch.float8_e4m3fn q, k and v, got {t.dtype}")
+        if t.requires_grad and torch.is_grad_enabled():
+            raise ValueError(f"{name}: FP8 attention is forward-only (no gradients); run it in torch.bfloat16 to train")
+    q, k, v = _kernel_input(q, "q"), _kernel_input(k, "k"), _kernel_input(v, "v")
+    out = torch.empty(q.shape, dtype=torch.bfloat16, device=q.device)
+    lse_shape = (q.shape[1], q.shape[0]) if varlen is not None else (q.shape[0], q.shape[2], q.shape[1])
+    lse = torch.empty(lse_shape, dtype=torch.float32, device=q.device)
+    views = [_view(t, name) for t, name in ((q, "q"), (k, "k"), (v, "v"), (out, "out"), (lse, "lse"))]
+    descales = [None if t is None else _view(t, name)
+                for t, name in ((q_descale, "q_descale"), (k_descale, "k_descale"), (v_descale, "v_descale"))]
+    lengths = [None, None] if varlen is None else [_view(varlen[0], "cu_seqlens_q"), _view(varlen[1], "cu_seqlens_k")]
+    max_lengths = (0, 0) if varlen is None else (int(varlen[2]), int(varlen[3]))
+    with torch.cuda.device(q.device):
+        options = _options(q, softmax_scale, causal, window_left, window_right, softcap, backend, sm_margin=sm_margin)
+        by_ref = [None if view is None else ctypes.byref(view) for view in views + descales + lengths]
+        _check(_lib.flashjit_forward_fp8(*by_ref, *max_lengths, ctypes.byref(options)))
     return out, lse
 
 
@@ -310,7 +338,8 @@ def _same_device(tensors, names):
 
 def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
                     softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False,
-                    return_lse=False, backend="auto", sm_margin=0, mod=None, block_mask=None):
+                    return_lse=False, backend="auto", sm_margin=0, mod=None, block_mask=None, q_descale=None,
+                    k_descale=None, v_descale=None):
     """softmax(q k^T * scale + mask) v, differentiable in q, k and v.
 
     q: (batch, seqlen_q, heads_q, head_dim); k, v: (batch, seqlen_k, heads_kv, head_dim), fp16 or bf16,
@@ -326,6 +355,9 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
     With mod or block_mask (sm_90) the call is differentiable too; under torch.compile it goes through
     the custom op torch.ops.flashjit.mod_attention (the mod's code and side tensors and the block
     mask's arrays are its arguments), so fullgraph=True holds.
+    FP8 (sm_90, forward only, as FlashAttention-3's): torch.float8_e4m3fn q, k and v give a bfloat16
+    out; q_descale, k_descale, v_descale (float32 (batch, heads_kv), optional) dequantise them: the
+    scores are (q k^T) q_descale k_descale times softmax_scale, and out is (P v) v_descale.
     """
     _unsupported(dropout_p, alibi_slopes, return_attn_probs)
     _check_options(softmax_scale, window_size, backend)
@@ -333,6 +365,12 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
         if t.dim() != 4:
             raise ValueError(f"{name}: expected 4 dims (batch, seqlen, heads, head_dim), got shape {tuple(t.shape)}")
     _same_device((q, k, v), ("q", "k", "v"))
+    if q.dtype == _torch().float8_e4m3fn or any(d is not None for d in (q_descale, k_descale, v_descale)):
+        if mod is not None or block_mask is not None:
+            raise ValueError("mod, block_mask: FP8 attention takes no user modifiers or block masks")
+        out, lse = _forward_fp8(q, k, v, softmax_scale, bool(causal), int(window_size[0]), int(window_size[1]),
+                                float(softcap), backend, int(sm_margin), q_descale, k_descale, v_descale)
+        return (out, lse) if return_lse else out
     path = _autograd_path(q, k, v)
     if mod is not None or block_mask is not None:
         out, lse = _ops().mod_attention(q, k, v, softmax_scale, bool(causal), int(window_size[0]), int(window_size[1]),
@@ -351,16 +389,22 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
 def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
                            softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
                            alibi_slopes=None, deterministic=False, return_attn_probs=False, return_lse=False,
-                           backend="auto", sm_margin=0):
+                           backend="auto", sm_margin=0, q_descale=None, k_descale=None, v_descale=None):
     """Variable-length batch, packed: q (total_q, heads_q, head_dim), k and v (total_k, heads_kv,
     head_dim); sequence b is rows cu_seqlens[b]:cu_seqlens[b+1] (int32, on the device). Returns out,
-    and with return_lse=True the float32 logsumexp (heads_q, total_q). Differentiable in q, k, v."""
+    and with return_lse=True the float32 logsumexp (heads_q, total_q). Differentiable in q, k, v.
+    FP8 inputs and descales (batch = sequences) as in flash_attn_func."""
     _unsupported(dropout_p, alibi_slopes, return_attn_probs)
     _check_options(softmax_scale, window_size, backend)
     for t, name in ((q, "q"), (k, "k"), (v, "v")):
         if t.dim() != 3:
             raise ValueError(f"{name}: expected 3 dims (total, heads, head_dim), got shape {tuple(t.shape)}")
     _same_device((q, k, v, cu_seqlens_q, cu_seqlens_k), ("q", "k", "v", "cu_seqlens_q", "cu_seqlens_k"))
+    if q.dtype == _torch().float8_e4m3fn or any(d is not None for d in (q_descale, k_descale, v_descale)):
+        out, lse = _forward_fp8(q, k, v, softmax_scale, bool(causal), int(window_size[0]), int(window_size[1]),
+                                float(softcap), backend, int(sm_margin), q_descale, k_descale, v_descale,
+                                varlen=(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k))
+        return (out, lse) if return_lse else out
     path = _autograd_path(q, k, v)
     if path is not None:
         attention = _ops().attention_varlen if path == "traced" else _ops().eager_attention_varlen

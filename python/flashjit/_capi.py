@@ -3,7 +3,7 @@ import ctypes
 import os
 import pathlib
 
-FLOAT16, BFLOAT16, FLOAT32, INT32, INT64, UINT8 = 0, 1, 2, 3, 4, 5
+FLOAT16, BFLOAT16, FLOAT32, INT32, INT64, UINT8, FLOAT8_E4M3 = 0, 1, 2, 3, 4, 5, 6
 BACKENDS = {"auto": 0, "reference": 1, "fa2": 2, "sm90": 3}
 STATUS_NAMES = {
     1: "invalid argument", 2: "unsupported", 3: "compile failed", 4: "no CUDA driver", 5: "CUDA error",
@@ -125,6 +125,8 @@ def load():
     lib.flashjit_forward.restype = ctypes.c_int
     lib.flashjit_forward_varlen.argtypes = [P(Tensor)] * 7 + [ctypes.c_int32, ctypes.c_int32, P(AttentionOptions)]
     lib.flashjit_forward_varlen.restype = ctypes.c_int
+    lib.flashjit_forward_fp8.argtypes = [P(Tensor)] * 10 + [ctypes.c_int32, ctypes.c_int32, P(AttentionOptions)]
+    lib.flashjit_forward_fp8.restype = ctypes.c_int
     lib.flashjit_backward.argtypes = [P(Tensor)] * 9 + [P(AttentionOptions)]
     lib.flashjit_backward.restype = ctypes.c_int
     lib.flashjit_backward_varlen.argtypes = [P(Tensor)] * 11 + [ctypes.c_int32, ctypes.c_int32, P(AttentionOptions)]

@@ -54,7 +54,7 @@ Views views_of(std::initializer_list<std::pair<const flashjit_tensor*, const cha
 
 flashjit::TensorView view_of(const flashjit_tensor* t, const char* name) {
   if (t == nullptr) throw invalid(fmt::format("{} is NULL", name));
-  if (t->dtype < FLASHJIT_FLOAT16 || t->dtype > FLASHJIT_UINT8)
+  if (t->dtype < FLASHJIT_FLOAT16 || t->dtype > FLASHJIT_FLOAT8_E4M3)
     throw invalid(fmt::format("{}: unknown dtype code {}", name, t->dtype));
   if (t->rank < 1 || t->rank > 4) throw invalid(fmt::format("{}: rank {} is not 1 to 4", name, t->rank));
   flashjit::TensorView v;
@@ -284,6 +284,35 @@ flashjit_status flashjit_forward_varlen(const flashjit_tensor* q, const flashjit
     batch.max_seqlen_k = max_seqlen_k;
     flashjit::Runtime::global().forward_varlen(t[0], t[1], t[2], t[3], lse ? &lse_view : nullptr, batch,
                                                options_of(options));
+  });
+}
+
+flashjit_status flashjit_forward_fp8(const flashjit_tensor* q, const flashjit_tensor* k, const flashjit_tensor* v,
+                                     const flashjit_tensor* out, const flashjit_tensor* lse,
+                                     const flashjit_tensor* q_descale, const flashjit_tensor* k_descale,
+                                     const flashjit_tensor* v_descale, const flashjit_tensor* cu_seqlens_q,
+                                     const flashjit_tensor* cu_seqlens_k, int32_t max_seqlen_q, int32_t max_seqlen_k,
+                                     const flashjit_attention_options* options) {
+  return guarded([&] {
+    const Views t = views_of({{q, "q"}, {k, "k"}, {v, "v"}, {out, "out"}});
+    const flashjit::TensorView lse_view = lse ? view_of(lse, "lse") : flashjit::TensorView{};
+    const flashjit::TensorView descales[] = {q_descale ? view_of(q_descale, "q_descale") : flashjit::TensorView{},
+                                             k_descale ? view_of(k_descale, "k_descale") : flashjit::TensorView{},
+                                             v_descale ? view_of(v_descale, "v_descale") : flashjit::TensorView{}};
+    flashjit::AttentionOptions o = options_of(options);
+    o.q_descale = q_descale ? &descales[0] : nullptr;
+    o.k_descale = k_descale ? &descales[1] : nullptr;
+    o.v_descale = v_descale ? &descales[2] : nullptr;
+    if (cu_seqlens_q == nullptr) {
+      flashjit::Runtime::global().forward(t[0], t[1], t[2], t[3], lse ? &lse_view : nullptr, o);
+      return;
+    }
+    flashjit::VarlenBatch batch;
+    batch.cu_seqlens_q = view_of(cu_seqlens_q, "cu_seqlens_q");
+    batch.cu_seqlens_k = view_of(cu_seqlens_k, "cu_seqlens_k");
+    batch.max_seqlen_q = max_seqlen_q;
+    batch.max_seqlen_k = max_seqlen_k;
+    flashjit::Runtime::global().forward_varlen(t[0], t[1], t[2], t[3], lse ? &lse_view : nullptr, batch, o);
   });
 }
 

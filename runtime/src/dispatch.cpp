@@ -49,6 +49,9 @@ std::optional<std::string> unusable_reason(const RuntimeFamily& family, const Pa
   if (problem.forward.seqused && !family_takes_seqused(family.family))
     return fmt::format("{} does not read seqused_q/seqused_k (sm90_fwd and sm90_bwd do, on sm_90)",
                        to_string(family.family));
+  if (problem.forward.dtype == DType::e4m3 && !family_takes_fp8(family.family))
+    return fmt::format("{} has no FP8 kernels (float8_e4m3 runs forward on sm90_fwd, an sm_90 device)",
+                       to_string(family.family));
   if (problem.forward.continues && !family_takes_continuation(family.family))
     return fmt::format("{} does not continue running results (continuation needs sm90_fwd, an sm_90 device)",
                        to_string(family.family));

@@ -23,6 +23,7 @@ const char* to_string(ScalarType t) {
     case ScalarType::int32: return "int32";
     case ScalarType::int64: return "int64";
     case ScalarType::uint8: return "uint8";
+    case ScalarType::float8_e4m3: return "float8_e4m3";
   }
   return "unknown";
 }
@@ -31,7 +32,7 @@ int element_size(ScalarType t) {
   switch (t) {
     case ScalarType::float16: case ScalarType::bfloat16: return 2;
     case ScalarType::int64: return 8;
-    case ScalarType::uint8: return 1;
+    case ScalarType::uint8: case ScalarType::float8_e4m3: return 1;
     default: return 4;
   }
 }
@@ -74,7 +75,7 @@ namespace detail {
 namespace {
 
 constexpr int kMaxHeadDim = 256;
-constexpr int kVectorElements = 8;  // 16-byte loads of 16-bit elements
+constexpr int kVectorBytes = 16;  // the kernels' loads
 
 Error bad(const std::string& message) { return Error(ErrorCode::invalid_argument, "forward", message); }
 
@@ -94,18 +95,19 @@ void check_rank(const TensorView& t, const char* name, int rank, const char* lay
   if (t.data == nullptr && t.numel() > 0) throw bad(fmt::format("{}: data pointer is null", name));
 }
 
-// Last dim contiguous, other strides multiples of 8 elements and the base 16-byte aligned, so the
+// Last dim contiguous, other strides multiples of 16 bytes and the base 16-byte aligned, so the
 // kernels can move 16 bytes per load.
 void check_attention_layout(const TensorView& t, const char* name) {
   const int last = t.rank - 1;
+  const int vector_elements = kVectorBytes / element_size(t.dtype);
   if (t.strides[last] != 1 && t.shape[last] > 1)
     throw bad(fmt::format("{}: the last dim (head_dim) must be contiguous (stride 1), got stride {}",
                           name, t.strides[last]));
   for (int d = 0; d < last; ++d)
-    if (t.strides[d] % kVectorElements != 0 && t.shape[d] > 1)
+    if (t.strides[d] % vector_elements != 0 && t.shape[d] > 1)
       throw bad(fmt::format("{}: stride {} of dim {} is not a multiple of {} elements (16 bytes), "
                             "which the kernels' vector loads need",
-                            name, t.strides[d], d, kVectorElements));
+                            name, t.strides[d], d, vector_elements));
   if (reinterpret_cast<uintptr_t>(t.data) % 16 != 0)
     throw bad(fmt::format("{}: data pointer {} is not 16-byte aligned", name, t.data));
 }
@@ -147,8 +149,9 @@ int to_int(int64_t value, const char* what) {
   return static_cast<int>(value);
 }
 
-// The checks forward and forward_kvcache share: every tensor's rank, q's dtype (fp16 or bf16) and
-// device, k, v and out of q's dtype and device, a supported head dim, and heads_kv dividing heads_q.
+// The checks forward and forward_kvcache share: every tensor's rank, q's dtype (fp16 or bf16, or
+// with `takes_fp8` float8_e4m3 with a bfloat16 out) and device, k, v and out of q's dtype (out's as
+// said) and device, a supported head dim, and heads_kv dividing heads_q.
 struct AttentionHeads {
   int64_t head_dim, heads_q, heads_kv;
 };
@@ -157,16 +160,27 @@ struct NamedView {
   const char* name;
 };
 AttentionHeads check_attention_tensors(const TensorView& q, NamedView k, NamedView v, const TensorView& out, int rank,
-                                       const char* q_layout, const char* kv_layout) {
+                                       const char* q_layout, const char* kv_layout, bool takes_fp8) {
   check_rank(q, "q", rank, q_layout);
   check_rank(*k.view, k.name, rank, kv_layout);
   check_rank(*v.view, v.name, rank, kv_layout);
   check_rank(out, "out", rank, q_layout);
-  if (q.dtype != ScalarType::float16 && q.dtype != ScalarType::bfloat16)
-    throw bad(fmt::format("q: expected dtype float16 or bfloat16, got {}", to_string(q.dtype)));
+  const bool fp8 = q.dtype == ScalarType::float8_e4m3;
+  if (fp8 && !takes_fp8)
+    throw bad("q: float8_e4m3 runs in forward() and forward_varlen() only (FP8 is forward-only: use bfloat16 here)");
+  if (q.dtype != ScalarType::float16 && q.dtype != ScalarType::bfloat16 && !fp8)
+    throw bad(fmt::format("q: expected dtype {}, got {}", takes_fp8 ? "float16, bfloat16 or float8_e4m3" : "float16 or bfloat16",
+                          to_string(q.dtype)));
   check_same(q, "q", *k.view, k.name);
   check_same(q, "q", *v.view, v.name);
-  check_same(q, "q", out, "out");
+  if (fp8) {
+    if (out.dtype != ScalarType::bfloat16)
+      throw bad(fmt::format("out: expected dtype bfloat16 for float8_e4m3 inputs, got {}", to_string(out.dtype)));
+    if (out.device != q.device)
+      throw bad(fmt::format("out: on device {}, but q is on device {}", out.device, q.device));
+  } else {
+    check_same(q, "q", out, "out");
+  }
   if (q.device < 0) throw bad(fmt::format("q: device {} is not a CUDA device ordinal", q.device));
   const AttentionHeads h{q.shape[rank - 1], q.shape[rank - 2], k.view->shape[rank - 2]};
   if (h.head_dim > kMaxHeadDim || h.head_dim % 8 != 0 || h.head_dim == 0)
@@ -235,6 +249,33 @@ void apply_options(ForwardProblem& p, const AttentionOptions& options) {
   a.window_right = p.mask == MaskKind::none ? -1 : window_right;
   a.softmax_scale = scale;
   a.softcap = options.softcap;
+}
+
+// options.q_descale, k_descale, v_descale: float32 (batch, heads_kv), FP8 inputs only.
+void bind_descales(ForwardProblem& p, const AttentionOptions& options, const TensorView& q) {
+  const std::pair<const TensorView*, Fp8Descale*> descales[] = {
+      {options.q_descale, &p.q_descale}, {options.k_descale, &p.k_descale}, {options.v_descale, &p.v_descale}};
+  const char* names[] = {"q_descale", "k_descale", "v_descale"};
+  for (int i = 0; i < 3; ++i) {
+    const auto [view, descale] = descales[i];
+    *descale = {};
+    if (view == nullptr) continue;
+    const char* name = names[i];
+    if (p.dtype != DType::e4m3)
+      throw bad(fmt::format("{}: given for {} inputs; descale factors apply to float8_e4m3 q, k and v", name,
+                            to_string(q.dtype)));
+    check_rank(*view, name, 2, "(batch, heads_kv)");
+    check_shape(*view, name, {p.batch, p.heads_kv}, "(batch, heads_kv)");
+    if (view->dtype != ScalarType::float32)
+      throw bad(fmt::format("{}: expected dtype float32, got {}", name, to_string(view->dtype)));
+    if (view->device != q.device)
+      throw bad(fmt::format("{}: on device {}, but q is on device {}", name, view->device, q.device));
+    if (view->strides[0] < 0 || view->strides[1] < 0)
+      throw bad(fmt::format("{}: strides must be >= 0, got ({}, {})", name, view->strides[0], view->strides[1]));
+    if (reinterpret_cast<uintptr_t>(view->data) % 4 != 0)
+      throw bad(fmt::format("{}: data pointer {} is not 4-byte aligned", name, view->data));
+    *descale = {static_cast<const float*>(view->data), view->strides[0], view->strides[1]};
+  }
 }
 
 // options.continuation: the running O beside the running LSE (the lse argument), row for row.
@@ -605,7 +646,7 @@ ForwardProblem make_forward_problem(const TensorView& q, const TensorView& k, co
   const char* q_layout = p.is_varlen ? "(total_q, heads_q, head_dim)" : "(batch, seqlen_q, heads_q, head_dim)";
   const char* kv_layout = p.is_varlen ? "(total_k, heads_kv, head_dim)" : "(batch, seqlen_k, heads_kv, head_dim)";
   const auto [head_dim, heads_q, heads_kv] =
-      check_attention_tensors(q, {&k, "k"}, {&v, "v"}, out, rank, q_layout, kv_layout);
+      check_attention_tensors(q, {&k, "k"}, {&v, "v"}, out, rank, q_layout, kv_layout, /*takes_fp8=*/true);
   if (p.is_varlen) {
     check_shape(k, "k", {k.shape[0], heads_kv, head_dim}, kv_layout);
     check_shape(v, "v", {k.shape[0], heads_kv, head_dim}, kv_layout);
@@ -620,7 +661,7 @@ ForwardProblem make_forward_problem(const TensorView& q, const TensorView& k, co
   for (const auto& [view, name] : {std::pair{&q, "q"}, {&k, "k"}, {&v, "v"}, {&out, "out"}})
     check_attention_layout(*view, name);
 
-  p.dtype = q.dtype == ScalarType::float16 ? DType::fp16 : DType::bf16;
+  p.dtype = q.dtype == ScalarType::float16 ? DType::fp16 : q.dtype == ScalarType::float8_e4m3 ? DType::e4m3 : DType::bf16;
   p.device = q.device;
   p.heads_q = to_int(heads_q, "heads_q");
   p.heads_kv = to_int(heads_kv, "heads_kv");
@@ -683,6 +724,7 @@ ForwardProblem make_forward_problem(const TensorView& q, const TensorView& k, co
   if (options.mod != nullptr) bind_modifier(p, *options.mod, q.device);
   if (options.block_mask != nullptr) bind_block_mask(p, *options.block_mask, q.device);
   if (options.continuation != nullptr) bind_continuation(p, *options.continuation, lse, q);
+  bind_descales(p, options, q);
 
   a.q = q.data;
   a.k = k.data;
@@ -792,7 +834,8 @@ KvCacheProblem make_kvcache_problem(const TensorView& q, const KvCache& cache, c
     const char* cache_layout = c.is_paged ? "(num_pages, page_size, heads_kv, head_dim)"
                                           : "(batch, seqlen_cache, heads_kv, head_dim)";
     const auto [head_dim, heads_q, heads_kv] =
-        check_attention_tensors(q, {&kc, "k_cache"}, {&vc, "v_cache"}, out, 4, q_layout, cache_layout);
+        check_attention_tensors(q, {&kc, "k_cache"}, {&vc, "v_cache"}, out, 4, q_layout, cache_layout,
+                                /*takes_fp8=*/false);
     const int64_t batch = q.shape[0];
     if (kc.shape[3] != head_dim)
       throw bad(fmt::format("k_cache: head_dim {} differs from q's {}", kc.shape[3], head_dim));
@@ -921,6 +964,8 @@ BackwardProblem make_backward_problem(const TensorView& q, const TensorView& k, 
       throw bad("lse: the backward needs the forward's logsumexp (float32 (batch, heads_q, seqlen_q), or "
                 "(heads_q, total_q) when varlen); it is missing");
     if (options.continuation != nullptr) throw bad("continuation: the forward's option; the backward takes the final O and LSE");
+    if (q.dtype == ScalarType::float8_e4m3)
+      throw bad("q: float8_e4m3 has no backward (FP8 is forward-only): run the forward and backward in bfloat16");
     b.forward = make_forward_problem(q, k, v, out, lse, varlen, options);
     if (options.block_mask != nullptr)
       bind_transposed_block_mask(b.params.transposed_block_mask, b.forward, *options.block_mask, q.device);
@@ -981,12 +1026,12 @@ std::vector<ProblemSlice> grid_slices(const ForwardProblem& p) {
 
 namespace {
 
-// `base` moved by `elements` 16-bit values (the attention tensors' elements).
+// `base` moved by `elements` values of `element_bytes` bytes (16-bit, or FP8's q, k and v).
 template <class Pointer>
-Pointer advanced(Pointer base, long long elements) {
+Pointer advanced(Pointer base, long long elements, int element_bytes = 2) {
   if (base == nullptr) return base;
   using Byte = std::conditional_t<std::is_const_v<std::remove_pointer_t<Pointer>>, const char, char>;
-  return reinterpret_cast<Pointer>(reinterpret_cast<Byte*>(base) + elements * 2);
+  return reinterpret_cast<Pointer>(reinterpret_cast<Byte*>(base) + elements * element_bytes);
 }
 
 // Where a slice starts: its first sequence, query head and KV head.
@@ -1006,10 +1051,13 @@ ForwardProblem slice_problem(const ForwardProblem& p, const ProblemSlice& s) {
   AttentionFwdParams& a = part.params;
   const auto [b, hq, hk] = slice_start(p, s);
   // (Varlen batch strides are 0: its rows are addressed through cu_seqlens, which move instead.)
-  a.q = advanced(a.q, b * a.q_batch_stride + hq * a.q_head_stride);
-  a.k = advanced(a.k, b * a.k_batch_stride + hk * a.k_head_stride);
-  a.v = advanced(a.v, b * a.v_batch_stride + hk * a.v_head_stride);
+  const int input_bytes = p.dtype == DType::e4m3 ? 1 : 2;  // (out is 16-bit)
+  a.q = advanced(a.q, b * a.q_batch_stride + hq * a.q_head_stride, input_bytes);
+  a.k = advanced(a.k, b * a.k_batch_stride + hk * a.k_head_stride, input_bytes);
+  a.v = advanced(a.v, b * a.v_batch_stride + hk * a.v_head_stride, input_bytes);
   a.o = advanced(a.o, b * a.o_batch_stride + hq * a.o_head_stride);
+  for (Fp8Descale* descale : {&part.q_descale, &part.k_descale, &part.v_descale})
+    if (descale->data != nullptr) descale->data += b * descale->batch_stride + hk * descale->head_stride;
   if (a.lse != nullptr) a.lse += b * a.lse_batch_stride + hq * a.lse_head_stride;
   for (const int** lengths : {&a.cu_seqlens_q, &a.cu_seqlens_k, &a.seqused_q, &a.seqused_k})
     if (*lengths != nullptr) *lengths += b;

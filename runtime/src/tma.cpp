@@ -14,7 +14,7 @@ static_assert(sizeof(TmaDescriptor) == sizeof(CUtensorMap), "TmaDescriptor mirro
 TmaDescriptor make_attention_tma_map(const void* data, DType dtype, int head_dim, int seqlen, int heads, int batch,
                                      long long row_stride, long long head_stride, long long batch_stride,
                                      int box_rows) {
-  constexpr cuuint64_t kElementBytes = 2;
+  const cuuint64_t kElementBytes = dtype == DType::e4m3 ? 1 : 2;
   const cuuint64_t dims[4] = {cuuint64_t(head_dim), cuuint64_t(seqlen), cuuint64_t(heads), cuuint64_t(batch)};
   // Strides of dims 1..3 in bytes; a dim of extent 1 may have any stride, but TMA wants multiples of
   // 16 below 2^40, so those get a harmless one.
@@ -24,11 +24,13 @@ TmaDescriptor make_attention_tma_map(const void* data, DType dtype, int head_dim
   };
   const cuuint64_t strides[3] = {stride_bytes(row_stride, seqlen), stride_bytes(head_stride, heads),
                                  stride_bytes(batch_stride, batch)};
-  const cuuint32_t box[4] = {64, cuuint32_t(box_rows), 1, 1};
+  const cuuint32_t box[4] = {cuuint32_t(128 / kElementBytes), cuuint32_t(box_rows), 1, 1};
   const cuuint32_t element_strides[4] = {1, 1, 1, 1};
+  const CUtensorMapDataType type = dtype == DType::bf16   ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16
+                                   : dtype == DType::fp16 ? CU_TENSOR_MAP_DATA_TYPE_FLOAT16
+                                                          : CU_TENSOR_MAP_DATA_TYPE_UINT8;
   CUtensorMap map;
-  FLASHJIT_CU(cuTensorMapEncodeTiled, &map,
-              dtype == DType::bf16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16, 4,
+  FLASHJIT_CU(cuTensorMapEncodeTiled, &map, type, 4,
               const_cast<void*>(data), dims, strides, box, element_strides, CU_TENSOR_MAP_INTERLEAVE_NONE,
               CU_TENSOR_MAP_SWIZZLE_128B,
               CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
@@ -74,6 +76,7 @@ struct TmaOperand {
   const void* data;
   long long row_stride, head_stride, batch_stride;
   int rows, heads, batches;
+  int element_bytes;
 };
 
 std::optional<std::string> unusable_reason(const TmaOperand& t) {
@@ -83,7 +86,7 @@ std::optional<std::string> unusable_reason(const TmaOperand& t) {
   const std::pair<long long, int> strides[] = {{t.row_stride, t.rows}, {t.head_stride, t.heads},
                                                {t.batch_stride, t.batches}};
   for (const auto& [stride, extent] : strides)
-    if (extent > 1 && (stride * 2 % 16 != 0 || stride * 2 >= (1ll << 40)))
+    if (extent > 1 && (stride * t.element_bytes % 16 != 0 || stride * t.element_bytes >= (1ll << 40)))
       return fmt::format("{}: a stride of {} elements is not a multiple of 16 bytes below 2^40 (TMA needs it)",
                          t.name, stride);
   return std::nullopt;
@@ -93,17 +96,18 @@ std::optional<std::string> unusable_reason(const TmaOperand& t) {
 
 std::optional<std::string> tma_unusable_reason(const char* name, const void* data, long long row_stride,
                                                long long head_stride, long long batch_stride, int rows, int heads,
-                                               int batches) {
-  return unusable_reason({name, data, row_stride, head_stride, batch_stride, rows, heads, batches});
+                                               int batches, int element_bytes) {
+  return unusable_reason({name, data, row_stride, head_stride, batch_stride, rows, heads, batches, element_bytes});
 }
 
 std::optional<std::string> tma_unusable_reason(const ForwardProblem& problem) {
   const AttentionFwdParams& a = problem.params;
   const auto [rows_q, rows_k, batches] = tma_extents(problem);
+  const int bytes = problem.dtype == DType::e4m3 ? 1 : 2;
   const TmaOperand operands[] = {
-      {"q", a.q, a.q_row_stride, a.q_head_stride, a.q_batch_stride, rows_q, a.num_heads_q, batches},
-      {"k", a.k, a.k_row_stride, a.k_head_stride, a.k_batch_stride, rows_k, a.num_heads_kv, batches},
-      {"v", a.v, a.v_row_stride, a.v_head_stride, a.v_batch_stride, rows_k, a.num_heads_kv, batches}};
+      {"q", a.q, a.q_row_stride, a.q_head_stride, a.q_batch_stride, rows_q, a.num_heads_q, batches, bytes},
+      {"k", a.k, a.k_row_stride, a.k_head_stride, a.k_batch_stride, rows_k, a.num_heads_kv, batches, bytes},
+      {"v", a.v, a.v_row_stride, a.v_head_stride, a.v_batch_stride, rows_k, a.num_heads_kv, batches, bytes}};
   for (const TmaOperand& t : operands)
     if (auto reason = unusable_reason(t)) return reason;
   return std::nullopt;
@@ -114,7 +118,7 @@ std::optional<std::string> tma_unusable_reason(const BackwardProblem& problem) {
   const AttentionBwdParams& b = problem.params;
   const auto [rows_q, rows_k, batches] = tma_extents(problem.forward);
   return unusable_reason({"dout", b.d_o, b.do_row_stride, b.do_head_stride, b.do_batch_stride, rows_q,
-                          b.fwd.num_heads_q, batches});
+                          b.fwd.num_heads_q, batches, 2});
 }
 
 }  // namespace flashjit::detail

@@ -12,9 +12,9 @@
 namespace flashjit::detail {
 
 // A 4-D map of a (batch, seqlen, heads, head_dim) tensor whose last dim is contiguous: dims innermost
-// first (head_dim, seqlen, heads, batch), boxes of 64 head-dim values x box_rows rows with 128-byte
-// swizzle (the wgmma operand layout), out-of-bounds reads as zeros, 256-byte L2 promotion (it serves
-// the tiles the forward rereads). Strides are in elements.
+// first (head_dim, seqlen, heads, batch), boxes of 128 bytes of head dim (64 16-bit values, 128 FP8
+// ones) x box_rows rows with 128-byte swizzle (the wgmma operand layout), out-of-bounds reads as
+// zeros, 256-byte L2 promotion (it serves the tiles the forward rereads). Strides are in elements.
 TmaDescriptor make_attention_tma_map(const void* data, DType dtype, int head_dim, int seqlen, int heads, int batch,
                                      long long row_stride, long long head_stride, long long batch_stride,
                                      int box_rows);
@@ -41,7 +41,7 @@ std::optional<std::string> tma_unusable_reason(const ForwardProblem& problem);
 // The same for one (batch, seqlen, heads, head_dim) tensor named `name` (the output, say).
 std::optional<std::string> tma_unusable_reason(const char* name, const void* data, long long row_stride,
                                                long long head_stride, long long batch_stride, int rows, int heads,
-                                               int batches);
+                                               int batches, int element_bytes = 2);
 // The same for a backward problem: q, k, v and dout.
 std::optional<std::string> tma_unusable_reason(const BackwardProblem& problem);
 

@@ -80,8 +80,15 @@ struct alignas(64) TmaDescriptor {
   unsigned long long opaque[16];
 };
 
+// One FP8 tensor's dequantisation factors, (batch, heads_kv) at these strides (0 shares one).
+struct Fp8Descale {
+  const float* data;  // null: 1
+  long long batch_stride, head_stride;
+};
+
 // Hopper forward (sm90_fwd): the forward's arguments plus TMA maps of q, k, v and o, each a 4-D tensor
-// (head_dim, seqlen, heads, batch) with 64-value, 128-byte-swizzled boxes.
+// (head_dim, seqlen, heads, batch) with 128-byte-wide, 128-byte-swizzled boxes (64 16-bit values, or
+// 128 FP8 ones).
 // The kernel is persistent: its work tiles are (query block, head, batch), num_m_blocks of
 // kBlockM rows per sequence (the longest, when varlen), ordered in sections of `section_pairs`
 // (batch, head) pairs whose K/V share the L2. Work items are the tiles, the last num_split_tiles
@@ -111,6 +118,9 @@ struct AttentionSm90FwdParams {
   float* split_output;
   float* split_row_stats;
   int* split_counters;
+  // FP8 (e4m3) specs: dequantisation factors (FlashAttention-3's q/k/v_descale), float32 per (batch,
+  // KV head): the scores are (Q K^T) q_descale k_descale and O is (P V) v_descale. Null: 1.
+  Fp8Descale q_descale, k_descale, v_descale;
 };
 
 // Backward attention (fa2_bwd). `fwd` holds the forward's inputs and options: q, k, v, o, the

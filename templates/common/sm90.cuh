@@ -97,6 +97,27 @@ __device__ __forceinline__ void stmatrix_x4(unsigned smem, unsigned r0, unsigned
                : "memory");
 }
 
+// Four floats -> one register of four e4m3 values, `b0` in the low byte (saturated to +-448, the
+// wgmma A layout of an 8-bit k32 step: byte i holds element 4 (lane % 4) + i of its row).
+__device__ __forceinline__ unsigned pack4_e4m3(float b0, float b1, float b2, float b3) {
+  unsigned r;
+  asm("{\n.reg .b16 lo, hi;\n"
+      "cvt.rn.satfinite.e4m3x2.f32 lo, %2, %1;\n"  // (the first source goes to the upper byte)
+      "cvt.rn.satfinite.e4m3x2.f32 hi, %4, %3;\n"
+      "mov.b32 %0, {lo, hi};\n}\n"
+      : "=r"(r)
+      : "f"(b0), "f"(b1), "f"(b2), "f"(b3));
+  return r;
+}
+
+// Four bytes picked from the eight of {b, a} (byte i of the result is byte selector nibble i; 0-3
+// are a's, 4-7 b's).
+__device__ __forceinline__ unsigned byte_permute(unsigned a, unsigned b, unsigned selector) {
+  unsigned r;
+  asm("prmt.b32 %0, %1, %2, %3;\n" : "=r"(r) : "r"(a), "r"(b), "r"(selector));
+  return r;
+}
+
 // ---------------------------------------------------------------------------------------------
 // wgmma
 

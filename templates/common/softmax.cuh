@@ -52,6 +52,10 @@ __device__ __forceinline__ float row_logsumexp(const AttentionFwdParams& p, floa
 // rescaled O; lazily, a row's max settles in its first tile. When no row of the warp moves, the O
 // rescale (kOFrags * 4 multiplies per row pair) is skipped with one warp vote. (fa2_fwd keeps the
 // exact max: at head dim 256 with softcap its 255 registers spill with the lazy test.)
+// kProbabilityLog2Offset (FP8's P): P = exp2(s - max + offset), so that P, which wgmma reads in
+// e4m3 (largest 448, subnormal below 2^-6), keeps the precision of small probabilities; the lazy
+// threshold shrinks by as much, so P stays within 2^8. O, the sums and the LSE (the caller
+// subtracts the offset) carry the factor alike.
 constexpr float kRescaleThreshold = 8.f;
 template <class Shape>
 struct OutputRescale {
@@ -59,7 +63,7 @@ struct OutputRescale {
   bool any_moved;
 };
 
-template <class Shape, bool kLazyRescale = false>
+template <class Shape, bool kLazyRescale = false, int kProbabilityLog2Offset = 0>
 __device__ __forceinline__ OutputRescale<Shape> softmax_scores(RowStatistics<Shape>& st,
                                                                float (&s)[Shape::kMFrags][Shape::kSFrags][4],
                                                                float scale_log2) {
@@ -79,7 +83,7 @@ __device__ __forceinline__ OutputRescale<Shape> softmax_scores(RowStatistics<Sha
       const bool moves = !kLazyRescale ? tile_max != st.row_max[mi][h]
                          : st.row_max[mi][h] == -positive_infinity()
                              ? tile_max != -positive_infinity()
-                             : (tile_max - st.row_max[mi][h]) * scale_log2 > kRescaleThreshold;
+                             : (tile_max - st.row_max[mi][h]) * scale_log2 > kRescaleThreshold - kProbabilityLog2Offset;
       const float row_max = kLazyRescale && !moves ? st.row_max[mi][h] : tile_max;
       // A row with no visible key so far keeps max -inf; subtracting 0 then keeps exp2 at 0.
       const float max_scaled = row_max == -positive_infinity() ? 0.f : row_max * scale_log2;
@@ -87,11 +91,12 @@ __device__ __forceinline__ OutputRescale<Shape> softmax_scores(RowStatistics<Sha
       rescale.factor[mi][h] = exp2_approx(st.row_max[mi][h] * scale_log2 - max_scaled);
       st.row_max[mi][h] = row_max;
       float sum = 0.f;
+      const float shift = kProbabilityLog2Offset == 0 ? -max_scaled : kProbabilityLog2Offset - max_scaled;
 #pragma unroll
       for (int ni = 0; ni < Shape::kSFrags; ++ni)
 #pragma unroll
         for (int e = 2 * h; e < 2 * h + 2; ++e) {
-          s[mi][ni][e] = exp2_approx(fmaf(s[mi][ni][e], scale_log2, -max_scaled));
+          s[mi][ni][e] = exp2_approx(fmaf(s[mi][ni][e], scale_log2, shift));
           sum += s[mi][ni][e];
         }
       st.row_sum[mi][h] = fmaf(st.row_sum[mi][h], rescale.factor[mi][h], sum);

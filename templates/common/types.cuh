@@ -1,4 +1,4 @@
-// 16-bit element types as plain storage with PTX conversions (no toolkit headers under NVRTC),
+// 16-bit (and FP8) element types as plain storage with PTX conversions (no toolkit headers under NVRTC),
 // plus the warp-level helpers every family uses.
 #pragma once
 
@@ -22,6 +22,10 @@ struct half_t {
 };
 struct bfloat16_t {
   unsigned short bits;
+};
+// FP8 e4m3 (PyTorch's float8_e4m3fn), an sm90_fwd input type: converted only in pairs by PTX.
+struct float8_e4m3_t {
+  unsigned char bits;
 };
 
 __device__ __forceinline__ float to_float(half_t x) {

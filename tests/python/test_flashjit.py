@@ -108,7 +108,7 @@ def test_varlen_matches_per_sequence_reference():
 
 def test_argument_errors_name_the_argument():
     q = torch.randn(1, 64, 4, 64, device="cuda", dtype=torch.bfloat16)
-    with pytest.raises(ValueError, match="expected dtype float16 or bfloat16, got float32"):
+    with pytest.raises(ValueError, match="expected dtype float16, bfloat16 or float8_e4m3, got float32"):
         flash_attn_func(q.float(), q.float(), q.float())
     with pytest.raises(ValueError, match="expected a CUDA tensor"):
         flash_attn_func(q.cpu(), q.cpu(), q.cpu())

@@ -68,7 +68,7 @@ TEST_CASE("bad arguments are named in the error, nothing is launched", "[api]") 
   }
   SECTION("wrong dtype") {
     c.q.dtype = c.k.dtype = c.v.dtype = c.out.dtype = FLASHJIT_FLOAT32;
-    expect_invalid(c, "q: expected dtype float16 or bfloat16, got float32");
+    expect_invalid(c, "q: expected dtype float16, bfloat16 or float8_e4m3, got float32");
   }
   SECTION("mixed dtypes") {
     c.k.dtype = FLASHJIT_FLOAT16;
@@ -144,6 +144,46 @@ TEST_CASE("bad arguments are named in the error, nothing is launched", "[api]") 
     c.options.backend = 99;
     expect_invalid(c, "options.backend: unknown backend code 99");
   }
+}
+
+TEST_CASE("FP8 arguments are checked: dtypes, out, descales, the passes that have no FP8", "[api]") {
+  Call c;
+  c.q.dtype = c.k.dtype = c.v.dtype = FLASHJIT_FLOAT8_E4M3;
+  flashjit_tensor descale = FakeTensors::tensor(FLASHJIT_FLOAT32, {2, 2});  // (batch, heads_kv)
+  auto run = [&](const flashjit_tensor* q_descale, const flashjit_tensor* k_descale, const char* message) {
+    INFO(message);
+    CHECK(flashjit_forward_fp8(&c.q, &c.k, &c.v, &c.out, &c.lse, q_descale, k_descale, nullptr, nullptr, nullptr, 0, 0,
+                               &c.options) == FLASHJIT_ERROR_INVALID_ARGUMENT);
+    CHECK_THAT(flashjit_last_error(), Catch::Contains(message));
+  };
+  c.out.dtype = FLASHJIT_FLOAT8_E4M3;
+  run(nullptr, nullptr, "out: expected dtype bfloat16 for float8_e4m3 inputs, got float8_e4m3");
+  c.out.dtype = FLASHJIT_BFLOAT16;
+  c.v.dtype = FLASHJIT_BFLOAT16;
+  run(nullptr, nullptr, "v: dtype bfloat16 differs from q's float8_e4m3");
+  c.v.dtype = FLASHJIT_FLOAT8_E4M3;
+  flashjit_tensor wrong_shape = FakeTensors::tensor(FLASHJIT_FLOAT32, {2, 8});
+  run(&wrong_shape, nullptr, "q_descale: expected shape (2, 2) (batch, heads_kv), got (2, 8)");
+  flashjit_tensor wrong_type = FakeTensors::tensor(FLASHJIT_INT32, {2, 2});
+  run(&descale, &wrong_type, "k_descale: expected dtype float32, got int32");
+  // FP8 strides are 16-byte multiples of 1-byte values: a row stride of 8 heads x 64 is; 8 is not.
+  c.q.strides[1] = 8;
+  c.q.shape[2] = 1;
+  c.out.shape[2] = 1;
+  c.lse.shape[1] = 1;
+  c.k.shape[2] = c.v.shape[2] = 1;
+  c.q.strides[0] = 8 * 128;
+  run(nullptr, nullptr, "q: stride 8 of dim 1 is not a multiple of 16 elements (16 bytes)");
+  // Descales given with 16-bit inputs, and FP8 where there is no FP8 kernel: named, not ignored.
+  Call bf16;
+  CHECK(flashjit_forward_fp8(&bf16.q, &bf16.k, &bf16.v, &bf16.out, nullptr, &descale, nullptr, nullptr, nullptr, nullptr,
+                             0, 0, &bf16.options) == FLASHJIT_ERROR_INVALID_ARGUMENT);
+  CHECK_THAT(flashjit_last_error(), Catch::Contains("q_descale: given for bfloat16 inputs"));
+  Call fp8;
+  fp8.q.dtype = fp8.k.dtype = fp8.v.dtype = FLASHJIT_FLOAT8_E4M3;
+  CHECK(flashjit_backward(&fp8.q, &fp8.k, &fp8.v, &fp8.out, &fp8.out, &fp8.lse, &fp8.q, &fp8.k, &fp8.v, &fp8.options) ==
+        FLASHJIT_ERROR_INVALID_ARGUMENT);
+  CHECK_THAT(flashjit_last_error(), Catch::Contains("float8_e4m3 has no backward (FP8 is forward-only)"));
 }
 
 TEST_CASE("varlen arguments are checked", "[api]") {

@@ -74,6 +74,18 @@ std::vector<KernelSpec> sweep_specs(const Arch& arch) {
       s.tail_splits = true;
       specs.push_back(s);
     }
+  // FP8 (e4m3) forwards: every kernel head dim with each mask, a window with a softcap, tail splits
+  // (the transposers in the producer warpgroup, P in 8-bit A fragments, the bf16 output).
+  for (int d : {64, 96, 128, 192, 256})
+    if (family_covers(Family::sm90_fwd, arch, d)) {
+      for (MaskKind mask : {MaskKind::none, MaskKind::causal, MaskKind::window})
+        if (d < 256 || mask != MaskKind::window)  // (no registers for a window at 256: validate says so)
+          specs.push_back(default_spec(Family::sm90_fwd, arch, DType::e4m3, d, mask, false));
+      KernelSpec s = default_spec(Family::sm90_fwd, arch, DType::e4m3, d, d < 256 ? MaskKind::window : MaskKind::causal,
+                                  d < 256);
+      s.tail_splits = true;
+      specs.push_back(s);
+    }
   // Ring attention's continuing forward and backward, unmasked and causal (the calls a ring makes),
   // and with a window and a softcap together (the most code).
   for (Family family : {Family::sm90_fwd, Family::sm90_bwd})

@@ -140,6 +140,44 @@ TEST_CASE("a continuing spec: sm90_fwd only, its own name, hash and JSON", "[spe
   CHECK_THAT(*fa2.validate(), Catch::Contains("does not continue partial results"));
 }
 
+TEST_CASE("FP8 (e4m3): sm90_fwd's 128-key tiles, its name and JSON; refused elsewhere with the reason", "[spec]") {
+  const Arch sm90a = Arch::parse("sm_90a");
+  for (int d : {64, 96, 128, 192, 256})
+    for (MaskKind m : {MaskKind::none, MaskKind::causal, MaskKind::window})
+      for (bool softcap : {false, true}) {
+        const KernelSpec s = default_spec(Family::sm90_fwd, sm90a, DType::e4m3, d, m, softcap);
+        INFO(s.name());
+        CHECK(s.block_n % 128 == 0);
+        // Head dim 256's O and 128-key scores leave no registers for a window's or a softcap's work.
+        if (d < 256 || (m != MaskKind::window && !softcap)) {
+          CHECK_FALSE(s.validate().has_value());
+        } else {
+          REQUIRE(s.validate());
+          CHECK_THAT(*s.validate(), Catch::Contains("registers per consumer thread"));
+        }
+      }
+  const KernelSpec s = default_spec(Family::sm90_fwd, sm90a, DType::e4m3, 128, MaskKind::causal);
+  CHECK(s.name() == "sm90_fwd_e4m3_d128_m128n128w12s2_causal_sm90a");
+  CHECK(s.to_json().at("dtype") == "e4m3");
+  CHECK(KernelSpec::from_json(s.to_json()) == s);
+  CHECK(parse_dtype("e4m3") == DType::e4m3);
+  KernelSpec narrow = s;
+  narrow.block_n = 112;
+  REQUIRE(narrow.validate());
+  CHECK_THAT(*narrow.validate(), Catch::Contains("block_n must be 128 or 256"));
+  for (Family f : {Family::fa2_fwd, Family::fa2_bwd, Family::sm90_bwd, Family::kvcache_fwd, Family::reference_fwd}) {
+    const Arch arch = f == Family::sm90_bwd ? sm90a : Arch::parse("sm_80");
+    KernelSpec other = default_spec(f, arch, DType::bf16, 128);
+    other.dtype = DType::e4m3;
+    REQUIRE(other.validate());
+    CHECK_THAT(*other.validate(), Catch::Contains("has no FP8 kernels"));
+  }
+  KernelSpec cont = s;
+  cont.continues = true;
+  REQUIRE(cont.validate());
+  CHECK_THAT(*cont.validate(), Catch::Contains("FP8 specs take no user modifiers, block masks or continuations"));
+}
+
 TEST_CASE("tail splits: sm90_fwd's where unmasked; elsewhere their own name and JSON", "[spec]") {
   const Arch hopper = Arch::parse("sm_90a");
   const KernelSpec unmasked = default_spec(Family::sm90_fwd, hopper, DType::bf16, 128);

@@ -58,6 +58,21 @@ TEST_CASE("sm90_fwd's Config carries the wgmma instructions of its tile widths",
   CHECK_THAT(render(s).text, Catch::Contains("m64n80k16.f32.f16.f16") && Catch::Contains("m64n128k16.f32.f16.f16"));
 }
 
+TEST_CASE("FP8 sm90_fwd: k32 e4m3 wgmma with both operands K-major, a bf16 output, the Vt ring's bytes", "[render]") {
+  const KernelSpec s = default_spec(Family::sm90_fwd, Arch::parse("sm_90a"), DType::e4m3, 128, MaskKind::causal);
+  const std::string text = render(s).text;
+  CHECK_THAT(text, Catch::Contains("using Element = flashjit::kernels::float8_e4m3_t;") &&
+                       Catch::Contains("using OutputElement = flashjit::kernels::bfloat16_t;"));
+  // S = Q K^T from two descriptors and O += P V with P in registers: no transpose immediates.
+  CHECK_THAT(text, Catch::Contains("m64n128k32.f32.e4m3.e4m3 {%0,") && Catch::Contains("%63}, %64, %65, p, 1, 1;") &&
+                       Catch::Contains("%63}, {%64, %65, %66, %67}, %68, p, 1, 1;"));
+  // One 128-byte panel of Q and K at head dim 128; two Q slots, two stages of K, V and Vt (128 x
+  // 128 bytes each), six barriers per stage, the published tiles and the transposers' end slot.
+  const int expected = 1024 + 2 * 128 * 128 + 2 * 2 * 128 * 128 + 2 * 128 * 128 + 8 * (2 * 2 + 6 * 2) + 32 * 2 + 8;
+  CHECK(dynamic_smem_bytes(s) == expected);
+  CHECK_THAT(text, Catch::Contains("kSmemBytes = " + std::to_string(expected) + ";"));
+}
+
 TEST_CASE("sm90_fwd takes a second Q slot where shared memory holds it", "[render]") {
   // Shared memory: 1024 (alignment) + Q slots x block_m x 128 bytes per 64-dim panel + two rings of
   // K and V tiles + barriers (8 bytes each: q_full, q_empty per slot, four per stage) + the tile

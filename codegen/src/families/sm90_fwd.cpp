@@ -12,13 +12,16 @@ namespace flashjit::codegen_detail {
 namespace {
 
 int consumers(const KernelSpec& s) { return s.block_m / 64; }
-int panels(const KernelSpec& s) { return (s.head_dim + 63) / 64; }
+bool fp8(const KernelSpec& s) { return s.dtype == DType::e4m3; }
+int panels(const KernelSpec& s) { return (s.head_dim * (fp8(s) ? 1 : 2) + 127) / 128; }  // 128-byte-wide
 
 int smem_bytes_with(const KernelSpec& s, int q_stages) {
   const int q_bytes = panels(s) * s.block_m * 128, kv_tile_bytes = panels(s) * s.block_n * 128;
   const int key_tile_info_bytes = s.block_sparse ? 8 * s.num_stages : 0;  // each K stage's tile under a block mask
+  // FP8: a ring of transposed V tiles, its barriers, and the transposers' end slot.
+  const int vt_ring_bytes = fp8(s) ? s.num_stages * (s.head_dim * s.block_n + 16) + 8 : 0;
   return 1024 + q_stages * q_bytes + 2 * s.num_stages * kv_tile_bytes + 8 * (2 * q_stages + 4 * s.num_stages) +
-         32 * q_stages + key_tile_info_bytes;
+         32 * q_stages + key_tile_info_bytes + vt_ring_bytes;
 }
 // Two Q slots (the next work tile's Q loads during this one) where shared memory has room.
 int q_stages(const KernelSpec& s) { return smem_bytes_with(s, 2) <= max_smem_per_block(s.arch) ? 2 : 1; }
@@ -37,13 +40,27 @@ int smem_bytes(const KernelSpec& s) { return smem_bytes_with(s, q_stages(s)); }
 // block mask's walk (list offsets, counts, the step's id) needs more of the producer: 40 with two
 // consumers (24 spilled 40 bytes), so the consumers get 232. (Head dim 256 spilled 8-12 bytes
 // until only lane 0 of a consumer warp read each stage's recorded key tile.)
-int consumer_register_budget(const KernelSpec& s) { return consumers(s) == 2 ? (s.block_sparse ? 232 : 240) : 160; }
-int producer_registers(const KernelSpec& s) { return consumers(s) == 2 ? (s.block_sparse ? 40 : 24) : 32; }
+int consumer_registers_needed(const KernelSpec& s);
+// FP8's producer warpgroup also transposes V (three warps), which spilled in 24 registers at head
+// dim 128: where the consumers' need leaves room, the split gives it 40 (two consumers) or 56 (three).
+bool fp8_producer_gets_more(const KernelSpec& s) {
+  return fp8(s) && consumer_registers_needed(s) <= (consumers(s) == 2 ? 232 : 152);
+}
+int consumer_register_budget(const KernelSpec& s) {
+  if (consumers(s) == 3) return fp8_producer_gets_more(s) ? 152 : 160;
+  return s.block_sparse || fp8_producer_gets_more(s) ? 232 : 240;
+}
+int producer_registers(const KernelSpec& s) {
+  if (consumers(s) == 3) return fp8_producer_gets_more(s) ? 56 : 32;
+  return s.block_sparse || fp8_producer_gets_more(s) ? 40 : 24;
+}
 int consumer_registers_needed(const KernelSpec& s) {
   // (A block mask without a softcap or window costs the scores less: d256 n64 fits in 232.)
   if (s.block_sparse && !s.has_softcap && s.mask != MaskKind::window) return s.head_dim / 2 + 3 * s.block_n / 4 + 48;
   const bool heavy_scores = s.has_softcap || s.mask == MaskKind::window || s.modifier != nullptr;
-  return s.head_dim / 2 + (heavy_scores ? 13 * s.block_n / 16 + 56 : 3 * s.block_n / 4 + 32);
+  // FP8's P takes half the registers: block_n / 8 of four e4m3 values.
+  const int probability_registers = s.block_n / (fp8(s) ? 8 : 4);
+  return s.head_dim / 2 + s.block_n / 2 + probability_registers + (heavy_scores ? s.block_n / 16 + 56 : 32);
 }
 
 std::optional<std::string> validate_tiles(const KernelSpec& s) {
@@ -55,6 +72,8 @@ std::optional<std::string> validate_tiles(const KernelSpec& s) {
                        "got {}", consumers(s), s.block_m, 4 * (1 + consumers(s)), s.num_warps);
   if (s.block_n < 64 || s.block_n > 256 || s.block_n % 16 != 0)
     return fmt::format("block_n must be a multiple of 16 from 64 to 256 for sm90_fwd, got {}", s.block_n);
+  if (fp8(s) && s.block_n % 128 != 0)
+    return fmt::format("FP8 sm90_fwd transposes V into 128-key panels: block_n must be 128 or 256, got {}", s.block_n);
   if (consumer_registers_needed(s) > consumer_register_budget(s))
     return fmt::format("head_dim {} with block_n {} needs about {} registers per consumer thread, over the {} that "
                        "{} consumer warpgroups get", s.head_dim, s.block_n, consumer_registers_needed(s),
@@ -81,6 +100,11 @@ void set_default_tiles(KernelSpec& s) {
   // User modifiers and block masks count as both. A block mask's tiles are 128 x 128 where the
   // head dim allows (FlexAttention's default block), so one tile is one block.
   const bool heavy_scores = s.has_softcap || s.mask == MaskKind::window || s.modifier != nullptr || s.block_sparse;
+  if (fp8(s)) {  // (128-key tiles: Vt's panel)
+    // (Three stages measured the same as two at head dims 64 and 128: the consumers set the pace.)
+    s.head_dim <= 64 && !heavy_scores ? set(192, 128, 2) : set(128, 128, 2);
+    return;
+  }
   if (s.head_dim <= 64) heavy_scores ? set(128, 128, 2) : set(192, 96, 2);
   else if (s.head_dim <= 128) set(128, 128, 2);
   else if (s.head_dim <= 192) set(128, s.block_sparse ? 64 : heavy_scores ? 96 : 112, 2);  // (64 divides a block)
@@ -103,10 +127,12 @@ std::vector<KernelConstant> constants(const KernelSpec& s) {
 }
 
 // S = Q K^T over block_n keys (both operands in shared memory) and O += P V over head_dim columns
-// (P from registers).
+// (P from registers; V MN-major, or FP8's transposed V K-major), and O's type (bf16 for FP8).
 std::string config_members(const KernelSpec& s) {
-  return wgmma_member_function("wgmma_qk", s.block_n, s.dtype, WgmmaOperands::ss_k_major) +
-         wgmma_member_function("wgmma_pv", s.head_dim, s.dtype, WgmmaOperands::rs_b_mn_major);
+  return std::string(fp8(s) ? "  using OutputElement = flashjit::kernels::bfloat16_t;\n" : "  using OutputElement = Element;\n") +
+         wgmma_member_function("wgmma_qk", s.block_n, s.dtype, WgmmaOperands::ss_k_major) +
+         wgmma_member_function("wgmma_pv", s.head_dim, s.dtype,
+                               fp8(s) ? WgmmaOperands::rs_k_major : WgmmaOperands::rs_b_mn_major);
 }
 
 }  // namespace
@@ -132,6 +158,7 @@ const FamilyRules kSm90FwdRules{
     /*takes_continuation=*/true,
     /*takes_seqused=*/true,
     /*takes_tail_splits=*/true,
+    /*takes_fp8=*/true,
 };
 
 }  // namespace flashjit::codegen_detail

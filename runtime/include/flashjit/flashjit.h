@@ -28,7 +28,8 @@ typedef enum flashjit_dtype {
   FLASHJIT_FLOAT32 = 2,
   FLASHJIT_INT32 = 3,
   FLASHJIT_INT64 = 4,
-  FLASHJIT_UINT8 = 5
+  FLASHJIT_UINT8 = 5,
+  FLASHJIT_FLOAT8_E4M3 = 6 /* PyTorch's float8_e4m3fn: FP8 forward inputs (flashjit_forward_fp8) */
 } flashjit_dtype;
 
 typedef enum flashjit_backend {
@@ -73,6 +74,17 @@ flashjit_status flashjit_forward(const flashjit_tensor* q, const flashjit_tensor
                                  const flashjit_tensor* v, const flashjit_tensor* out,
                                  const flashjit_tensor* lse,
                                  const flashjit_attention_options* options);
+
+/* FP8 forward (sm_90): q, k, v FLASHJIT_FLOAT8_E4M3, out bfloat16, lse optional; q_descale,
+ * k_descale, v_descale float32 (batch, heads_kv) or NULL (1), see AttentionOptions::q_descale.
+ * cu_seqlens_q NULL: a fixed-length batch (4-D tensors, as flashjit_forward); else varlen (3-D, as
+ * flashjit_forward_varlen, with cu_seqlens_k and the max lengths). */
+flashjit_status flashjit_forward_fp8(const flashjit_tensor* q, const flashjit_tensor* k, const flashjit_tensor* v,
+                                     const flashjit_tensor* out, const flashjit_tensor* lse,
+                                     const flashjit_tensor* q_descale, const flashjit_tensor* k_descale,
+                                     const flashjit_tensor* v_descale, const flashjit_tensor* cu_seqlens_q,
+                                     const flashjit_tensor* cu_seqlens_k, int32_t max_seqlen_q, int32_t max_seqlen_k,
+                                     const flashjit_attention_options* options);
 
 /* See flashjit::Runtime::forward_varlen. */
 flashjit_status flashjit_forward_varlen(const flashjit_tensor* q, const flashjit_tensor* k,

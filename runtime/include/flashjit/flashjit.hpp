@@ -23,7 +23,8 @@
 
 namespace flashjit {
 
-enum class ScalarType { float16, bfloat16, float32, int32, int64, uint8 };
+// float8_e4m3: PyTorch's float8_e4m3fn (FP8 forward inputs).
+enum class ScalarType { float16, bfloat16, float32, int32, int64, uint8, float8_e4m3 };
 const char* to_string(ScalarType t);
 int element_size(ScalarType t);
 
@@ -154,6 +155,13 @@ struct AttentionOptions {
   const ForwardContinuation* continuation = nullptr;
   // backward() on sm_90: add to running gradients (BackwardContinuation above).
   const BackwardContinuation* backward_continuation = nullptr;
+  // forward() of float8_e4m3 q, k and v (sm_90, sm90_fwd; out bfloat16): dequantisation factors,
+  // float32 (batch, heads_kv) on q's device, any strides (0 shares one factor), as FlashAttention-3's
+  // q_descale, k_descale and v_descale: the scores are (q k^T) q_descale k_descale (then the softmax
+  // scale) and out is (P v) v_descale. Null: 1.
+  const TensorView* q_descale = nullptr;
+  const TensorView* k_descale = nullptr;
+  const TensorView* v_descale = nullptr;
 };
 
 // A packed variable-length batch: sequence b of q occupies rows [cu_seqlens_q[b], cu_seqlens_q[b+1]).
@@ -203,7 +211,8 @@ class Runtime {
   // out = softmax(scale * q k^T + mask) v, per head.
   //   q, out: (batch, seqlen_q, heads_q, head_dim)   k, v: (batch, seqlen_k, heads_kv, head_dim)
   //   lse:    optional float32 (batch, heads_q, seqlen_q), natural-log logsumexp of each row
-  // fp16 or bf16; heads_q a multiple of heads_kv; head_dim a multiple of 8 up to 256. Empty tensors
+  // fp16 or bf16, or float8_e4m3 q, k and v with a bfloat16 out (FP8, sm_90: see q_descale in the
+  // options); heads_q a multiple of heads_kv; head_dim a multiple of 8 up to 256. Empty tensors
   // may have no memory (data null); no keys gives out 0 and LSE +inf. Batches and head counts over
   // a grid's 65535 run as several launches, one after another on the stream.
   void forward(const TensorView& q, const TensorView& k, const TensorView& v,

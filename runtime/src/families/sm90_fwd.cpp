@@ -86,8 +86,10 @@ AttentionSm90FwdParams hopper_params(const KernelSpec& spec, const ForwardProble
                                         a.v_row_stride, a.v_head_stride, a.v_batch_stride, spec.block_n);
   // O through TMA stores, one consumer warpgroup's 64 rows per box (the kernel uses it where it
   // can stage O in shared memory).
-  params.o_via_tma = !problem.is_varlen && !problem.continues && !tma_unusable_reason("out", a.o, a.o_row_stride, a.o_head_stride,
-                                                                  a.o_batch_stride, rows_q, a.num_heads_q, batches);
+  // (Not FP8, whose Q slots are laid out for 8-bit values.)
+  params.o_via_tma = !problem.is_varlen && !problem.continues && problem.dtype != DType::e4m3 &&
+                     !tma_unusable_reason("out", a.o, a.o_row_stride, a.o_head_stride, a.o_batch_stride, rows_q,
+                                          a.num_heads_q, batches);
   if (params.o_via_tma)
     params.o_map = make_attention_tma_map(a.o, problem.dtype, a.head_dim, rows_q, a.num_heads_q, batches,
                                           a.o_row_stride, a.o_head_stride, a.o_batch_stride, 64);
@@ -95,7 +97,8 @@ AttentionSm90FwdParams hopper_params(const KernelSpec& spec, const ForwardProble
   // Sections of (batch, head) pairs whose K/V (shared by a GQA group) fill half the L2, so the
   // CTAs working on a section reread K/V from L2 rather than HBM.
   const long long kv_bytes_per_pair =
-      std::max(1ll, 4ll * problem.seqlen_k * spec.head_dim / (problem.heads_q / problem.heads_kv));
+      std::max(1ll, (problem.dtype == DType::e4m3 ? 2ll : 4ll) * problem.seqlen_k * spec.head_dim /
+                            (problem.heads_q / problem.heads_kv));
   params.section_pairs = static_cast<int>(std::clamp(device.l2_bytes / 2 / kv_bytes_per_pair, 1ll,
                                                      static_cast<long long>(problem.heads_q) * problem.batch));
   // Tail splits, where the spec has them: automatic only without a mask, where the tiles are equal
@@ -110,6 +113,9 @@ AttentionSm90FwdParams hopper_params(const KernelSpec& spec, const ForwardProble
     split = choose_tail_split(tiles, persistent_ctas(problem, device), key_blocks, problem.num_splits);
   params.num_split_tiles = static_cast<int>(split.tiles);
   params.splits = split.splits;
+  params.q_descale = problem.q_descale;
+  params.k_descale = problem.k_descale;
+  params.v_descale = problem.v_descale;
   if (problem.block_sparse)
     fit_block_mask_to_tiles(params.fwd.block_mask, spec, /*rows_are_queries=*/true, spec.block_m, spec.block_n, "forward");
   return params;

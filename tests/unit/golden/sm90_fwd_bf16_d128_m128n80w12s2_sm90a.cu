@@ -20,6 +20,7 @@ struct Config {
   static constexpr int kSplitCountersPerTile = 8;
   static constexpr int kSplitStatsFloatsPerItem = 1024;
   static constexpr int kSplitOutputFloatsPerItem = 16384;
+  using OutputElement = Element;
   static __device__ __forceinline__ void wgmma_qk(float (&d)[40], unsigned long long desc_a,
       unsigned long long desc_b, bool accumulate) {
     asm volatile(

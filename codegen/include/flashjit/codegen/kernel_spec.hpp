@@ -27,7 +27,9 @@ enum class Family {
   block_mask,     // a block mask (FlexAttention's lists) from a mask modifier or a dense tile map, sm_80+
 };
 
-enum class DType { fp16, bf16 };
+// e4m3: FP8 inputs (q, k, v as PyTorch's float8_e4m3fn) with descale factors and a bf16 output,
+// on families that take FP8 (sm90_fwd).
+enum class DType { fp16, bf16, e4m3 };
 
 // Which keys a query may see. `window` covers any (left, right) band, causal-with-window included;
 // the band's widths are runtime values. Bottom-right aligned when seqlen_q != seqlen_k.
@@ -118,6 +120,8 @@ bool family_takes_continuation(Family family);
 // Whether `family` splits tails (KernelSpec::tail_splits), and whether a spec of it does by default.
 bool family_takes_tail_splits(Family family);
 bool default_tail_splits(Family family, MaskKind mask, bool block_sparse);
+// Whether `family` has FP8 (DType::e4m3) kernels.
+bool family_takes_fp8(Family family);
 // Whether `family`'s kernels read a varlen batch's seqused_q/seqused_k.
 bool family_takes_seqused(Family family);
 // Whether `family` has kernels for this arch and kernel head dim (its arch floor, the 'a' suffix
