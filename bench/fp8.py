@@ -10,7 +10,8 @@ halved when causal.
 
 Accuracy (FlashAttention-3's): q, k, v ~ N(0, 1) + N(0, 100) x Bernoulli(0.001), head dim 128; the
 RMSE of out against float64 attention of the unquantised inputs, for bf16 inputs and for FP8 with one
-scale per tensor (amax / 448), as the paper reports it."""
+scale per tensor (amax / 448), as the paper reports it, with flashjit.quantize_fp8's scales per
+sequence and KV head, and with its incoherent processing too (q and k rotated by a random Hadamard)."""
 import argparse
 import json
 import pathlib
@@ -92,6 +93,9 @@ def accuracy(seed=0):
     descales = [torch.full((b, h), scale.item(), device="cuda") for _, scale in quantized]
     result["fp8_per_tensor"] = rmse(flashjit.flash_attn_func(*(x for x, _ in quantized), q_descale=descales[0],
                                                              k_descale=descales[1], v_descale=descales[2]))
+    for name, incoherent in (("fp8_per_head", False), ("fp8_per_head_incoherent", True)):
+        q8, k8, v8, qs, ks, vs = flashjit.quantize_fp8(q, k, v, incoherent=incoherent)
+        result[name] = rmse(flashjit.flash_attn_func(q8, k8, v8, q_descale=qs, k_descale=ks, v_descale=vs))
     return result
 
 

@@ -16,12 +16,13 @@ import threading
 from . import _capi
 
 __all__ = ["flash_attn_func", "ring_flash_attn_func", "ring_flash_attn_local", "ring_shard", "ring_unshard",
-           "ring_flash_attn_varlen_func", "ring_flash_attn_varlen_local", "ring_shard_varlen", "ring_unshard_varlen", "AttentionMod", "BlockMask", "create_block_mask", "block_mask_from_tiles", "flash_attn_varlen_func", "flash_attn_with_kvcache", "check_kvcache", "FlashJitError", "cache_stats", "load_tuning_db",
+           "ring_flash_attn_varlen_func", "ring_flash_attn_varlen_local", "ring_shard_varlen", "ring_unshard_varlen", "AttentionMod", "BlockMask", "create_block_mask", "block_mask_from_tiles", "flash_attn_varlen_func", "flash_attn_with_kvcache", "check_kvcache", "FlashJitError", "cache_stats", "load_tuning_db", "quantize_fp8",
            "__version__"]
 
 _lib = _capi.load()
 __version__ = _lib.flashjit_version().decode()
 
+from ._fp8 import quantize_fp8  # noqa: E402
 from ._modifiers import AttentionMod, BlockMask, block_mask_from_tiles, create_block_mask  # noqa: E402
 from ._ring import (ring_flash_attn_func, ring_flash_attn_local, ring_flash_attn_varlen_func,  # noqa: E402
                     ring_flash_attn_varlen_local, ring_shard, ring_shard_varlen, ring_unshard, ring_unshard_varlen)
