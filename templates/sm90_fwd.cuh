@@ -458,9 +458,8 @@ __device__ void sm90_fwd_kernel(const AttentionSm90FwdParams& params) {
   // A row no key is visible to: LSE -inf under a user's mask (FlexAttention's), else +inf.
   constexpr bool kEmptyRowLse = Mods::kHasMask || Mods::kBlockSparse;
   // FP8: Q K^T times q_descale k_descale is the score (per batch and KV head; 1 otherwise), and P is
-  // offset by 2^kFp8ProbabilityLog2Offset (see softmax_scores).
-  constexpr int kFp8ProbabilityLog2Offset = 6;
-  constexpr int kProbabilityLog2Offset = kFp8 ? kFp8ProbabilityLog2Offset : 0;
+  // offset by 2^6 (see softmax_scores).
+  constexpr int kProbabilityLog2Offset = kFp8 ? 6 : 0;
   auto descale_at = [&](const Fp8Descale& d, int batch, int head) {
     const int kv_head = head / (p.num_heads_q / p.num_heads_kv);
     return d.data != nullptr ? __ldg(d.data + batch * d.batch_stride + kv_head * d.head_stride) : 1.f;

@@ -34,6 +34,7 @@ Enum parse_enum(std::string_view text, const std::string_view (&names)[N], const
 
 std::string_view to_string(Family f) { return family_rules(f).name; }
 std::string_view to_string(DType d) { return kDTypeNames[static_cast<int>(d)]; }
+int element_bytes(DType d) { return d == DType::e4m3 ? 1 : 2; }
 std::string_view to_string(MaskKind m) { return kMaskNames[static_cast<int>(m)]; }
 Family parse_family(std::string_view t) {
   std::vector<std::string_view> names;

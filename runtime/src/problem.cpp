@@ -253,14 +253,16 @@ void apply_options(ForwardProblem& p, const AttentionOptions& options) {
 
 // options.q_descale, k_descale, v_descale: float32 (batch, heads_kv), FP8 inputs only.
 void bind_descales(ForwardProblem& p, const AttentionOptions& options, const TensorView& q) {
-  const std::pair<const TensorView*, Fp8Descale*> descales[] = {
-      {options.q_descale, &p.q_descale}, {options.k_descale, &p.k_descale}, {options.v_descale, &p.v_descale}};
-  const char* names[] = {"q_descale", "k_descale", "v_descale"};
-  for (int i = 0; i < 3; ++i) {
-    const auto [view, descale] = descales[i];
+  struct Binding {
+    const TensorView* view;
+    Fp8Descale* descale;
+    const char* name;
+  };
+  for (const auto& [view, descale, name] : {Binding{options.q_descale, &p.q_descale, "q_descale"},
+                                             Binding{options.k_descale, &p.k_descale, "k_descale"},
+                                             Binding{options.v_descale, &p.v_descale, "v_descale"}}) {
     *descale = {};
     if (view == nullptr) continue;
-    const char* name = names[i];
     if (p.dtype != DType::e4m3)
       throw bad(fmt::format("{}: given for {} inputs; descale factors apply to float8_e4m3 q, k and v", name,
                             to_string(q.dtype)));
@@ -1051,7 +1053,7 @@ ForwardProblem slice_problem(const ForwardProblem& p, const ProblemSlice& s) {
   AttentionFwdParams& a = part.params;
   const auto [b, hq, hk] = slice_start(p, s);
   // (Varlen batch strides are 0: its rows are addressed through cu_seqlens, which move instead.)
-  const int input_bytes = p.dtype == DType::e4m3 ? 1 : 2;  // (out is 16-bit)
+  const int input_bytes = element_bytes(p.dtype);  // (out is 16-bit)
   a.q = advanced(a.q, b * a.q_batch_stride + hq * a.q_head_stride, input_bytes);
   a.k = advanced(a.k, b * a.k_batch_stride + hk * a.k_head_stride, input_bytes);
   a.v = advanced(a.v, b * a.v_batch_stride + hk * a.v_head_stride, input_bytes);

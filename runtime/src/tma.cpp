@@ -14,7 +14,7 @@ static_assert(sizeof(TmaDescriptor) == sizeof(CUtensorMap), "TmaDescriptor mirro
 TmaDescriptor make_attention_tma_map(const void* data, DType dtype, int head_dim, int seqlen, int heads, int batch,
                                      long long row_stride, long long head_stride, long long batch_stride,
                                      int box_rows) {
-  const cuuint64_t kElementBytes = dtype == DType::e4m3 ? 1 : 2;
+  const cuuint64_t kElementBytes = element_bytes(dtype);
   const cuuint64_t dims[4] = {cuuint64_t(head_dim), cuuint64_t(seqlen), cuuint64_t(heads), cuuint64_t(batch)};
   // Strides of dims 1..3 in bytes; a dim of extent 1 may have any stride, but TMA wants multiples of
   // 16 below 2^40, so those get a harmless one.
@@ -103,7 +103,7 @@ std::optional<std::string> tma_unusable_reason(const char* name, const void* dat
 std::optional<std::string> tma_unusable_reason(const ForwardProblem& problem) {
   const AttentionFwdParams& a = problem.params;
   const auto [rows_q, rows_k, batches] = tma_extents(problem);
-  const int bytes = problem.dtype == DType::e4m3 ? 1 : 2;
+  const int bytes = element_bytes(problem.dtype);
   const TmaOperand operands[] = {
       {"q", a.q, a.q_row_stride, a.q_head_stride, a.q_batch_stride, rows_q, a.num_heads_q, batches, bytes},
       {"k", a.k, a.k_row_stride, a.k_head_stride, a.k_batch_stride, rows_k, a.num_heads_kv, batches, bytes},

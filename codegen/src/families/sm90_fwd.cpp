@@ -13,7 +13,7 @@ namespace {
 
 int consumers(const KernelSpec& s) { return s.block_m / 64; }
 bool fp8(const KernelSpec& s) { return s.dtype == DType::e4m3; }
-int panels(const KernelSpec& s) { return (s.head_dim * (fp8(s) ? 1 : 2) + 127) / 128; }  // 128-byte-wide
+int panels(const KernelSpec& s) { return (s.head_dim * element_bytes(s.dtype) + 127) / 128; }  // 128-byte-wide
 
 int smem_bytes_with(const KernelSpec& s, int q_stages) {
   const int q_bytes = panels(s) * s.block_m * 128, kv_tile_bytes = panels(s) * s.block_n * 128;

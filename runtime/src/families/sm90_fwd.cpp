@@ -97,7 +97,7 @@ AttentionSm90FwdParams hopper_params(const KernelSpec& spec, const ForwardProble
   // Sections of (batch, head) pairs whose K/V (shared by a GQA group) fill half the L2, so the
   // CTAs working on a section reread K/V from L2 rather than HBM.
   const long long kv_bytes_per_pair =
-      std::max(1ll, (problem.dtype == DType::e4m3 ? 2ll : 4ll) * problem.seqlen_k * spec.head_dim /
+      std::max(1ll, 2ll * element_bytes(problem.dtype) * problem.seqlen_k * spec.head_dim /
                             (problem.heads_q / problem.heads_kv));
   params.section_pairs = static_cast<int>(std::clamp(device.l2_bytes / 2 / kv_bytes_per_pair, 1ll,
                                                      static_cast<long long>(problem.heads_q) * problem.batch));

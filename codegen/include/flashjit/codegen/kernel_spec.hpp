@@ -105,6 +105,8 @@ KernelSpec default_spec(Family family, Arch arch, DType dtype, int head_dim,
 // Enum <-> text, used by names, JSON and the CLIs. The parsers throw Error(invalid_argument).
 std::string_view to_string(Family f);
 std::string_view to_string(DType d);
+// Bytes of one q, k or v element of `d` (the output is 16-bit for every dtype).
+int element_bytes(DType d);
 std::string_view to_string(MaskKind m);
 Family parse_family(std::string_view text);
 DType parse_dtype(std::string_view text);
