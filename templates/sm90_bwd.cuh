@@ -4,13 +4,17 @@
 //   dkdv_atomic_dq   one CTA per kBlockN keys of one K/V head: a producer warp loads K and V once
 //                    and streams the query steps (Q and dO by TMA, LSE and delta by the warp's
 //                    lanes) through a ring of kStages; two consumer warpgroups per step of kBlockM
-//                    queries compute
+//                    queries compute, in FlashAttention-3's order (each GEMM overlapping the
+//                    elementwise work or the dQ hand-off listed after it)
 //                      S^T = K Q^T, dP^T = V dO^T                  (wgmma, both operands in smem)
-//                      P^T, dS^T elementwise                       (registers; dS^T also to smem)
-//                      dV += P^T dO, dK += dS^T Q                  (wgmma, P^T and dS^T from registers)
-//                      dQ = dS K                                   (wgmma, dS^T and K from smem)
-//                    and hand their dQ shares, through shared memory, to the producer group's three
-//                    spare warps, which add them to the accumulator with 16-byte atomics (where the
+//                      P^T elementwise, once S^T is in             (registers)
+//                      dV += P^T dO                                (wgmma, P^T from registers)
+//                      dS^T elementwise, once dP^T is in           (registers and smem)
+//                      dQ = dS K, then dK += dS^T Q                (wgmma; dS^T and K from smem, dS^T
+//                                                                   from registers)
+//                    (with a softcap or score modifier, whose dS^T needs the score, P^T and dS^T
+//                    wait for both GEMMs), and hand their dQ shares, through shared memory, to the
+//                    producer group's three spare warps, which add them to the accumulator with 16-byte atomics (where the
 //                    buffer fits: head dims 64 and 128 at two stages; elsewhere the consumers add
 //                    dQ with their own 8-byte atomics). The buffer passes between them on two
 //                    mbarriers (full, free), every writing or reading thread arriving itself (on
@@ -355,6 +359,8 @@ __device__ void sm90_bwd_dkdv_atomic_dq_kernel(const AttentionSm90BwdParams& par
   const int consumer_queries = kSplitHeadDim ? consumer * kScoreQueries : 0;  // and columns
   const int consumer_cols = kSplitHeadDim ? consumer * kGradCols : 0;        // its dK and dV columns
   const int key_row0 = consumer_keys + warp_in_group * 16;  // this warp's keys in the tile
+  // This consumer's columns of a step's dQ (at head dim 64 all of them, on its turns).
+  const int dq_col0 = Shape::kDqAlternates ? 0 : consumer * Shape::kDqCols;
   const float scale_log2 = f.softmax_scale * kLog2e;
   const float softcap_scale = Config::kHasSoftcap ? f.softmax_scale / f.softcap : 0.f;
 
@@ -378,19 +384,26 @@ __device__ void sm90_bwd_dkdv_atomic_dq_kernel(const AttentionSm90BwdParams& par
   // acc (64 keys, kGradCols) += A (64 keys x kBlockM queries) x the consumer's columns of the step
   // tile at sB (kBlockM queries x head dim, MN-major): dV from P^T and dO, dK from dS^T and Q. A comes
   // from registers when the consumer computed all of it, else from the exchanged tile at sA.
-  auto issue_key_gradient = [&](float (&acc)[kGradCols / 2], unsigned (&a)[kBlockM / 16][4], unsigned sA, unsigned sB) {
-    const unsigned long long b_tile =
-        smem_descriptor_sw128(sB + (consumer_cols / 64) * Shape::kStepPanelBytes, Shape::kStepPanelBytes, 1024);
+  auto key_gradient_b = [&](unsigned sB) {
+    return smem_descriptor_sw128(sB + (consumer_cols / 64) * Shape::kStepPanelBytes, Shape::kStepPanelBytes, 1024);
+  };
+  // (Codegen renders the register form, or split by head dim the shared-memory one.)
+  auto issue_key_gradient_rs = [&](float (&acc)[kGradCols / 2], unsigned (&a)[kBlockM / 16][4], unsigned sB) {
+    if constexpr (!kSplitHeadDim) {
+      const unsigned long long b_tile = key_gradient_b(sB);
+#pragma unroll
+      for (int ks = 0; ks < kBlockM / 16; ++ks)
+        Config::wgmma_key_gradient(acc, a[ks], smem_descriptor_advance(b_tile, ks * 16 * 128), true);
+    }
+  };
+  auto issue_key_gradient_ss = [&](float (&acc)[kGradCols / 2], unsigned sA, unsigned sB) {
     if constexpr (kSplitHeadDim) {
+      const unsigned long long b_tile = key_gradient_b(sB);
       const unsigned long long a_tile = smem_descriptor_sw128(sA, 16, 1024);
 #pragma unroll
       for (int ks = 0; ks < kBlockM / 16; ++ks)
         Config::wgmma_key_gradient(acc, smem_descriptor_advance(a_tile, ks * 32),
                                    smem_descriptor_advance(b_tile, ks * 16 * 128), true);
-    } else {
-#pragma unroll
-      for (int ks = 0; ks < kBlockM / 16; ++ks)
-        Config::wgmma_key_gradient(acc, a[ks], smem_descriptor_advance(b_tile, ks * 16 * 128), true);
     }
   };
 
@@ -443,19 +456,21 @@ __device__ void sm90_bwd_dkdv_atomic_dq_kernel(const AttentionSm90BwdParams& par
     fence_operands(dp);
     wgmma_fence();
     issue_scores(s, sK, sQ(stage));
+    wgmma_commit();
     issue_scores(dp, sV, sDo(stage));
     wgmma_commit();
     // (While the GEMMs run.)
     unsigned long long user_hidden = 0;
     if constexpr (Mods::kHasMask)
       if (at.partial != 0) user_hidden = user_mask_hidden(head, m0);
-    wgmma_wait<0>();
-    fence_operands(s);
-    fence_operands(dp);
 
     // P^T and dS^T, packed to 16-bit pairs as soon as they are computed (the C layout of two n8
     // tiles is the A layout of one k16 step: pair (j, h) is a[j / 2][2 (j % 2) + h]); dS^T also to
-    // shared memory for the dQ GEMM, and P^T too where the consumers exchange them.
+    // shared memory for the dQ GEMM, and P^T too where the consumers exchange them. Where dS^T needs
+    // only P (no softcap or score modifier: dS = P (dP - delta) scale), P^T is computed while dP^T's
+    // GEMM runs and dV's GEMM runs while dS^T is computed (FlashAttention-3's order); otherwise both
+    // wait for dP^T.
+    constexpr bool kDsFromP = !Mods::kHasScore && !Config::kHasSoftcap;
     unsigned a_p[kBlockM / 16][4], a_ds[kBlockM / 16][4];
     // (Query rows past the sequence: TMA read zeros there, which must not count.)
     const bool asks_mask = Mods::kHasMask && at.partial != 0;  // the user's mask decides this step's elements
@@ -465,14 +480,61 @@ __device__ void sm90_bwd_dkdv_atomic_dq_kernel(const AttentionSm90BwdParams& par
     // 32-bit shared addresses: generic pointers would hold two registers each through the loop.
     const unsigned lse = base + Shape::kLseOffset + stage * kBlockM * 4;
     const unsigned delta = base + Shape::kDeltaOffset + stage * kBlockM * 4;
+    // Element (j, h, c) of this thread: query consumer_queries + 8 j + 2 (lane % 4) + c of the step,
+    // key key_row0 + lane / 4 + 8 h of the tile.
+    auto step_query = [&](int j) { return consumer_queries + j * 8 + (lane % 4) * 2; };
+    auto tile_key = [&](int h) { return key_row0 + lane / 4 + h * 8; };
+    // Row `key` of the (keys x queries) tiles, queries query and query + 1: 16-byte chunk query / 8
+    // of the row, swizzled by the row's position in its 8-row atom (key % 8 = lane / 4). The tiles
+    // are 1024-byte aligned, so the swizzle is an XOR of the address with a constant per chunk: no
+    // per-chunk offsets for ptxas to hoist out of the step loop (where registers are short, it
+    // spilled them).
+    static_assert(kScoreQueries % 8 == 0, "a consumer's queries start at a chunk");
+    const unsigned pair_base = (key_row0 + lane / 4) * 128 + ((lane / 4) << 4) + (lane % 4) * 4;
+    auto pair_address = [&](unsigned tile, int j, int h) {
+      const int chunk = consumer_queries / 8 + j;  // < 8: kBlockM is 64 (one 128-byte row)
+      return ((tile + pair_base) ^ (chunk << 4)) + h * 8 * 128;
+    };
+    auto keep_p = [&](int j, int h) {
+      const unsigned p_pair = pack2<Element>(s[4 * j + 2 * h], s[4 * j + 2 * h + 1]);
+      if constexpr (kSplitHeadDim)
+        asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(pair_address(p_tile, j, h)), "r"(p_pair));
+      else
+        a_p[j / 2][2 * (j % 2) + h] = p_pair;
+    };
+    auto keep_ds = [&](int j, int h) {
+      const unsigned ds_pair = pack2<Element>(dp[4 * j + 2 * h], dp[4 * j + 2 * h + 1]);
+      asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(pair_address(ds_tile, j, h)), "r"(ds_pair));
+      if constexpr (!kSplitHeadDim) a_ds[j / 2][2 * (j % 2) + h] = ds_pair;
+    };
+    // dV += P^T dO: early where P^T is this consumer's own (registers), else once the other's
+    // columns are in shared memory.
+    auto issue_dv = [&] {
+      fence_operands(dv);
+      if constexpr (!kSplitHeadDim) fence_operands(a_p);
+      wgmma_fence();
+      if constexpr (kSplitHeadDim) issue_key_gradient_ss(dv, p_tile, sDo(stage));
+      else issue_key_gradient_rs(dv, a_p, sDo(stage));
+      wgmma_commit();
+    };
+
+    wgmma_wait<kDsFromP ? 1 : 0>();  // S^T (and dP^T where dS^T needs the score)
+    fence_operands(s);
+    if constexpr (!kDsFromP) fence_operands(dp);
 #pragma unroll
     for (int j = 0; j < kScoreQueries / 8; ++j) {
-      const int query = consumer_queries + j * 8 + (lane % 4) * 2;  // step-relative, and query + 1
-      const float2 lse2 = load_shared_pair(lse + 4 * query), delta2 = load_shared_pair(delta + 4 * query);
-      const float lse_log2[2] = {lse2.x, lse2.y}, deltas[2] = {delta2.x, delta2.y};
+      const int query = step_query(j);  // step-relative, and query + 1
+      const float2 lse2 = load_shared_pair(lse + 4 * query);
+      const float lse_log2[2] = {lse2.x, lse2.y};
+      float deltas[2] = {0.f, 0.f};
+      if constexpr (!kDsFromP) {
+        const float2 delta2 = load_shared_pair(delta + 4 * query);
+        deltas[0] = delta2.x;
+        deltas[1] = delta2.y;
+      }
 #pragma unroll
       for (int h = 0; h < 2; ++h) {  // the thread's two keys: g and g + 8
-        const int key = key_row0 + lane / 4 + h * 8;
+        const int key = tile_key(h);
 #pragma unroll
         for (int c = 0; c < 2; ++c) {
           const int i = 4 * j + 2 * h + c, q = m0 + query + c;
@@ -484,58 +546,65 @@ __device__ void sm90_bwd_dkdv_atomic_dq_kernel(const AttentionSm90BwdParams& par
           if constexpr (Mods::kHasMask) visible = visible && !((user_hidden >> i) & 1);
           // Computed for every element, then selected: a branch around the exponential would keep
           // both paths' values alive across it (the causal variant spilled).
-          float ds, prob;
-          if constexpr (Mods::kHasScore)
-            prob = modified_probability_and_ds<Mods>(s[i], lse_log2[c], dp[i], deltas[c], !needs_mask || inside, f, batch,
-                                                      head, q, n0 + key, ds);
-          else
-            prob = probability_and_ds<Config>(s[i], lse_log2[c], dp[i], deltas[c], true, scale_log2, softcap_scale, f, ds);
-          s[i] = visible ? prob : 0.f;
-          dp[i] = visible ? ds : 0.f;
+          if constexpr (kDsFromP) {
+            const float prob = exp2_approx(fmaf(s[i], scale_log2, -lse_log2[c]));
+            s[i] = visible ? prob : 0.f;
+          } else {
+            float ds, prob;
+            if constexpr (Mods::kHasScore)
+              prob = modified_probability_and_ds<Mods>(s[i], lse_log2[c], dp[i], deltas[c], !needs_mask || inside, f,
+                                                        batch, head, q, n0 + key, ds);
+            else
+              prob = probability_and_ds<Config>(s[i], lse_log2[c], dp[i], deltas[c], true, scale_log2, softcap_scale, f,
+                                                ds);
+            s[i] = visible ? prob : 0.f;
+            dp[i] = visible ? ds : 0.f;
+          }
         }
-        const unsigned p_pair = pack2<Element>(s[4 * j + 2 * h], s[4 * j + 2 * h + 1]);
-        const unsigned ds_pair = pack2<Element>(dp[4 * j + 2 * h], dp[4 * j + 2 * h + 1]);
-        // Row `key` of the (keys x queries) tiles, queries query and query + 1: 16-byte chunk query / 8
-        // of the row, swizzled by the row's position in its 8-row atom (key % 8 = lane / 4).
-        const unsigned offset = key * 128 + (((query / 8) ^ (lane / 4)) << 4) + (lane % 4) * 4;
-        asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(ds_tile + offset), "r"(ds_pair));
-        if constexpr (kSplitHeadDim) {
-          asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(p_tile + offset), "r"(p_pair));
-        } else {
-          a_p[j / 2][2 * (j % 2) + h] = p_pair;
-          a_ds[j / 2][2 * (j % 2) + h] = ds_pair;
-        }
+        keep_p(j, h);
+        if constexpr (!kDsFromP) keep_ds(j, h);
       }
     }
-    fence_proxy_async_shared();  // dS^T (and P^T) are read by wgmma (the async proxy) below
-    // Split by head dim, the other consumer's P^T and dS^T columns must be in before dK and dV.
-    if constexpr (kSplitHeadDim) named_barrier_sync(1, 128 * Shape::kConsumers);
-
-    fence_operands(dv);
-    fence_operands(dk);
-    if constexpr (!kSplitHeadDim) {
-      fence_operands(a_p);
-      fence_operands(a_ds);
+    if constexpr (kDsFromP) {
+      if constexpr (!kSplitHeadDim) issue_dv();
+      wgmma_wait<kSplitHeadDim ? 0 : 1>();  // dP^T (dV's GEMM may still run)
+      fence_operands(dp);
+#pragma unroll
+      for (int j = 0; j < kScoreQueries / 8; ++j) {
+        const float2 delta2 = load_shared_pair(delta + 4 * step_query(j));
+        const float deltas[2] = {delta2.x, delta2.y};
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+#pragma unroll
+          for (int c = 0; c < 2; ++c) {
+            const int i = 4 * j + 2 * h + c;
+            // 0 where P is (hidden elements: dP^T is finite there, from real or zero-filled rows)
+            dp[i] = s[i] * (dp[i] - deltas[c]) * f.softmax_scale;
+          }
+          keep_ds(j, h);
+        }
+      }
+    } else if constexpr (!kSplitHeadDim) {
+      issue_dv();
     }
-    wgmma_fence();
-    issue_key_gradient(dv, a_p, p_tile, sDo(stage));
-    issue_key_gradient(dk, a_ds, ds_tile, sQ(stage));
-    wgmma_commit();
+    fence_proxy_async_shared();  // dS^T (and P^T) are read by wgmma (the async proxy) below
 
-    // dQ, once the dS^T rows it reads are in (every consumer's). At head dim 64 one consumer computes
-    // it per step; the other only arrives. Barrier ids alternate with the step there, so an arrival
-    // can never complete the previous step's barrier.
+    // dQ, once the dS^T rows it reads are in (every consumer's; split by head dim, the other
+    // consumer's P^T and dS^T columns for dK and dV too). At head dim 64 one consumer computes it per
+    // step; the other only arrives. Barrier ids alternate with the step there, so an arrival can
+    // never complete the previous step's barrier.
     const bool computes_dq = !Shape::kDqAlternates || step % 2 == consumer;
     if constexpr (Shape::kDqAlternates) {
       if (computes_dq) named_barrier_sync(1 + step % 2, 128 * Shape::kConsumers);
       else named_barrier_arrive(1 + step % 2, 128 * Shape::kConsumers);
-    } else if constexpr (!kSplitHeadDim) {
+    } else {
       named_barrier_sync(1, 128 * Shape::kConsumers);
     }
+    if constexpr (kSplitHeadDim) issue_dv();
     float dq[Shape::kDqCols / 2];
     fence_operands(dq);
     if (computes_dq) {
-      const unsigned b_start = Shape::kDqAlternates ? 0 : consumer * (Shape::kDqCols / 64) * Shape::kKvPanelBytes;
+      const unsigned b_start = (dq_col0 / 64) * Shape::kKvPanelBytes;
       const unsigned long long a_tile = smem_descriptor_sw128(ds_tile, Shape::kDsBytes, 1024);
       unsigned long long b_tile = smem_descriptor_sw128(sK + b_start, Shape::kKvPanelBytes, 1024);
       launder(b_tile);
@@ -546,33 +615,46 @@ __device__ void sm90_bwd_dkdv_atomic_dq_kernel(const AttentionSm90BwdParams& par
                          ks > 0);
       wgmma_commit();
     }
-    wgmma_wait<0>();  // dK, dV and dQ
-    fence_operands(dq);
-    fence_operands(dv);
+    // dK += dS^T Q last: dQ leaves while it runs.
     fence_operands(dk);
-    if constexpr (!kSplitHeadDim) {
-      fence_operands(a_p);
-      fence_operands(a_ds);
+    if constexpr (!kSplitHeadDim) fence_operands(a_ds);
+    wgmma_fence();
+    if constexpr (kSplitHeadDim) issue_key_gradient_ss(dk, ds_tile, sQ(stage));
+    else issue_key_gradient_rs(dk, a_ds, sQ(stage));
+    wgmma_commit();
+    // Q, dO, LSE and delta of this stage are free once dK's GEMM is done.
+    auto release_stage = [&] {
+      wgmma_wait<0>();
+      fence_operands(dk);
+      fence_operands(dv);
+      if constexpr (!kSplitHeadDim) fence_operands(a_p);
+      if constexpr (!kSplitHeadDim) fence_operands(a_ds);
+      mbarrier_arrive(bar_empty(stage));
+    };
+    if (!computes_dq) {
+      release_stage();
+      continue;
     }
-    mbarrier_arrive(bar_empty(stage));  // Q, dO, LSE and delta of this stage are free
-    if (!computes_dq) continue;
+    wgmma_wait<1>();  // dV and dQ
+    fence_operands(dq);
 
     if (dq_writers) {  // to the writer warps, through shared memory (rows past the sequence too: zeros)
       mbarrier_wait(bar_dq_free, (step & 1) ^ 1);  // a fresh barrier passes parity 1
       const unsigned buffer = base + Shape::kDqOffset;
-      if (Shape::kRecordsSteps && (Shape::kDqAlternates || consumer == 0) && warp_in_group == 0 && lane == 0)
+      if (Shape::kRecordsSteps && dq_col0 == 0 && warp_in_group == 0 && lane == 0)
         asm volatile("st.shared.v2.s32 [%0], {%1, %2};\n" ::"r"(buffer + Shape::kDqStepOffset), "r"(head), "r"(m0)
                      : "memory");
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         const int row = warp_in_group * 16 + lane / 4 + h * 8;
-        const int col0 = (Shape::kDqAlternates ? 0 : consumer * Shape::kDqCols) + (lane % 4) * 2;
+        const int col0 = dq_col0 + (lane % 4) * 2;
         const unsigned row_address = buffer + row * Shape::kDqRowBytes + col0 * 4;
 #pragma unroll
         for (int j = 0; j < Shape::kDqCols / 8; ++j)
           store_shared_pair(row_address + j * 32, dq[4 * j + 2 * h], dq[4 * j + 2 * h + 1]);
       }
       mbarrier_arrive(bar_dq_full);
+      release_stage();
       continue;
     }
 
@@ -584,7 +666,7 @@ __device__ void sm90_bwd_dkdv_atomic_dq_kernel(const AttentionSm90BwdParams& par
     for (int h = 0; h < 2; ++h) {
       const int row = m0 + warp_in_group * 16 + lane / 4 + h * 8;
       if (row >= seq.seqlen_q) continue;
-      const int col0 = (Shape::kDqAlternates ? 0 : consumer * Shape::kDqCols) + (lane % 4) * 2;
+      const int col0 = dq_col0 + (lane % 4) * 2;
       float* accum_row = accum + static_cast<long long>(workspace_row(f, seq, batch, row)) * f.head_dim + col0;
       if (full_width) {
 #pragma unroll
@@ -596,6 +678,7 @@ __device__ void sm90_bwd_dkdv_atomic_dq_kernel(const AttentionSm90BwdParams& par
           if (col0 + j * 8 < f.head_dim) atomic_add_pair<90>(accum_row + j * 8, dq[4 * j + 2 * h], dq[4 * j + 2 * h + 1]);
       }
     }
+    release_stage();
   }
 
   // Epilogue: dK and dV straight from the registers (4-byte pairs). Keys no query sees get zeros. A
