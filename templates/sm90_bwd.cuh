@@ -382,29 +382,27 @@ __device__ void sm90_bwd_dkdv_atomic_dq_kernel(const AttentionSm90BwdParams& par
     }
   };
   // acc (64 keys, kGradCols) += A (64 keys x kBlockM queries) x the consumer's columns of the step
-  // tile at sB (kBlockM queries x head dim, MN-major): dV from P^T and dO, dK from dS^T and Q. A comes
-  // from registers when the consumer computed all of it, else from the exchanged tile at sA.
-  auto key_gradient_b = [&](unsigned sB) {
-    return smem_descriptor_sw128(sB + (consumer_cols / 64) * Shape::kStepPanelBytes, Shape::kStepPanelBytes, 1024);
-  };
-  // (Codegen renders the register form, or split by head dim the shared-memory one.)
-  auto issue_key_gradient_rs = [&](float (&acc)[kGradCols / 2], unsigned (&a)[kBlockM / 16][4], unsigned sB) {
-    if constexpr (!kSplitHeadDim) {
-      const unsigned long long b_tile = key_gradient_b(sB);
-#pragma unroll
-      for (int ks = 0; ks < kBlockM / 16; ++ks)
-        Config::wgmma_key_gradient(acc, a[ks], smem_descriptor_advance(b_tile, ks * 16 * 128), true);
-    }
-  };
-  auto issue_key_gradient_ss = [&](float (&acc)[kGradCols / 2], unsigned sA, unsigned sB) {
+  // tile at sB (kBlockM queries x head dim, MN-major), as one commit group: dV from P^T and dO, dK
+  // from dS^T and Q. A comes from registers when the consumer computed all of it, else from the
+  // exchanged tile at sA.
+  auto issue_key_gradient = [&](float (&acc)[kGradCols / 2], unsigned (&a)[kBlockM / 16][4], unsigned sA, unsigned sB) {
+    const unsigned long long b_tile =
+        smem_descriptor_sw128(sB + (consumer_cols / 64) * Shape::kStepPanelBytes, Shape::kStepPanelBytes, 1024);
+    fence_operands(acc);
+    if constexpr (!kSplitHeadDim) fence_operands(a);
+    wgmma_fence();
     if constexpr (kSplitHeadDim) {
-      const unsigned long long b_tile = key_gradient_b(sB);
       const unsigned long long a_tile = smem_descriptor_sw128(sA, 16, 1024);
 #pragma unroll
       for (int ks = 0; ks < kBlockM / 16; ++ks)
         Config::wgmma_key_gradient(acc, smem_descriptor_advance(a_tile, ks * 32),
                                    smem_descriptor_advance(b_tile, ks * 16 * 128), true);
+    } else {
+#pragma unroll
+      for (int ks = 0; ks < kBlockM / 16; ++ks)
+        Config::wgmma_key_gradient(acc, a[ks], smem_descriptor_advance(b_tile, ks * 16 * 128), true);
     }
+    wgmma_commit();
   };
 
   // The user's mask on this thread's elements of a partly visible step, as a bit set in the element
@@ -509,14 +507,7 @@ __device__ void sm90_bwd_dkdv_atomic_dq_kernel(const AttentionSm90BwdParams& par
     };
     // dV += P^T dO: early where P^T is this consumer's own (registers), else once the other's
     // columns are in shared memory.
-    auto issue_dv = [&] {
-      fence_operands(dv);
-      if constexpr (!kSplitHeadDim) fence_operands(a_p);
-      wgmma_fence();
-      if constexpr (kSplitHeadDim) issue_key_gradient_ss(dv, p_tile, sDo(stage));
-      else issue_key_gradient_rs(dv, a_p, sDo(stage));
-      wgmma_commit();
-    };
+    auto issue_dv = [&] { issue_key_gradient(dv, a_p, p_tile, sDo(stage)); };
 
     wgmma_wait<kDsFromP ? 1 : 0>();  // S^T (and dP^T where dS^T needs the score)
     fence_operands(s);
@@ -615,13 +606,7 @@ __device__ void sm90_bwd_dkdv_atomic_dq_kernel(const AttentionSm90BwdParams& par
                          ks > 0);
       wgmma_commit();
     }
-    // dK += dS^T Q last: dQ leaves while it runs.
-    fence_operands(dk);
-    if constexpr (!kSplitHeadDim) fence_operands(a_ds);
-    wgmma_fence();
-    if constexpr (kSplitHeadDim) issue_key_gradient_ss(dk, ds_tile, sQ(stage));
-    else issue_key_gradient_rs(dk, a_ds, sQ(stage));
-    wgmma_commit();
+    issue_key_gradient(dk, a_ds, ds_tile, sQ(stage));  // last: dQ leaves while it runs
     // Q, dO, LSE and delta of this stage are free once dK's GEMM is done.
     auto release_stage = [&] {
       wgmma_wait<0>();
