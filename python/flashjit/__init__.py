@@ -77,7 +77,9 @@ def _view(tensor, name):
 
 
 def _options(tensor, softmax_scale, causal, window_left, window_right, softcap, backend="auto", deterministic=False,
-             sm_margin=0):
+             sm_margin=0, prepare_backward=False):
+    """The C options; prepare_backward: a forward whose backward follows (autograd), so that the backward's
+    kernel compiles beside the forward's on a cold cache (for `deterministic` as given)."""
     o = _capi.AttentionOptions()
     _lib.flashjit_attention_options_init(ctypes.byref(o))
     if softmax_scale is not None:
@@ -88,6 +90,7 @@ def _options(tensor, softmax_scale, causal, window_left, window_right, softcap, 
     o.backend = _capi.BACKENDS[backend]
     o.deterministic = bool(deterministic)
     o.sm_margin = int(sm_margin)
+    o.prepare_backward = bool(prepare_backward)
     o.stream = _torch().cuda.current_stream(tensor.device).cuda_stream
     return o
 
@@ -169,27 +172,31 @@ def _kernel_input(t, name):
 # autograd.Functions.
 
 def _forward(q, k, v, softmax_scale, causal, window_left, window_right, softcap, backend, sm_margin, with_lse=True,
-             may_copy=True):
-    """(out, lse); lse None unless with_lse (inference that does not return it skips writing it)."""
+             may_copy=True, prepare_backward=False, deterministic=False):
+    """(out, lse); lse None unless with_lse (inference that does not return it skips writing it).
+    prepare_backward, deterministic: see _options."""
     torch = _torch()
     plans = _plans("forward")
     key = (q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), q.dtype, k.dtype, v.dtype, q.device,
-           k.device, v.device, softmax_scale, causal, window_left, window_right, softcap, backend, sm_margin, with_lse)
+           k.device, v.device, softmax_scale, causal, window_left, window_right, softcap, backend, sm_margin, with_lse,
+           prepare_backward, deterministic)
     plan = plans.get(key)
     pointers = (q.data_ptr(), k.data_ptr(), v.data_ptr())
     if may_copy and ((plan is not None and plan.copy) or (pointers[0] | pointers[1] | pointers[2]) & 15):
         # (Once: a copy the kernels still cannot read, such as a head_dim off 8, gets the C API's error.)
         return _forward(_kernel_input(q, "q"), _kernel_input(k, "k"), _kernel_input(v, "v"), softmax_scale, causal,
-                        window_left, window_right, softcap, backend, sm_margin, with_lse, may_copy=False)
+                        window_left, window_right, softcap, backend, sm_margin, with_lse, may_copy=False,
+                        prepare_backward=prepare_backward, deterministic=deterministic)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     lse = torch.empty((q.shape[0], q.shape[2], q.shape[1]), dtype=torch.float32, device=q.device) if with_lse else None
     if plan is None:
-        options = _options(q, softmax_scale, causal, window_left, window_right, softcap, backend, sm_margin=sm_margin)
+        options = _options(q, softmax_scale, causal, window_left, window_right, softcap, backend, deterministic,
+                           sm_margin, prepare_backward)
         copy = not all(_kernel_ready(t) for t in (q, k, v))
         plan = plans[key] = _CallPlan(((q, "q"), (k, "k"), (v, "v"), (out, "out"), (lse, "lse")), options, copy)
         if copy and may_copy:
             return _forward(q, k, v, softmax_scale, causal, window_left, window_right, softcap, backend, sm_margin,
-                            with_lse)
+                            with_lse, prepare_backward=prepare_backward, deterministic=deterministic)
     pointers += (out.data_ptr(), lse.data_ptr()) if with_lse else (out.data_ptr(),)
     plan.call(_lib.flashjit_forward, pointers, _current_stream(q.device))
     return out, lse
@@ -222,7 +229,7 @@ def _forward_fp8(q, k, v, softmax_scale, causal, window_left, window_right, soft
 
 
 def _forward_mod(q, k, v, softmax_scale, causal, window_left, window_right, softcap, backend, sm_margin, mod,
-                 block_mask):
+                 block_mask, prepare_backward=False):
     from . import _modifiers
     torch = _torch()
     q, k, v = _kernel_input(q, "q"), _kernel_input(k, "k"), _kernel_input(v, "v")
@@ -234,7 +241,8 @@ def _forward_mod(q, k, v, softmax_scale, causal, window_left, window_right, soft
         mod_tensors, mod_count = None, 0
     mask = _modifiers.as_block_mask(block_mask)._c_struct() if block_mask is not None else None
     with torch.cuda.device(q.device):
-        options = _options(q, softmax_scale, causal, window_left, window_right, softcap, backend, sm_margin=sm_margin)
+        options = _options(q, softmax_scale, causal, window_left, window_right, softcap, backend, sm_margin=sm_margin,
+                           prepare_backward=prepare_backward)
         _check(_lib.flashjit_forward_mod(ctypes.byref(_view(q, "q")), ctypes.byref(_view(k, "k")),
                                          ctypes.byref(_view(v, "v")), ctypes.byref(_view(out, "out")),
                                          ctypes.byref(_view(lse, "lse")), mod._handle if mod is not None else None,
@@ -289,13 +297,14 @@ def _backward(dout, q, k, v, out, lse, softmax_scale, causal, window_left, windo
 
 
 def _forward_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
-                    window_left, window_right, softcap, backend, sm_margin):
+                    window_left, window_right, softcap, backend, sm_margin, prepare_backward=False, deterministic=False):
     torch = _torch()
     q, k, v = _kernel_input(q, "q"), _kernel_input(k, "k"), _kernel_input(v, "v")
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     lse = torch.empty((q.shape[1], q.shape[0]), dtype=torch.float32, device=q.device)
     with torch.cuda.device(q.device):
-        options = _options(q, softmax_scale, causal, window_left, window_right, softcap, backend, sm_margin=sm_margin)
+        options = _options(q, softmax_scale, causal, window_left, window_right, softcap, backend, deterministic,
+                           sm_margin, prepare_backward)
         _check(_lib.flashjit_forward_varlen(
             ctypes.byref(_view(q, "q")), ctypes.byref(_view(k, "k")), ctypes.byref(_view(v, "v")),
             ctypes.byref(_view(out, "out")), ctypes.byref(_view(lse, "lse")),

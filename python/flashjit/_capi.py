@@ -34,6 +34,7 @@ class AttentionOptions(ctypes.Structure):
         ("deterministic", ctypes.c_int32),
         ("sm_margin", ctypes.c_int32),
         ("num_splits", ctypes.c_int32),
+        ("prepare_backward", ctypes.c_int32),
     ]
 
 

@@ -97,13 +97,14 @@ def register(impl):
     # Eager autograd: the same forward and backward as plain autograd.Functions over the raw calls.
     # They skip the custom ops' dispatch (schema checks, the autograd wrapper, a zero-filled
     # gradient for the LSE), host work on every call; the package uses them unless torch.compile
-    # is tracing.
+    # is tracing. Their forwards know a backward follows: on a cold cache its kernel compiles beside
+    # the forward's (prepare_backward). (The traced ops cannot tell training from inference.)
     class EagerAttention(torch.autograd.Function):
         @staticmethod
         def forward(ctx, q, k, v, softmax_scale, causal, window_left, window_right, softcap, backend, sm_margin,
                     deterministic):
             out, lse = impl._forward(q, k, v, softmax_scale, causal, window_left, window_right, softcap, backend,
-                                     sm_margin)
+                                     sm_margin, prepare_backward=True, deterministic=deterministic)
             ctx.mark_non_differentiable(lse)
             ctx.set_materialize_grads(False)  # no zero-filled dLSE: it is unused
             ctx.save_for_backward(q, k, v, out, lse)
@@ -123,7 +124,7 @@ def register(impl):
                     window_left, window_right, softcap, backend, sm_margin, deterministic):
             out, lse = impl._forward_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                             softmax_scale, causal, window_left, window_right, softcap, backend,
-                                            sm_margin)
+                                            sm_margin, prepare_backward=True, deterministic=deterministic)
             ctx.mark_non_differentiable(lse)
             ctx.set_materialize_grads(False)
             ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k)
@@ -202,7 +203,7 @@ def register(impl):
         def forward(ctx, q, k, v, softmax_scale, causal, window_left, window_right, softcap, backend, sm_margin,
                     mod, block_mask):
             out, lse = impl._forward_mod(q, k, v, softmax_scale, causal, window_left, window_right, softcap, backend,
-                                         sm_margin, mod, block_mask)
+                                         sm_margin, mod, block_mask, prepare_backward=True)
             ctx.mark_non_differentiable(lse)
             ctx.set_materialize_grads(False)
             ctx.save_for_backward(q, k, v, out, lse)

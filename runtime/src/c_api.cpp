@@ -88,6 +88,7 @@ flashjit::AttentionOptions options_of(const flashjit_attention_options* o) {
   options.deterministic = o->deterministic != 0;
   options.sm_margin = o->sm_margin;
   options.num_splits = o->num_splits;
+  options.prepare_backward = o->prepare_backward != 0;
   return options;
 }
 

@@ -152,15 +152,34 @@ CompileOutput compile_source(const Source& source, const Arch& arch) {
   return out;
 }
 
-std::vector<EntryStats> parse_ptxas_stats(std::string_view log) {
-  static const std::regex entry_re(R"(Compiling entry function '([^']+)')");
-  static const std::regex properties_re(R"(Function properties for (\S+))");
-  static const std::regex frame_re(
-      R"((\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads)");
-  static const std::regex used_re(R"(Used (\d+) registers)");
-  static const std::regex barriers_re(R"(used (\d+) barriers)");
-  static const std::regex smem_re(R"((\d+) bytes smem)");
+namespace {
 
+// The patterns the logs are read with, built once.
+struct LogPatterns {
+  const std::regex entry{R"(Compiling entry function '([^']+)')"};
+  const std::regex properties{R"(Function properties for (\S+))"};
+  const std::regex frame{R"((\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads)"};
+  const std::regex used{R"(Used (\d+) registers)"};
+  const std::regex barriers{R"(used (\d+) barriers)"};
+  const std::regex smem{R"((\d+) bytes smem)"};
+  const std::regex diagnostic{R"(^(.+)\((\d+)\): (error|catastrophic error))"};
+};
+
+const LogPatterns& log_patterns() {
+  static const LogPatterns patterns;
+  return patterns;
+}
+
+}  // namespace
+
+void construct_compiler_statics() {
+  template_bundle();
+  environment();
+  log_patterns();
+}
+
+std::vector<EntryStats> parse_ptxas_stats(std::string_view log) {
+  const LogPatterns& re = log_patterns();
   std::vector<EntryStats> entries;
   std::map<std::string, size_t> index;
   EntryStats* current = nullptr;     // the entry whose "Used ..." line comes next
@@ -169,25 +188,25 @@ std::vector<EntryStats> parse_ptxas_stats(std::string_view log) {
   std::string line;
   std::smatch m;
   while (std::getline(lines, line)) {
-    if (std::regex_search(line, m, entry_re)) {
+    if (std::regex_search(line, m, re.entry)) {
       index[m[1]] = entries.size();
       entries.push_back(EntryStats{m[1]});
       current = &entries.back();
       properties = nullptr;
-    } else if (std::regex_search(line, m, properties_re)) {
+    } else if (std::regex_search(line, m, re.properties)) {
       auto it = index.find(m[1]);
       properties = it == index.end() ? nullptr : &entries[it->second];  // skip device functions
-    } else if (std::regex_search(line, m, frame_re)) {
+    } else if (std::regex_search(line, m, re.frame)) {
       if (properties) {
         properties->stack_frame_bytes = to_int(m[1]);
         properties->spill_store_bytes = to_int(m[2]);
         properties->spill_load_bytes = to_int(m[3]);
       }
-    } else if (std::regex_search(line, m, used_re)) {
+    } else if (std::regex_search(line, m, re.used)) {
       if (current) {
         current->registers = to_int(m[1]);
-        if (std::regex_search(line, m, barriers_re)) current->barriers = to_int(m[1]);
-        if (std::regex_search(line, m, smem_re)) current->static_smem_bytes = to_int(m[1]);
+        if (std::regex_search(line, m, re.barriers)) current->barriers = to_int(m[1]);
+        if (std::regex_search(line, m, re.smem)) current->static_smem_bytes = to_int(m[1]);
       }
     }
   }
@@ -195,7 +214,6 @@ std::vector<EntryStats> parse_ptxas_stats(std::string_view log) {
 }
 
 std::string describe_compile_failure(const Source& source, const Arch& arch, std::string_view log) {
-  static const std::regex diagnostic_re(R"(^(.+)\((\d+)\): (error|catastrophic error))");
   auto file_text = [&](const std::string& name) -> std::string_view {
     if (name == source.file_name) return source.text;
     for (const auto& [user_file, text] : source.user_files)
@@ -211,7 +229,7 @@ std::string describe_compile_failure(const Source& source, const Arch& arch, std
   std::smatch m;
   int shown = 0;
   while (std::getline(lines, line) && shown < 5) {
-    if (!std::regex_search(line, m, diagnostic_re)) continue;
+    if (!std::regex_search(line, m, log_patterns().diagnostic)) continue;
     ++shown;
     const std::string file = m[1];
     const int error_line = std::stoi(m[2]);

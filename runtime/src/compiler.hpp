@@ -24,6 +24,12 @@ std::vector<std::string> compile_options(const Arch& arch);
 // spec name.
 CompileOutput compile_source(const Source& source, const Arch& arch);
 
+// Constructs the process-wide objects a compile uses (the template bundle, the environment, the log
+// patterns). An owner of background compiles calls it before it exists itself: objects with static
+// storage are destroyed in the reverse order of their construction, so these outlive it, and a
+// compile its destructor waits for at exit still finds them.
+void construct_compiler_statics();
+
 // Parses ptxas --verbose output: one EntryStats per "Compiling entry function" block.
 std::vector<EntryStats> parse_ptxas_stats(std::string_view log);
 

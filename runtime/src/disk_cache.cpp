@@ -232,15 +232,13 @@ DiskCache::DiskCache(std::string root, int lock_timeout_ms)
 
 std::string DiskCache::arch_dir(const Arch& arch) {
   const std::string dir = root_ + "/" + arch.name();
-  static std::mutex mutex;
-  static std::set<std::string> prepared;
-  std::lock_guard<std::mutex> lock(mutex);
-  if (prepared.count(dir) == 0) {
+  std::lock_guard<std::mutex> lock(prepared_mutex_);
+  if (prepared_.count(dir) == 0) {
     require_private_dir(dir, "arch");
     require_private_dir(dir + "/.staging", "staging");
     require_private_dir(dir + "/.locks", "lock");
     require_private_dir(dir + "/.quarantine", "quarantine");
-    prepared.insert(dir);
+    prepared_.insert(dir);
     // Leftovers of processes killed while writing, and old quarantined entries.
     remove_older_than(dir + "/.staging", kStaleStagingAge);
     remove_older_than(dir + "/.quarantine", kQuarantineKeepAge);

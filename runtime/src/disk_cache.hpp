@@ -11,7 +11,9 @@
 #include <atomic>
 #include <functional>
 #include <memory>
+#include <mutex>
 #include <optional>
+#include <set>
 #include <string>
 
 #include "flashjit/kernel_cache.hpp"
@@ -55,6 +57,10 @@ class DiskCache {
   std::string root_;
   int lock_timeout_ms_;
   std::atomic<uint64_t> quarantined_{0};
+  // The arch directories prepared so far. (Members, not statics: a background compile that a
+  // destructor joins at exit may still use them.)
+  std::mutex prepared_mutex_;
+  std::set<std::string> prepared_;
 };
 
 // Throws Error(cache_error) unless `dir` exists (created 0700 if missing), is a directory owned

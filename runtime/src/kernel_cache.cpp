@@ -1,8 +1,13 @@
 #include "flashjit/kernel_cache.hpp"
 
+#include <unistd.h>
+
+#include <condition_variable>
+#include <deque>
 #include <future>
 #include <mutex>
 #include <optional>
+#include <thread>
 #include <unordered_map>
 
 #include <fmt/format.h>
@@ -57,13 +62,28 @@ std::string cache_key(const Source& source, const Arch& arch) {
 }  // namespace
 
 struct KernelCache::Impl {
-  using Future = std::shared_future<std::shared_ptr<const CompiledKernel>>;
+  using Kernel = std::shared_ptr<const CompiledKernel>;
+  using Future = std::shared_future<Kernel>;
 
   CacheConfig config;
   std::optional<DiskCache> disk;
   std::mutex mutex;
   std::unordered_map<KernelSpec, Future, KernelSpecHash> entries;
   std::atomic<uint64_t> memory_hits{0}, disk_hits{0}, compiles{0};
+
+  // Background compiles (prefetch): one thread, started by the first, takes them in order; the
+  // destructor lets it finish the one under way and drops the rest. Guarded by `mutex`. A process
+  // forked from this one has no such thread (worker_pid is not its pid): it compiles in get().
+  struct Job {
+    KernelSpec spec;
+    Source source;
+    std::promise<Kernel> promise;
+  };
+  std::deque<Job> jobs;
+  std::condition_variable job_queued;
+  bool stopping = false;
+  std::thread worker;
+  pid_t worker_pid = 0;
 
   CompiledKernel compile(const KernelSpec& spec, const Source& source, const std::string& key) {
     detail::CompileOutput out = detail::compile_source(source, spec.arch);
@@ -79,8 +99,7 @@ struct KernelCache::Impl {
     return kernel;
   }
 
-  std::shared_ptr<const CompiledKernel> produce(const KernelSpec& spec) {
-    const Source source = render(spec);
+  Kernel produce(const KernelSpec& spec, const Source& source) {
     const std::string key = cache_key(source, spec.arch);
     if (!disk) return std::make_shared<const CompiledKernel>(compile(spec, source, key));
     DiskKey disk_key{spec.arch, source.spec_name, key};
@@ -89,19 +108,53 @@ struct KernelCache::Impl {
     if (kernel.from_disk) ++disk_hits;
     return std::make_shared<const CompiledKernel>(std::move(kernel));
   }
+
+  // Produces the spec that `promise` stands for in `entries`. On failure the waiters get the error
+  // and the entry goes, so that a later call tries again (after a transient I/O error, say).
+  void fulfil(const KernelSpec& spec, const Source& source, std::promise<Kernel>& promise) {
+    try {
+      promise.set_value(produce(spec, source));
+    } catch (...) {
+      promise.set_exception(std::current_exception());
+      std::lock_guard<std::mutex> lock(mutex);
+      entries.erase(spec);
+    }
+  }
+
+  void run_jobs() {
+    for (;;) {
+      std::unique_lock<std::mutex> lock(mutex);
+      job_queued.wait(lock, [&] { return stopping || !jobs.empty(); });
+      if (stopping) return;
+      Job job = std::move(jobs.front());
+      jobs.pop_front();
+      lock.unlock();
+      if (detail::environment().verbose)
+        fmt::print(stderr, "flashjit: compiling {} in the background\n", job.spec.name());
+      fulfil(job.spec, job.source, job.promise);
+    }
+  }
 };
 
 KernelCache::KernelCache(CacheConfig config) : impl_(std::make_unique<Impl>()) {
+  detail::construct_compiler_statics();  // before this cache exists: they outlive its worker
   impl_->config = std::move(config);
   if (!impl_->config.directory.empty())
     impl_->disk.emplace(impl_->config.directory, impl_->config.lock_timeout_ms);
 }
 
-KernelCache::~KernelCache() = default;
+KernelCache::~KernelCache() {
+  {
+    std::lock_guard<std::mutex> lock(impl_->mutex);
+    impl_->stopping = true;
+  }
+  impl_->job_queued.notify_all();
+  if (impl_->worker.joinable()) impl_->worker.join();  // (in a forked child glibc has marked it ended)
+}
 
 std::shared_ptr<const CompiledKernel> KernelCache::get(const KernelSpec& spec) {
   Impl::Future future;
-  std::promise<std::shared_ptr<const CompiledKernel>> promise;
+  std::promise<Impl::Kernel> promise;
   bool producer = false;  // the first caller for a spec produces it; the others wait on its future
   {
     std::lock_guard<std::mutex> lock(impl_->mutex);
@@ -116,15 +169,36 @@ std::shared_ptr<const CompiledKernel> KernelCache::get(const KernelSpec& spec) {
     }
   }
   if (producer) {
+    std::optional<Source> source;
     try {
-      promise.set_value(impl_->produce(spec));
+      source = render(spec);
     } catch (...) {
       promise.set_exception(std::current_exception());
       std::lock_guard<std::mutex> lock(impl_->mutex);
-      impl_->entries.erase(spec);  // a later call may succeed (e.g. after a transient I/O error)
+      impl_->entries.erase(spec);
     }
+    if (source) impl_->fulfil(spec, *source, promise);
   }
   return future.get();
+}
+
+void KernelCache::prefetch(const KernelSpec& spec) {
+  {
+    std::lock_guard<std::mutex> lock(impl_->mutex);
+    if (impl_->entries.count(spec) != 0) return;
+  }
+  Source source = render(spec);  // (here: an illegal spec throws to the caller)
+  std::lock_guard<std::mutex> lock(impl_->mutex);
+  if (impl_->stopping || impl_->entries.count(spec) != 0) return;
+  if (impl_->worker.joinable() && impl_->worker_pid != ::getpid()) return;  // forked: no worker here
+  Impl::Job job{spec, std::move(source), {}};
+  impl_->entries.emplace(spec, job.promise.get_future().share());
+  impl_->jobs.push_back(std::move(job));
+  if (!impl_->worker.joinable()) {
+    impl_->worker = std::thread([this] { impl_->run_jobs(); });
+    impl_->worker_pid = ::getpid();
+  }
+  impl_->job_queued.notify_one();
 }
 
 std::shared_ptr<const CompiledKernel> KernelCache::find_on_disk(const KernelSpec& spec) {

@@ -67,6 +67,11 @@ void count_clusters(CUkernel entry, CUfunction function, const KernelLayout& lay
 
 }  // namespace
 
+bool ModuleCache::contains(const KernelSpec& spec) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return loaded_.count(spec) != 0;
+}
+
 const LoadedKernel& ModuleCache::get(const KernelSpec& spec, const DeviceProperties& device) {
   std::shared_ptr<LoadedKernel> kernel;
   {

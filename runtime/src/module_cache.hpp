@@ -66,6 +66,8 @@ class ModuleCache {
 
   // Compiles or loads on first use; sets the dynamic smem limit for `device` on first use there.
   const LoadedKernel& get(const KernelSpec& spec, const DeviceProperties& device);
+  // Whether `spec` is loaded (get() then neither compiles nor reads the disk).
+  bool contains(const KernelSpec& spec);
 
  private:
   KernelCache& kernels_;

@@ -241,6 +241,8 @@ void apply_options(ForwardProblem& p, const AttentionOptions& options) {
   if (options.num_splits < 0)
     throw bad(fmt::format("num_splits must be >= 0 (0: chosen, 1: no split), got {}", options.num_splits));
   p.num_splits = options.num_splits;
+  p.prepare_backward = options.prepare_backward;
+  p.deterministic_backward = options.deterministic;
   p.forced_kernel = options.kernel;
   p.stream = options.stream;
 

@@ -30,6 +30,9 @@ struct ForwardProblem {
   Backend backend = Backend::automatic;
   int sm_margin = 0;
   int num_splits = 0;  // tail splits of the persistent forward (AttentionOptions::num_splits)
+  // AttentionOptions::prepare_backward, and which backward it prepares (options.deterministic).
+  bool prepare_backward = false;
+  bool deterministic_backward = false;
   // FP8 (dtype e4m3): AttentionOptions' q/k/v_descale (data null: 1).
   Fp8Descale q_descale{}, k_descale{}, v_descale{};
   std::optional<KernelSpec> forced_kernel;

@@ -34,6 +34,22 @@ struct Runtime::Impl {
     if (const auto& path = environment().tuning_db) tuning.set_user_db(TuningDb::load(*path), *path);
   }
 
+  // Starts compiling the kernel backward() will pick for this forward's problem in the background
+  // (AttentionOptions::prepare_backward). Only a hint, which never fails the forward: where the
+  // backward cannot run this problem, backward() says why (FLASHJIT_VERBOSE shows it here too).
+  void prefetch_backward(const ForwardProblem& forward, const DeviceProperties& device) {
+    BackwardProblem backward;  // (its gradient tensors unknown yet: laid out as the forward's)
+    backward.forward = forward;
+    backward.forward.backend = Backend::automatic;  // a forced forward family or kernel is not the backward's
+    backward.forward.forced_kernel.reset();
+    backward.deterministic = forward.deterministic_backward;
+    try {
+      kernels.prefetch(select_kernel(PassProblem{Pass::backward, backward.forward, &backward}, device, &tuning));
+    } catch (const std::exception& e) {
+      if (environment().verbose) fmt::print(stderr, "flashjit: no backward kernel to prepare: {}\n", e.what());
+    }
+  }
+
   // Validates the pointers and the device, then dispatches and runs the chosen family's entry
   // sequence on the problem's stream. `check_on_device` runs once the pointers are known to be
   // device memory, before dispatch.
@@ -53,6 +69,7 @@ struct Runtime::Impl {
     // Before dispatch, so that a problem no slices can cover is refused before anything compiles.
     const std::vector<ProblemSlice> slices = one_grid ? std::vector<ProblemSlice>{} : grid_slices(f);
     const KernelSpec spec = select_kernel(problem, device, &tuning);
+    if (problem.pass == Pass::forward && f.prepare_backward && !modules.contains(spec)) prefetch_backward(f, device);
     const LoadedKernel& kernel = modules.get(spec, device);
     const RuntimeFamily& family = runtime_family(spec.family);
     const auto stream = static_cast<CUstream>(f.stream);

@@ -247,3 +247,21 @@ TEST_CASE("backward: one head and an odd row count (workspace alignment)", "[bac
         check(r, seed++);
       }
 }
+
+TEST_CASE("backward: a cold forward that prepares its backward compiles the backward's kernel beside it",
+          "[backward][quick]") {
+  uint64_t seed = 19100;
+  for (bool deterministic : {false, true}) {
+    Runtime runtime(CacheConfig{});  // memory only: each kernel is compiled here
+    BackwardCase c(AttentionShape::make(1, 200, 300, 2, 1, 128), DType::bf16, seed++);
+    AttentionOptions options;
+    options.deterministic = deterministic;  // (which backward the forward prepares)
+    options.prepare_backward = true;        // (BackwardCase's forward takes the options too)
+    c.run(runtime, options);
+    INFO(c.describe() << (deterministic ? " deterministic" : ""));
+    CHECK(c.check(tensor_core_gradient_tolerance(DType::bf16)).ok());
+    const CacheStats stats = runtime.kernel_cache().stats();
+    CHECK(stats.compiles == 2);     // the forward's kernel and the backward's, each once
+    CHECK(stats.memory_hits == 1);  // the backward's: it found the kernel the forward started
+  }
+}

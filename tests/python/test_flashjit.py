@@ -224,6 +224,31 @@ def test_cache_counters():
     assert all(after[key] >= before[key] for key in before)
 
 
+_COLD_STEP = """
+import json, torch, flashjit
+torch.manual_seed(3)
+q, k, v = (torch.randn(1, 300, 2, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+flashjit.flash_attn_func(q, k, v, causal=True).sum().backward()
+torch.cuda.synchronize()
+print(json.dumps(flashjit.cache_stats()))
+"""
+
+
+def test_cold_forward_compiles_its_backward_beside_it(tmp_path):
+    # A fresh process on an empty cache: the forward under autograd starts the backward's kernel in
+    # the background, and the backward finds it in memory rather than compiling it after the forward's.
+    import json
+    import subprocess
+    env = dict(os.environ, FLASHJIT_CACHE_DIR=str(tmp_path), FLASHJIT_VERBOSE="1",
+               PYTHONPATH=os.pathsep.join([os.path.join(os.path.dirname(__file__), "..", "..", "python"),
+                                           os.environ.get("PYTHONPATH", "")]))
+    run = subprocess.run([sys.executable, "-c", _COLD_STEP], env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    stats = json.loads(run.stdout.strip().splitlines()[-1])
+    assert stats == {"memory_hits": 1, "disk_hits": 0, "compiles": 2}, stats
+    assert "in the background" in run.stderr
+
+
 # ---------------------------------------------------------------------------------------------
 # Backward: autograd through flash_attn_func against autograd through the fp32 reference.
 

@@ -3,6 +3,7 @@
 #include <catch2/catch.hpp>
 
 #include <algorithm>
+#include <chrono>
 #include <future>
 #include <mutex>
 #include <thread>
@@ -204,6 +205,33 @@ TEST_CASE("compile smoke: every family compiles for sm_90a", "[compile]") {
     REQUIRE(!kernel->entries.empty());
     for (const auto& e : kernel->entries) CHECK((e.registers > 0 && e.spill_store_bytes == 0));
   }
+}
+
+// A cold training step's two compiles, one after the other and with the backward's prefetched while
+// the forward's compiles (what AttentionOptions::prepare_backward does): both ways give the same
+// kernels, each compiled once; the times are reported, not judged (that is a benchmark's place).
+TEST_CASE("compile: a prefetched backward compiles beside its forward", "[compile]") {
+  const Arch arch = Arch::parse("sm_90a");
+  const KernelSpec forward = default_spec(Family::sm90_fwd, arch, DType::bf16, 128, MaskKind::causal);
+  const KernelSpec backward = default_spec(Family::sm90_bwd, arch, DType::bf16, 128, MaskKind::causal);
+  auto timed = [&](bool prefetch) {
+    KernelCache cache(CacheConfig{});
+    const auto start = std::chrono::steady_clock::now();
+    if (prefetch) cache.prefetch(backward);
+    const auto f = cache.get(forward);
+    const auto b = cache.get(backward);
+    const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count();
+    CHECK(cache.stats().compiles == 2);
+    CHECK(cache.stats().memory_hits == (prefetch ? 1 : 0));
+    return std::tuple{ms, f->cubin, b->cubin};
+  };
+  const auto [serial_ms, serial_forward, serial_backward] = timed(false);
+  const auto [prefetched_ms, forward_cubin, backward_cubin] = timed(true);
+  CHECK(forward_cubin == serial_forward);
+  CHECK(backward_cubin == serial_backward);
+  WARN(forward.name() << " + " << backward.name() << ": one after the other " << serial_ms
+                      << " ms, the backward prefetched " << prefetched_ms << " ms (" << std::thread::hardware_concurrency()
+                      << " cores)");
 }
 
 TEST_CASE("ptxas reports are parsed per entry", "[compile]") {

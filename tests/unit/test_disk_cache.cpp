@@ -1,10 +1,13 @@
-// The disk cache: publish and reuse, damaged entries, permissions, and many processes at once
-// (including ones killed mid-compile).
+// The kernel cache's background compiles (prefetch), and the disk cache: publish and reuse,
+// damaged entries, permissions, and many processes at once (including ones killed mid-compile).
 #include <catch2/catch.hpp>
 #include <nlohmann/json.hpp>
 
 #include <sys/stat.h>
+#include <sys/wait.h>
 #include <unistd.h>
+
+#include <csignal>
 
 #include <chrono>
 #include <filesystem>
@@ -13,6 +16,7 @@
 #include <thread>
 
 #include "disk_cache.hpp"
+#include "flashjit/codegen/modifier.hpp"
 #include "flashjit/error.hpp"
 #include "flashjit/kernel_cache.hpp"
 #include "support/subprocess.hpp"
@@ -120,6 +124,83 @@ TEST_CASE("concurrent calls for one spec compile it once", "[cache]") {
   CHECK(cache.stats().compiles == 1);
   CHECK(cache.stats().memory_hits == 15);
   for (const auto& k : got) CHECK(k == got[0]);
+}
+
+TEST_CASE("a prefetched kernel compiles once, in the background, and get() waits for it", "[cache]") {
+  KernelCache cache(CacheConfig{});
+  cache.prefetch(small_spec());
+  cache.prefetch(small_spec());  // on its way: nothing more
+  const auto kernel = cache.get(small_spec());
+  CHECK(kernel->cubin.compare(0, 4, "\x7f" "ELF") == 0);
+  CHECK(cache.stats().compiles == 1);
+  CHECK(cache.stats().memory_hits == 1);  // get() found the prefetch's entry
+  cache.prefetch(small_spec());           // in memory: nothing
+  CHECK(cache.get(small_spec()) == kernel);
+  CHECK(cache.stats().compiles == 1);
+}
+
+TEST_CASE("a prefetch that fails leaves the error to get(), which compiles again", "[cache]") {
+  auto broken = std::make_shared<AttentionModifier>();
+  broken->mask = "return q_idx >= kv_idx + undefined_name;";
+  const KernelSpec spec = default_spec(Family::sm90_fwd, Arch::parse("sm_90a"), DType::bf16, 64, MaskKind::none,
+                                       false, broken);
+  KernelCache cache(CacheConfig{});
+  cache.prefetch(spec);
+  for (int attempt = 0; attempt < 2; ++attempt) {  // (the second after the failed entry is gone)
+    try {
+      cache.get(spec);
+      FAIL("the broken modifier compiled");
+    } catch (const Error& e) {
+      CHECK(e.code() == ErrorCode::compile_failed);
+      CHECK_THAT(e.what(), Catch::Contains("undefined_name"));
+    }
+  }
+  // An illegal spec is refused by prefetch itself, as get() refuses it.
+  KernelSpec illegal = small_spec();
+  illegal.head_dim = 7;
+  CHECK_THROWS_AS(cache.prefetch(illegal), Error);
+  CHECK_THROWS_AS(cache.get(illegal), Error);
+}
+
+TEST_CASE("a cache destroyed with prefetches queued finishes the one under way and drops the rest", "[cache]") {
+  TempDir dir;
+  {
+    KernelCache cache(on_disk(dir.path()));
+    for (int head_dim : {32, 64, 96, 128})
+      cache.prefetch(default_spec(Family::reference_fwd, Arch::parse("sm_80"), DType::fp16, head_dim));
+  }
+  // Whatever was compiled was published whole: a second cache verifies it.
+  const size_t published = entries_of(dir.path()).size();
+  CHECK(published <= 1);
+  KernelCache after(on_disk(dir.path()));
+  for (int head_dim : {32, 64, 96, 128})
+    after.get(default_spec(Family::reference_fwd, Arch::parse("sm_80"), DType::fp16, head_dim));
+  CHECK(after.stats().disk_hits == published);
+  CHECK(after.stats().quarantined == 0);
+}
+
+TEST_CASE("a process forked while a prefetch runs compiles in get() and exits without waiting", "[cache]") {
+  auto cache = std::make_unique<KernelCache>(CacheConfig{});
+  cache->prefetch(default_spec(Family::reference_fwd, Arch::parse("sm_80"), DType::fp16, 256));
+  const pid_t child = ::fork();
+  REQUIRE(child >= 0);
+  if (child == 0) {  // no worker thread here: a prefetch must not queue for it, nor the destructor wait
+    const KernelSpec other = default_spec(Family::reference_fwd, Arch::parse("sm_80"), DType::bf16, 32);
+    cache->prefetch(other);
+    const bool compiled = cache->get(other)->cubin.size() > 1000;
+    cache.reset();
+    ::_exit(compiled ? 0 : 1);
+  }
+  int status = 0;
+  pid_t done = 0;
+  for (int waited_ms = 0; waited_ms < 30000 && done == 0; waited_ms += 10) {
+    done = ::waitpid(child, &status, WNOHANG);
+    if (done == 0) std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  if (done == 0) ::kill(child, SIGKILL), ::waitpid(child, &status, 0);
+  CHECK(done == child);
+  CHECK((WIFEXITED(status) && WEXITSTATUS(status) == 0));
+  CHECK(cache->get(default_spec(Family::reference_fwd, Arch::parse("sm_80"), DType::fp16, 256))->cubin.size() > 1000);
 }
 
 TEST_CASE("cache keys depend on the spec and nothing else", "[cache]") {

@@ -64,6 +64,7 @@ typedef struct flashjit_attention_options {
   int32_t deterministic; /* backward: bitwise-reproducible dQ (slower) */
   int32_t sm_margin;     /* forward on sm_90: SMs the persistent kernel leaves free */
   int32_t num_splits;    /* forward on sm_90: tail splits, 0 chosen, 1 none (AttentionOptions) */
+  int32_t prepare_backward; /* forward: compile the backward's kernels beside it (autograd; AttentionOptions) */
 } flashjit_attention_options;
 
 /* Fills the defaults: no mask, no softcap, automatic backend, default scale and stream. */

@@ -136,6 +136,11 @@ struct AttentionOptions {
   // instead of atomics), so reruns are bitwise identical; the backward takes 1.27-1.38x as long
   // (H200, head dim 256; about 1.35x at 64 and 128).
   bool deterministic = false;
+  // forward(): the backward of this call follows (training under autograd). Where the forward's
+  // kernel is not loaded yet, the backward's (for `deterministic` as set here) starts compiling on
+  // a background thread beside it, so a cold first step waits for the longer compile, not the sum
+  // of both. Only a hint: a backward that cannot run is refused by backward().
+  bool prepare_backward = false;
   // forward() on sm_90 (the persistent Hopper kernel): SMs to leave free for kernels running beside
   // it, such as communication (FlashAttention-3's sm_margin). 0 to the SM count minus one.
   int sm_margin = 0;

@@ -66,6 +66,13 @@ class KernelCache {
   // for an illegal spec and Error(compile_failed) quoting the NVRTC log.
   std::shared_ptr<const CompiledKernel> get(const KernelSpec& spec);
 
+  // Starts producing `spec` (from disk, or compiled) on the cache's background thread unless it is
+  // in memory or on its way, and returns at once; get() then waits for it instead of compiling it
+  // again. For kernels a call is about to need, compiled beside the one it waits for (the
+  // backward's, when a forward under autograd compiles). A spec that fails is dropped, and get()
+  // compiles it again to throw its error where it is needed; an illegal spec throws here.
+  void prefetch(const KernelSpec& spec);
+
   // Looks on disk only: the verified entry, or nullptr (damaged entries are quarantined).
   std::shared_ptr<const CompiledKernel> find_on_disk(const KernelSpec& spec);
 
