@@ -73,7 +73,8 @@ struct KernelCache::Impl {
 
   // Background compiles (prefetch): one thread, started by the first, takes them in order; the
   // destructor lets it finish the one under way and drops the rest. Guarded by `mutex`. A process
-  // forked from this one has no such thread (worker_pid is not its pid): it compiles in get().
+  // forked from this one has no such thread (worker_pid is not its pid): there prefetch queues
+  // nothing and the destructor leaves the parent's worker alone.
   struct Job {
     KernelSpec spec;
     Source source;
@@ -83,7 +84,11 @@ struct KernelCache::Impl {
   std::condition_variable job_queued;
   bool stopping = false;
   std::thread worker;
-  pid_t worker_pid = 0;
+  std::atomic<pid_t> worker_pid{0};  // (read before the lock: a forked child's copy may be held)
+  bool forked() const {
+    const pid_t pid = worker_pid.load();
+    return pid != 0 && pid != ::getpid();
+  }
 
   CompiledKernel compile(const KernelSpec& spec, const Source& source, const std::string& key) {
     detail::CompileOutput out = detail::compile_source(source, spec.arch);
@@ -144,12 +149,19 @@ KernelCache::KernelCache(CacheConfig config) : impl_(std::make_unique<Impl>()) {
 }
 
 KernelCache::~KernelCache() {
+  if (impl_->forked()) {
+    // A forked child's copy: the worker, its lock and its condition variable are the parent's, and
+    // destroying them here could wait forever (for a waiter that is not in this process). The child
+    // leaves the cache undestroyed.
+    (void)impl_.release();
+    return;
+  }
   {
     std::lock_guard<std::mutex> lock(impl_->mutex);
     impl_->stopping = true;
   }
   impl_->job_queued.notify_all();
-  if (impl_->worker.joinable()) impl_->worker.join();  // (in a forked child glibc has marked it ended)
+  if (impl_->worker.joinable()) impl_->worker.join();
 }
 
 std::shared_ptr<const CompiledKernel> KernelCache::get(const KernelSpec& spec) {
@@ -183,6 +195,7 @@ std::shared_ptr<const CompiledKernel> KernelCache::get(const KernelSpec& spec) {
 }
 
 void KernelCache::prefetch(const KernelSpec& spec) {
+  if (impl_->forked()) return;  // no worker here
   {
     std::lock_guard<std::mutex> lock(impl_->mutex);
     if (impl_->entries.count(spec) != 0) return;
@@ -190,7 +203,6 @@ void KernelCache::prefetch(const KernelSpec& spec) {
   Source source = render(spec);  // (here: an illegal spec throws to the caller)
   std::lock_guard<std::mutex> lock(impl_->mutex);
   if (impl_->stopping || impl_->entries.count(spec) != 0) return;
-  if (impl_->worker.joinable() && impl_->worker_pid != ::getpid()) return;  // forked: no worker here
   Impl::Job job{spec, std::move(source), {}};
   impl_->entries.emplace(spec, job.promise.get_future().share());
   impl_->jobs.push_back(std::move(job));

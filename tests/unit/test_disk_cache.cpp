@@ -179,17 +179,21 @@ TEST_CASE("a cache destroyed with prefetches queued finishes the one under way a
   CHECK(after.stats().quarantined == 0);
 }
 
-TEST_CASE("a process forked while a prefetch runs compiles in get() and exits without waiting", "[cache]") {
+// A process forked after a prefetch (fork without exec, from a process whose NVRTC may hold threads
+// and locks of its own, can compile nothing reliably; CUDA refuses it the GPU) still exits normally:
+// its copy of the cache neither queues for the parent's worker nor waits for it when destroyed.
+TEST_CASE("a forked process's copy of the cache goes without waiting for the parent's worker", "[cache]") {
   auto cache = std::make_unique<KernelCache>(CacheConfig{});
-  cache->prefetch(default_spec(Family::reference_fwd, Arch::parse("sm_80"), DType::fp16, 256));
+  const KernelSpec prefetched = default_spec(Family::reference_fwd, Arch::parse("sm_80"), DType::fp16, 256);
+  cache->prefetch(prefetched);
+  cache->get(prefetched);
+  std::this_thread::sleep_for(std::chrono::milliseconds(200));  // the worker back to waiting for jobs
   const pid_t child = ::fork();
   REQUIRE(child >= 0);
-  if (child == 0) {  // no worker thread here: a prefetch must not queue for it, nor the destructor wait
-    const KernelSpec other = default_spec(Family::reference_fwd, Arch::parse("sm_80"), DType::bf16, 32);
-    cache->prefetch(other);
-    const bool compiled = cache->get(other)->cubin.size() > 1000;
+  if (child == 0) {
+    cache->prefetch(default_spec(Family::reference_fwd, Arch::parse("sm_80"), DType::bf16, 32));
     cache.reset();
-    ::_exit(compiled ? 0 : 1);
+    ::_exit(0);
   }
   int status = 0;
   pid_t done = 0;
@@ -200,7 +204,9 @@ TEST_CASE("a process forked while a prefetch runs compiles in get() and exits wi
   if (done == 0) ::kill(child, SIGKILL), ::waitpid(child, &status, 0);
   CHECK(done == child);
   CHECK((WIFEXITED(status) && WEXITSTATUS(status) == 0));
-  CHECK(cache->get(default_spec(Family::reference_fwd, Arch::parse("sm_80"), DType::fp16, 256))->cubin.size() > 1000);
+  cache->prefetch(default_spec(Family::reference_fwd, Arch::parse("sm_80"), DType::fp16, 128));  // still working here
+  CHECK(cache->get(default_spec(Family::reference_fwd, Arch::parse("sm_80"), DType::fp16, 128))->cubin.size() > 1000);
+  CHECK(cache->stats().compiles == 2);
 }
 
 TEST_CASE("cache keys depend on the spec and nothing else", "[cache]") {
