@@ -114,16 +114,21 @@ struct KernelCache::Impl {
     return std::make_shared<const CompiledKernel>(std::move(kernel));
   }
 
-  // Produces the spec that `promise` stands for in `entries`. On failure the waiters get the error
-  // and the entry goes, so that a later call tries again (after a transient I/O error, say).
+  // Produces the spec that `promise` stands for in `entries`; never throws.
   void fulfil(const KernelSpec& spec, const Source& source, std::promise<Kernel>& promise) {
     try {
       promise.set_value(produce(spec, source));
     } catch (...) {
-      promise.set_exception(std::current_exception());
-      std::lock_guard<std::mutex> lock(mutex);
-      entries.erase(spec);
+      fail(spec, promise);
     }
+  }
+
+  // From a catch block: the waiters get the error, and the entry goes, so that a later call tries
+  // again (after a transient I/O error, say).
+  void fail(const KernelSpec& spec, std::promise<Kernel>& promise) {
+    promise.set_exception(std::current_exception());
+    std::lock_guard<std::mutex> lock(mutex);
+    entries.erase(spec);
   }
 
   void run_jobs() {
@@ -181,15 +186,12 @@ std::shared_ptr<const CompiledKernel> KernelCache::get(const KernelSpec& spec) {
     }
   }
   if (producer) {
-    std::optional<Source> source;
     try {
-      source = render(spec);
-    } catch (...) {
-      promise.set_exception(std::current_exception());
-      std::lock_guard<std::mutex> lock(impl_->mutex);
-      impl_->entries.erase(spec);
+      const Source source = render(spec);
+      impl_->fulfil(spec, source, promise);
+    } catch (...) {  // (from render: fulfil does not throw)
+      impl_->fail(spec, promise);
     }
-    if (source) impl_->fulfil(spec, *source, promise);
   }
   return future.get();
 }
