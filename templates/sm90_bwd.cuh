@@ -19,7 +19,9 @@
 //                    dQ with their own 8-byte atomics). The buffer passes between them on two
 //                    mbarriers (full, free), every writing or reading thread arriving itself (on
 //                    named barriers, compute-sanitizer's racecheck reported hazards it does not
-//                    report here). How the consumers share the work depends on the head dim:
+//                    report here). Deterministic mode (specs with ordered_dq, where the writers add)
+//                    orders each query block's adds by key tile on a counter (p.dq_order), so reruns
+//                    sum dQ in one order. How the consumers share the work depends on the head dim:
 //                      64   each owns 64 keys (kBlockN 128); dQ is one 64-column panel, so they take
 //                           turns: on even steps consumer 0 computes it over all 128 keys, on odd
 //                           steps consumer 1 (the other only signals that its dS^T rows are in);
@@ -145,17 +147,22 @@ __device__ void sm90_bwd_convert_dq_kernel(const AttentionSm90BwdParams& params)
 // (batch, head) pairs are taken in groups, key tiles slowest within a group: a group's longest
 // tiles start first and its shortest end it (longest first). A group's Q, dO and fp32 dQ stay
 // within 24 MB of L2; the key-tiles-fastest order kept ~16 MB of them live (head dim 128, 1k-4k).
+// `last_tile_first` reverses the key tiles (deterministic mode under a mask: each query block's
+// adds then run from the last key tile back, see DqAddOrder, and a tile must start no later
+// than the one it waits for).
 struct BwdKeyTile {
   int n_block, kv_head, batch;
 };
 
 template <MaskKind kMask>
-__device__ __forceinline__ BwdKeyTile bwd_key_tile(const AttentionFwdParams& f, int heads_per_kv) {
+__device__ __forceinline__ BwdKeyTile bwd_key_tile(const AttentionFwdParams& f, int heads_per_kv, bool last_tile_first) {
+  const int tiles = gridDim.x;
+  auto in_launch_order = [&](int n_block) { return last_tile_first ? tiles - 1 - n_block : n_block; };
   if constexpr (kMask != MaskKind::kCausal) {
-    return {static_cast<int>(blockIdx.x), static_cast<int>(blockIdx.y), static_cast<int>(blockIdx.z)};
+    return {in_launch_order(static_cast<int>(blockIdx.x)), static_cast<int>(blockIdx.y), static_cast<int>(blockIdx.z)};
   } else {
     constexpr long long kGroupBytes = 24ll << 20;
-    const int tiles = gridDim.x, heads = gridDim.y, pairs = gridDim.y * gridDim.z;
+    const int heads = gridDim.y, pairs = gridDim.y * gridDim.z;
     const long long pair_bytes = 8ll * f.seqlen_q * heads_per_kv * f.head_dim;  // Q, dO (2 bytes), dQ (4)
     const int group = static_cast<int>(max(1ll, min(static_cast<long long>(pairs), kGroupBytes / max(pair_bytes, 1ll))));
     const int linear = blockIdx.x + tiles * (blockIdx.y + heads * blockIdx.z);
@@ -163,7 +170,7 @@ __device__ __forceinline__ BwdKeyTile bwd_key_tile(const AttentionFwdParams& f, 
     const int pairs_here = min(group, pairs - first_pair);
     const int local = linear - first_pair * tiles;
     const int pair = first_pair + local % pairs_here;
-    return {local / pairs_here, pair % heads, pair / heads};
+    return {in_launch_order(local / pairs_here), pair % heads, pair / heads};
   }
 }
 
@@ -182,6 +189,71 @@ __device__ __forceinline__ int sparse_query_step_count(const BlockSparseParams& 
     steps += sparse_row(mask, batch, kv_head * heads_per_kv + h, n0 / mask.row_block_size).count;
   return steps;
 }
+
+// Deterministic mode: the order in which the key tiles visiting a query block add to its dQ rows,
+// chosen so that a tile's turn comes without waiting. A block's counter holds 1 + the key of the
+// last tile that added (keys rise along the order); a tile waits for its predecessor's where that
+// tile adds to the block before it, and stores its own. Per mask:
+//   none, up to kMaxRotatedTiles key tiles   tile j of N starts its walk at step j*S/N of its S
+//        steps and wraps around, so at every step the tiles arrive one after another and add in
+//        order of arrival (key: the arrival step; predecessor: tile j+1, mod N). This needs the N
+//        tiles of a sequence and K/V head resident at once (FlashAttention-3's shift scheduler needs
+//        a wave of them): the grid starts them together, and 32 fit on any Hopper part.
+//   none, more tiles                         launch order (key: n): every tile walks from the first
+//        step, so each waits at every step for the one before it to add.
+//   causal, window                           last tile first (key: tiles - 1 - n): a tile's query
+//        range starts later the later its keys, so the last tile visiting a block reaches it first
+//        and each tile finds its predecessor's adds a step old (first-to-last made each wait a step
+//        for the one before; causal ran at ~0.55x the unordered backward at 16k). bwd_key_tile
+//        starts the tiles in this order, so the one waited for is running or done.
+template <MaskKind kMask, bool kOrdered>
+struct DqAddOrder {
+  static constexpr bool kLastTileFirst = kMask != MaskKind::kNone;
+  static constexpr int kMaxRotatedTiles = 32;
+  struct Turn {
+    int wait_for;  // the counter value to wait for, or -1: first at this block
+    int done;      // the value to store after adding
+  };
+  int n_block, tiles, steps;
+  bool rotated;
+  int walk_start;        // rotated: the step this tile's walk starts at
+  KeyRange predecessor;  // otherwise: the queries of the tile before this one (empty: none)
+
+  template <class Mask>
+  __device__ __forceinline__ DqAddOrder(const AttentionFwdParams& f, const Mask& mask, int n_block, int block_n,
+                                        int seqlen_k, int steps)
+      : n_block(n_block), tiles(gridDim.x), steps(steps), rotated(false), walk_start(0), predecessor{0, 0} {
+    if constexpr (!kOrdered) return;  // (the atomic kernels walk in the natural order)
+    const int tiles_here = (seqlen_k + block_n - 1) / block_n;  // varlen: this sequence's
+    rotated = kMask == MaskKind::kNone && tiles_here <= kMaxRotatedTiles && steps >= tiles_here;
+    if (rotated) {
+      tiles = tiles_here;
+      walk_start = first_step(n_block);
+    } else {
+      const int before = kLastTileFirst ? n_block + 1 : n_block - 1;
+      if (before >= 0 && before * block_n < seqlen_k) predecessor = mask.queries_of(f, before * block_n, block_n);
+    }
+  }
+  __device__ __forceinline__ int first_step(int tile) const { return tile * steps / tiles; }
+  // The query step (head and block, in the walk's natural order) this tile visits at its step-th.
+  __device__ __forceinline__ int slot(int step) const {
+    if constexpr (!kOrdered) return step;
+    const int at = step + walk_start;
+    return at >= steps ? at - steps : at;
+  }
+  __device__ __forceinline__ Turn turn(int step, int m0, int block_m) const {
+    if (rotated) {
+      const int before = n_block + 1 == tiles ? 0 : n_block + 1;
+      int arrival = slot(step) - first_step(before);  // the predecessor's step at this slot
+      if (arrival < 0) arrival += steps;
+      return {arrival < step ? arrival + 1 : -1, step + 1};
+    }
+    const bool visits = predecessor.end > predecessor.begin && m0 / block_m >= predecessor.begin / block_m &&
+                        m0 < predecessor.end;
+    const int key = kLastTileFirst ? tiles - 1 - n_block : n_block;
+    return {visits ? key : -1, key + 1};
+  }
+};
 
 template <class Config>
 __device__ void sm90_bwd_dkdv_atomic_dq_kernel(const AttentionSm90BwdParams& params) {
@@ -213,11 +285,14 @@ __device__ void sm90_bwd_dkdv_atomic_dq_kernel(const AttentionSm90BwdParams& par
   auto bar_empty = [&](int stage) { return ring.empty_barrier(stage); };
   // The dQ buffer: written (every consumer thread of the step arrives), free again (every writer).
   const unsigned bar_dq_full = bar_kv_full + 8 + 16 * kStages, bar_dq_free = bar_dq_full + 8;
+  // Named barriers: 1 and 2 the consumers' dS^T exchange, 3 the dQ writers' (deterministic mode).
+  constexpr int kDqWritersBarrier = 3;
 
   const int tid = threadIdx.x, lane = tid % 32;
   const int warp = warp_uniform(tid / 32), group = warp / 4;
   const int heads_per_kv = f.num_heads_q / f.num_heads_kv;
-  const BwdKeyTile tile = bwd_key_tile<kMask>(f, heads_per_kv);
+  constexpr bool kOrdered = OrderedDqOf<Config>::value;  // deterministic mode (p.dq_order set)
+  const BwdKeyTile tile = bwd_key_tile<kMask>(f, heads_per_kv, kOrdered && DqAddOrder<kMask, kOrdered>::kLastTileFirst);
   const int n_block = tile.n_block, kv_head = tile.kv_head, batch = tile.batch;
   const SequenceExtent seq = sequence_extent<true>(f, batch);
   const int n0 = n_block * kBlockN;
@@ -241,8 +316,9 @@ __device__ void sm90_bwd_dkdv_atomic_dq_kernel(const AttentionSm90BwdParams& par
   const int num_steps = Shape::kBlockSparse
                             ? sparse_query_step_count(p.transposed_block_mask, batch, kv_head, heads_per_kv, n0)
                             : steps_per_head * heads_per_kv;
-  auto step_head = [&](int step) { return kv_head * heads_per_kv + step / steps_per_head; };
-  auto step_m0 = [&](int step) { return (m_block_min + step % steps_per_head) * kBlockM; };
+  const DqAddOrder<kMask, kOrdered> add_order(f, mask, n_block, kBlockN, seq.seqlen_k, num_steps);
+  auto step_head = [&](int step) { return kv_head * heads_per_kv + add_order.slot(step) / steps_per_head; };
+  auto step_m0 = [&](int step) { return (m_block_min + add_order.slot(step) % steps_per_head) * kBlockM; };
 
   if (tid == 0) {
     mbarrier_init(bar_kv_full, 1);
@@ -271,6 +347,8 @@ __device__ void sm90_bwd_dkdv_atomic_dq_kernel(const AttentionSm90BwdParams& par
         const int writer = tid - 32;
         constexpr int kChunksPerRow = kHeadDim / 4;
         const unsigned buffer = base + Shape::kDqOffset;
+        // Deterministic mode: a step's adds wait for those of the tile before this one in the add
+        // order (DqAddOrder), then this tile's turn ends.
         for (int step = 0; step < num_steps; ++step) {
           // The step's head and m0: computed, or where the producer records steps, as the consumers
           // left them in row 0's padding (a block mask's steps are not computable here).
@@ -285,10 +363,22 @@ __device__ void sm90_bwd_dkdv_atomic_dq_kernel(const AttentionSm90BwdParams& par
           const int chunks = min(kBlockM, seq.seqlen_q - m0) * kChunksPerRow;
           float* accum = p.dq_accum +
                          (static_cast<long long>(head) * p.workspace_rows + workspace_row(f, seq, batch, m0)) * kHeadDim;
+          int* order = kOrdered ? p.dq_order + head * p.dq_order_head_stride + workspace_row(f, seq, batch, m0) / kBlockM + batch
+                               : nullptr;
+          const auto turn = add_order.turn(step, m0, kBlockM);
+          if (kOrdered && turn.wait_for >= 0) {
+            if (writer == 0) wait_for_counter(order, turn.wait_for);
+            named_barrier_sync(kDqWritersBarrier, Shape::kDqWriterThreads);
+          }
           for (int chunk = writer; chunk < chunks; chunk += Shape::kDqWriterThreads) {
             const float4 v = load_shared_quad(buffer + (chunk / kChunksPerRow) * Shape::kDqRowBytes +
                                               (chunk % kChunksPerRow) * 16);
             atomic_add_quad(accum + 4 * chunk, v);
+          }
+          if constexpr (kOrdered) {  // every writer's adds, then the next key tile's turn (the barrier makes the
+                          // release cumulative over them, as CUTLASS's semaphores rely on)
+            named_barrier_sync(kDqWritersBarrier, Shape::kDqWriterThreads);
+            if (writer == 0) store_counter_release(order, turn.done);
           }
           mbarrier_arrive(bar_dq_free);
         }

@@ -564,7 +564,11 @@ int run(const Options& o) {
       // Every legal candidate that compiles without spills, timed; the fastest is kept in options.
       const detail::ForwardProblem forward =
           detail::make_forward_problem(view(q), view(k), view(v), view(out), &lse_view, nullptr, options);
-      const detail::PassProblem planned{o.backward ? detail::Pass::backward : detail::Pass::forward, forward};
+      detail::BackwardProblem backward;  // (the mode is what the candidates depend on)
+      backward.forward = forward;
+      backward.deterministic = o.deterministic;
+      const detail::PassProblem planned{o.backward ? detail::Pass::backward : detail::Pass::forward, forward,
+                                        o.backward ? &backward : nullptr};
       const auto candidates = detail::tuning_plan(planned, device.arch()).candidates;
       std::vector<std::thread> compilers;
       std::atomic<size_t> next{0};

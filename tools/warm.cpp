@@ -125,15 +125,19 @@ std::vector<KernelSpec> gather_specs(const Options& o) {
               KernelSpec heuristic;
               if (pass == "fwd")
                 heuristic = heuristic_forward_spec(arch, dtype, head_dim, mask);
-              else if (pass == "bwd")
-                heuristic = heuristic_backward_spec(arch, dtype, head_dim, mask);
+              else if (pass == "bwd" || pass == "bwd-deterministic")
+                heuristic = heuristic_backward_spec(arch, dtype, head_dim, mask, false, pass == "bwd-deterministic");
               else
                 throw Error(ErrorCode::invalid_argument, "--passes",
-                            fmt::format("'{}' is not fwd, bwd or kvcache", pass));
+                            fmt::format("'{}' is not fwd, bwd, bwd-deterministic or kvcache", pass));
               specs.push_back(heuristic);
               // Where the bundled database overrides the heuristic (the H200's tuned tiles), its
-              // picks too: dispatch runs them for the shapes they were tuned on.
-              for (const KernelSpec& tuned : bundled_tuned_specs(heuristic)) specs.push_back(tuned);
+              // picks too: dispatch runs them for the shapes they were tuned on (in deterministic
+              // mode with ordered dQ adds, where the tiles have room for them).
+              for (KernelSpec tuned : bundled_tuned_specs(heuristic)) {
+                tuned.ordered_dq = heuristic.ordered_dq;
+                if (!tuned.validate()) specs.push_back(tuned);
+              }
             }
   }
   // Drop duplicates (head dims that round to the same kernel), keep the order.
@@ -279,7 +283,9 @@ int main(int argc, char** argv) {
   app.add_option("--head-dims", o.head_dims, "Head dims for the preset")->delimiter(',')->check(cli::kHeadDimCheck);
   app.add_option("--dtypes", o.dtypes, "Dtypes for the preset (bf16, fp16, e4m3: FP8 forward on sm_90a)")->delimiter(',');
   app.add_option("--masks", o.masks, "Mask kinds for the preset (none, causal, window)")->delimiter(',');
-  app.add_option("--passes", o.passes, "Passes for the preset (fwd, bwd, kvcache: forward_kvcache's decode tiles)")->delimiter(',');
+  app.add_option("--passes", o.passes,
+                 "Passes for the preset (fwd, bwd, bwd-deterministic: the backward's deterministic mode, kvcache: "
+                 "forward_kvcache's decode tiles)")->delimiter(',');
   app.add_option("--specs", o.specs_file, "JSON file: an array of kernel specs");
   app.add_option("--tuning-db", o.tuning_db, "Tuning database (flashjit-tune): its winners and runner-ups");
   app.add_option("--cache-dir", o.cache_dir, "Cache directory (default: FLASHJIT_CACHE_DIR or ~/.cache/flashjit)");

@@ -55,6 +55,7 @@ struct FamilyRules {
                                     // that load: a register more spilled fa2's widest)
   bool takes_tail_splits = false;   // splits its schedule's last tiles over keys where the spec has tail_splits
   bool takes_fp8 = false;           // has kernels for DType::e4m3 (FP8 inputs, bf16 output)
+  bool takes_ordered_dq = false;    // adds dQ in a fixed order of key tiles where the spec has ordered_dq
 };
 
 // The family table, in the order of the Family enum (src/render.cpp).

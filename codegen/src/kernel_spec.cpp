@@ -62,6 +62,7 @@ bool is_forward_family(Family family) { return !family_rules(family).computes_gr
 bool family_takes_modifiers(Family family) { return family_rules(family).takes_modifiers; }
 bool family_takes_block_mask(Family family) { return family_rules(family).takes_block_mask; }
 bool family_takes_continuation(Family family) { return family_rules(family).takes_continuation; }
+bool family_takes_ordered_dq(Family family) { return family_rules(family).takes_ordered_dq; }
 bool family_takes_seqused(Family family) { return family_rules(family).takes_seqused; }
 bool family_takes_fp8(Family family) { return family_rules(family).takes_fp8; }
 bool family_takes_tail_splits(Family family) { return family_rules(family).takes_tail_splits; }
@@ -139,6 +140,8 @@ std::optional<std::string> KernelSpec::validate() const {
   if (continues && !rules.takes_continuation)
     return fmt::format("{} does not continue partial results (ring attention's steps run on sm90_fwd and sm90_bwd)",
                        rules.name);
+  if (ordered_dq && !rules.takes_ordered_dq)
+    return fmt::format("{} does not order its dQ adds (sm90_bwd's deterministic mode does)", rules.name);
   if (tail_splits && !rules.takes_tail_splits)
     return fmt::format("{} does not split tails (the persistent sm90_fwd does)", rules.name);
   if (dtype == DType::e4m3) {
@@ -154,10 +157,11 @@ std::string KernelSpec::name() const {
   const std::string modifier_part = modifier != nullptr ? "_mod" + modifier->hash().substr(0, 12) : "";
   const char* split_part =
       tail_splits == default_tail_splits(family, mask, block_sparse) ? "" : tail_splits ? "_split" : "_nosplit";
-  return fmt::format("{}_{}_d{}_m{}n{}w{}s{}{}{}{}{}{}{}_sm{}{}", to_string(family), to_string(dtype),
+  return fmt::format("{}_{}_d{}_m{}n{}w{}s{}{}{}{}{}{}{}{}_sm{}{}", to_string(family), to_string(dtype),
                      head_dim, block_m, block_n, num_warps, num_stages, mask_part,
                      has_softcap ? "_softcap" : "", modifier_part, block_sparse ? "_sparse" : "",
-                     continues ? "_cont" : "", split_part, arch.sm, arch.arch_specific ? "a" : "");
+                     continues ? "_cont" : "", ordered_dq ? "_ordered" : "", split_part, arch.sm,
+                     arch.arch_specific ? "a" : "");
 }
 
 json KernelSpec::to_json() const {
@@ -170,6 +174,7 @@ json KernelSpec::to_json() const {
   if (modifier != nullptr) j["modifier"] = modifier->to_json();
   if (block_sparse) j["block_sparse"] = true;
   if (continues) j["continues"] = true;
+  if (ordered_dq) j["ordered_dq"] = true;
   if (tail_splits != default_tail_splits(family, mask, block_sparse)) j["tail_splits"] = tail_splits;
   return j;
 }
@@ -178,7 +183,7 @@ KernelSpec KernelSpec::from_json(const json& j) {
   static const std::vector<std::string> kFields{"family",  "arch",      "dtype",      "head_dim",
                                                 "block_m", "block_n",   "num_warps",  "num_stages",
                                                 "mask",    "softcap",   "modifier",   "block_sparse",
-                                                "continues", "tail_splits"};
+                                                "continues", "ordered_dq", "tail_splits"};
   auto fail = [](const std::string& message) {
     return Error(ErrorCode::invalid_argument, "spec JSON", message);
   };
@@ -229,6 +234,10 @@ KernelSpec KernelSpec::from_json(const json& j) {
     if (!it->is_boolean()) throw fail(fmt::format("field 'continues' must be true or false, got {}", it->dump()));
     s.continues = it->get<bool>();
   }
+  if (auto it = j.find("ordered_dq"); it != j.end()) {
+    if (!it->is_boolean()) throw fail(fmt::format("field 'ordered_dq' must be true or false, got {}", it->dump()));
+    s.ordered_dq = it->get<bool>();
+  }
   s.tail_splits = default_tail_splits(s.family, s.mask, s.block_sparse);
   if (auto it = j.find("tail_splits"); it != j.end()) {
     if (!it->is_boolean()) throw fail(fmt::format("field 'tail_splits' must be true or false, got {}", it->dump()));
@@ -241,7 +250,8 @@ bool KernelSpec::operator==(const KernelSpec& o) const {
   return family == o.family && arch == o.arch && dtype == o.dtype && head_dim == o.head_dim &&
          block_m == o.block_m && block_n == o.block_n && num_warps == o.num_warps &&
          num_stages == o.num_stages && mask == o.mask && has_softcap == o.has_softcap &&
-         block_sparse == o.block_sparse && continues == o.continues && tail_splits == o.tail_splits &&
+         block_sparse == o.block_sparse && continues == o.continues && ordered_dq == o.ordered_dq &&
+         tail_splits == o.tail_splits &&
          (modifier == o.modifier || (modifier != nullptr && o.modifier != nullptr && *modifier == *o.modifier));
 }
 
@@ -252,7 +262,7 @@ size_t KernelSpecHash::operator()(const KernelSpec& s) const noexcept {
                      uint64_t(s.head_dim), uint64_t(s.block_m), uint64_t(s.block_n),
                      uint64_t(s.num_warps), uint64_t(s.num_stages), uint64_t(s.mask),
                      uint64_t(s.has_softcap), uint64_t(s.block_sparse), uint64_t(s.continues),
-                     uint64_t(s.tail_splits)})
+                     uint64_t(s.ordered_dq), uint64_t(s.tail_splits)})
     packed = packed * 0x100000001b3ull ^ v;
   if (s.modifier != nullptr) packed = packed * 0x100000001b3ull ^ std::hash<std::string>{}(s.modifier->hash());
   return std::hash<uint64_t>{}(packed);

@@ -147,6 +147,7 @@ Source render(const KernelSpec& spec) {
                  mask_constant(spec.mask), spec.has_softcap ? "true" : "false", spec.arch.sm, constants,
                  rules.config_members ? rules.config_members(spec) : std::string());
   if (spec.continues) out += "  static constexpr bool kContinues = true;\n";
+  if (spec.ordered_dq) out += "  static constexpr bool kOrderedDq = true;\n";
   if (spec.modifier != nullptr || spec.block_sparse)
     out += modifiers_struct(spec, rules.computes_gradients, source,
                             1 + static_cast<int>(std::count(out.begin(), out.end(), '\n')));

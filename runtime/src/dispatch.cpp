@@ -92,6 +92,13 @@ std::vector<const RuntimeFamily*> usable_families(const PassProblem& problem, co
   return usable;
 }
 
+// What a spec compiles in of the call beyond its tiles: a continuation, and in deterministic mode
+// ordered dQ adds (where the family orders them).
+void add_call_modes(KernelSpec& spec, const PassProblem& problem) {
+  spec.continues = problem.forward.continues;
+  spec.ordered_dq = problem.deterministic() && family_takes_ordered_dq(spec.family);
+}
+
 // A masked call that asks for tail splits (num_splits > 1) gets a spec that has them; other specs
 // keep their default (unmasked specs have them, the others are smaller without).
 void add_requested_tail_splits(KernelSpec& spec, const ForwardProblem& problem) {
@@ -102,7 +109,7 @@ KernelSpec heuristic_spec(const RuntimeFamily& family, const PassProblem& proble
   const ForwardProblem& f = problem.forward;
   KernelSpec spec = default_spec(family.family, arch, f.dtype, kernel_head_dim(family.family, f.head_dim), f.mask,
                                  f.has_softcap, f.modifier, f.block_sparse);
-  spec.continues = f.continues;
+  add_call_modes(spec, problem);
   add_requested_tail_splits(spec, f);
   if (family.fit_to_problem != nullptr) family.fit_to_problem(spec, problem);
   if (auto reason = spec.validate())
@@ -137,6 +144,9 @@ void check_forced_kernel(const KernelSpec& spec, const PassProblem& problem, con
   if (spec.continues != f.continues)
     throw bad(spec.continues ? "it continues a running result and the options have no continuation"
                              : "it cannot continue the options' running result");
+  if (family_takes_ordered_dq(spec.family) && spec.ordered_dq != problem.deterministic())
+    throw bad(spec.ordered_dq ? "it orders its dQ adds (ordered_dq) and the options are not deterministic"
+                              : "the options ask for deterministic mode and its dQ adds are unordered (ordered_dq)");
   if (f.num_splits > 1 && family_takes_tail_splits(spec.family) && !spec.tail_splits)
     throw bad(fmt::format("options.num_splits is {} and it has no tail splits (tail_splits)", f.num_splits));
   if (spec.head_dim < f.head_dim)
@@ -198,9 +208,10 @@ KernelSpec select_kernel(const PassProblem& problem, const DeviceProperties& dev
   }
   const std::vector<const RuntimeFamily*> usable = usable_families(problem, arch);
   if (auto tuned = tuned_spec(tuning, problem, device, usable)) {
-    // The dense tuned tiles serve a continuing call, or one that asks for tail splits, too.
+    // The dense tuned tiles serve a continuing or deterministic call, or one that asks for tail
+    // splits, too (where they can: three stages leave sm90_bwd no room for ordered dQ adds).
     KernelSpec spec = *tuned;
-    spec.continues = problem.forward.continues;
+    add_call_modes(spec, problem);
     add_requested_tail_splits(spec, problem.forward);
     if (spec == *tuned || !spec.validate()) return spec;  // (validated once where unchanged)
   }
@@ -230,6 +241,7 @@ TuningPlan tuning_plan(const PassProblem& problem, const Arch& arch) {
     KernelSpec base = default_spec(family->family, arch, automatic.dtype, kernel_head_dim(family->family, automatic.head_dim),
                                    automatic.mask, automatic.has_softcap);
     add_requested_tail_splits(base, automatic);  // (candidates a masked call with num_splits > 1 can run)
+    base.ordered_dq = planned.deterministic() && family_takes_ordered_dq(base.family);  // (legal ones only)
     for (const KernelSpec& s : family->tuning_candidates(base)) plan.candidates.push_back(s);
   }
   return plan;
@@ -268,9 +280,14 @@ KernelSpec heuristic_forward_spec(const Arch& arch, DType dtype, int head_dim, M
   return heuristic_spec_of(detail::Pass::forward, arch, dtype, head_dim, mask, has_softcap);
 }
 
-KernelSpec heuristic_backward_spec(const Arch& arch, DType dtype, int head_dim, MaskKind mask, bool has_softcap) {
-  // The common case's choice: atomic dQ, a layout TMA can read.
-  return heuristic_spec_of(detail::Pass::backward, arch, dtype, head_dim, mask, has_softcap);
+KernelSpec heuristic_backward_spec(const Arch& arch, DType dtype, int head_dim, MaskKind mask, bool has_softcap,
+                                   bool deterministic) {
+  // The common case's choice (a layout TMA can read), in the mode asked for.
+  detail::BackwardProblem backward;
+  backward.forward = common_problem(dtype, head_dim, mask, has_softcap);
+  backward.deterministic = deterministic;
+  const detail::PassProblem planned{detail::Pass::backward, backward.forward, &backward};
+  return detail::heuristic_spec(*detail::usable_families(planned, arch).front(), planned, arch);
 }
 
 std::vector<KernelSpec> heuristic_kvcache_specs(const Arch& arch, DType dtype, int head_dim, MaskKind mask,

@@ -102,18 +102,46 @@ std::vector<KernelSpec> mma_sync_tile_candidates(const KernelSpec& base) {
 }
 
 namespace {
-size_t backward_workspace_bytes(const BackwardProblem& problem) {
-  return problem.deterministic ? problem.delta_bytes() : problem.dq_accum_offset() + problem.dq_accum_bytes();
+
+// The order counters of one query head (AttentionBwdParams::dq_order): a block's index is its
+// workspace row / block_m plus its sequence's number, which every sequence's first row advances.
+int dq_order_counters_per_head(const BackwardProblem& problem, int block_m) {
+  return problem.params.workspace_rows / block_m + problem.forward.batch + 1;
 }
+
+// Where the order counters start: after the accumulator, 256-byte aligned.
+size_t dq_order_offset(const BackwardProblem& problem) {
+  return (problem.dq_accum_offset() + problem.dq_accum_bytes() + 255) / 256 * 256;
+}
+
+size_t backward_workspace_bytes(const BackwardProblem& problem, DqAccumulation dq, int block_m) {
+  switch (dq) {
+    case DqAccumulation::separate: return problem.delta_bytes();
+    case DqAccumulation::atomic: return problem.dq_accum_offset() + problem.dq_accum_bytes();
+    case DqAccumulation::ordered:
+      return dq_order_offset(problem) +
+             sizeof(int) * size_t(problem.forward.heads_q) * dq_order_counters_per_head(problem, block_m);
+  }
+  return 0;
+}
+
 }  // namespace
 
-BackwardLaunch::BackwardLaunch(const FamilyCall& call)
-    : workspace(call.forward().device, call.stream, backward_workspace_bytes(call.backward())),
+BackwardLaunch::BackwardLaunch(const FamilyCall& call, DqAccumulation dq)
+    : workspace(call.forward().device, call.stream, backward_workspace_bytes(call.backward(), dq, call.spec.block_m)),
       params(call.backward().params) {
   const BackwardProblem& problem = call.backward();
   const ForwardProblem& f = problem.forward;
   params.delta = reinterpret_cast<float*>(workspace.get());
-  params.dq_accum = problem.deterministic ? nullptr : reinterpret_cast<float*>(workspace.get() + problem.dq_accum_offset());
+  params.dq_accum =
+      dq == DqAccumulation::separate ? nullptr : reinterpret_cast<float*>(workspace.get() + problem.dq_accum_offset());
+  params.dq_order = nullptr;
+  if (dq == DqAccumulation::ordered) {
+    const CUdeviceptr counters = workspace.get() + dq_order_offset(problem);
+    params.dq_order = reinterpret_cast<int*>(counters);
+    params.dq_order_head_stride = dq_order_counters_per_head(problem, call.spec.block_m);
+    FLASHJIT_CU(cuMemsetD32Async, counters, 0u, size_t(f.heads_q) * params.dq_order_head_stride, call.stream);
+  }
   const auto batch = static_cast<unsigned>(f.batch);
   query_rows = {blocks(f.seqlen_q, kBwdRowPassRows), static_cast<unsigned>(f.heads_q), batch};
   key_tiles = {blocks(f.seqlen_k, call.spec.block_n), static_cast<unsigned>(f.heads_kv), batch};

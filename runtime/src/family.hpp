@@ -140,12 +140,19 @@ std::vector<KernelSpec> tile_grid_candidates(const KernelSpec& base, std::initia
 // what validate() accepts of it.
 std::vector<KernelSpec> mma_sync_tile_candidates(const KernelSpec& base);
 
-// What every backward family's entry sequence shares: the scratch memory (delta and, with atomic
-// dQ, the fp32 dQ accumulator after it), stream-ordered, and the grids of the row passes
-// (preprocess, convert_dq) and of the key tiles. No queries still means dK = dV = 0 to write; no
-// keys, dQ = 0: `has_queries` and `has_keys` say which entries have work.
+// How a backward family sums dQ over the key tiles: `atomic`, in any order, into the fp32
+// accumulator; `ordered`, the same in key-tile order (sm90_bwd's deterministic mode: an order counter
+// per query block beside the accumulator, AttentionBwdParams::dq_order); `separate`, in a later
+// query-outer entry of its own (fa2_bwd's deterministic mode: no accumulator).
+enum class DqAccumulation { atomic, ordered, separate };
+
+// What every backward family's entry sequence shares: the scratch memory (delta and, unless dQ is
+// separate, the fp32 dQ accumulator after it, then any order counters, zeroed on the stream),
+// stream-ordered, and the grids of the row passes (preprocess, convert_dq) and of the key tiles. No
+// queries still means dK = dV = 0 to write; no keys, dQ = 0: `has_queries` and `has_keys` say which
+// entries have work.
 struct BackwardLaunch {
-  BackwardLaunch(const FamilyCall& call);
+  BackwardLaunch(const FamilyCall& call, DqAccumulation dq);
   StreamWorkspace workspace;
   AttentionBwdParams params;  // the problem's, with the workspace pointers set
   Grid query_rows, key_tiles;

@@ -32,6 +32,21 @@ __device__ __forceinline__ void atomic_add_quad(float* address, float4 v) {
                : "memory");
 }
 
+// A counter that orders CTAs' adds (sm90_bwd's deterministic dQ): wait until it reads `value`, with
+// acquire semantics at GPU scope (what the CTA that stored it added before is then visible first),
+// and store one with release semantics.
+__device__ __forceinline__ void wait_for_counter(const int* counter, int value) {
+  int seen;
+  for (;;) {
+    asm volatile("ld.acquire.gpu.global.b32 %0, [%1];\n" : "=r"(seen) : "l"(counter) : "memory");
+    if (seen == value) return;
+    __nanosleep(64);
+  }
+}
+__device__ __forceinline__ void store_counter_release(int* counter, int value) {
+  asm volatile("st.release.gpu.global.b32 [%0], %1;\n" ::"l"(counter), "r"(value) : "memory");
+}
+
 // Two floats from shared memory, kept in program order: a plain load would be hoisted above the
 // (volatile) MMAs before it, holding registers across the whole GEMM and spilling.
 __device__ __forceinline__ float2 load_shared_pair(unsigned address) {

@@ -138,7 +138,13 @@ struct AttentionBwdParams {
   void* dk;
   void* dv;
   float* delta;     // (heads_q, workspace_rows): rowsum(dO * O), written by the preprocess entry
-  float* dq_accum;  // (heads_q, workspace_rows, head_dim): atomic dQ sums, or null (deterministic)
+  float* dq_accum;  // (heads_q, workspace_rows, head_dim): atomic dQ sums, or null (fa2_bwd's deterministic mode)
+  // sm90_bwd's deterministic mode (ordered_dq specs), else null: one counter per (query head, query
+  // block), zeroed before the launch, that orders the key tiles' adds to the block's dQ rows (in the
+  // order DqAddOrder in sm90_bwd.cuh sets). The block of (batch, row) is workspace_row / block_m +
+  // batch (unique: a sequence's rows start a new block), dq_order_head_stride counters a head.
+  int* dq_order;
+  int dq_order_head_stride;
 
   long long do_batch_stride, do_row_stride, do_head_stride;
   long long dq_batch_stride, dq_row_stride, dq_head_stride;

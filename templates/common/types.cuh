@@ -73,6 +73,16 @@ struct ContinuesOf<Config, typename VoidOf<decltype(Config::kContinues)>::type> 
   static constexpr bool value = Config::kContinues;
 };
 
+// Config::kOrderedDq where codegen rendered it (sm90_bwd's deterministic mode), else false.
+template <class Config, class = void>
+struct OrderedDqOf {
+  static constexpr bool value = false;
+};
+template <class Config>
+struct OrderedDqOf<Config, typename VoidOf<decltype(Config::kOrderedDq)>::type> {
+  static constexpr bool value = Config::kOrderedDq;
+};
+
 // NVRTC has no <cmath>: INFINITY and friends are spelled out.
 __device__ __forceinline__ float positive_infinity() { return __int_as_float(0x7f800000); }
 

@@ -21,13 +21,14 @@ struct Run {
   std::optional<KernelSpec> kernel;
 };
 
-// The backends a case runs on: fa2_bwd always; sm90_bwd on sm_90 in atomic mode where it has a
-// kernel of the head dim (33-64, 97-128, 225-256), as automatic dispatch would pick it.
+// The backends a case runs on: fa2_bwd always; sm90_bwd on sm_90 where it has a kernel of the head
+// dim (33-64, 97-128, 225-256), in deterministic mode at 64 and 128, as automatic dispatch would pick it.
 std::vector<Backend> backward_backends(const Run& r) {
   const int d = r.shape.head_dim;
   const bool hopper = device_properties(0).arch().name() == "sm_90a";
-  const bool sm90_head_dim = (d > 32 && d <= 64) || (d > 96 && d <= 128) || (d > 224 && d <= 256);
-  if (hopper && !r.deterministic && !r.kernel && sm90_head_dim) return {Backend::fa2, Backend::sm90};
+  const bool sm90_head_dim = r.deterministic ? d == 64 || d == 128
+                                             : (d > 32 && d <= 64) || (d > 96 && d <= 128) || (d > 224 && d <= 256);
+  if (hopper && !r.kernel && sm90_head_dim) return {Backend::fa2, Backend::sm90};
   return {Backend::fa2};
 }
 
@@ -212,21 +213,45 @@ TEST_CASE("fa2_bwd: forced tile shapes", "[backward]") {
     }
 }
 
-TEST_CASE("fa2_bwd: deterministic mode is bitwise reproducible and correct", "[backward]") {
-  for (int group : {1, 4})
-    for (bool causal : {false, true}) {
-      AttentionShape shape = AttentionShape::make(2, 777, 777, 8, 8 / group, 128);
-      shape.causal = causal;
-      BackwardCase c(shape, DType::bf16, 18000 + group + causal);
-      AttentionOptions options;
-      options.deterministic = true;
-      c.run(test_runtime(), options);
-      INFO(c.describe());
-      CHECK(c.check(tensor_core_gradient_tolerance(DType::bf16)).ok());
-      const std::vector<uint16_t> first = c.gradient_bits();
-      for (int rerun = 0; rerun < 3; ++rerun) {
+// Both families' deterministic modes (sm90_bwd's on sm_90 at head dims 64 and 128): correct, and
+// reruns bitwise identical, over GQA, masks whose key tiles visit different query blocks (causal
+// with seqlen_q > seqlen_k and the other way round, a window) and varlen.
+TEST_CASE("backward: deterministic mode is bitwise reproducible and correct", "[backward]") {
+  uint64_t seed = 18000;
+  struct Shape {
+    int seqlen_q, seqlen_k, group, head_dim;
+    MaskKind mask;
+  };
+  for (Shape s : {Shape{777, 777, 1, 128, MaskKind::none}, Shape{777, 777, 4, 128, MaskKind::causal},
+                  Shape{1000, 333, 2, 64, MaskKind::causal}, Shape{333, 1000, 1, 64, MaskKind::causal},
+                  Shape{900, 900, 8, 128, MaskKind::window},
+                  // sm90_bwd's add orders (DqAddOrder): 777 keys rotate the walks of 7 key tiles,
+                  // 900 those of 8 over 4 query heads' steps, 4300 keys (34 tiles) take launch
+                  // order; varlen mixes them per sequence.
+                  Shape{500, 900, 4, 128, MaskKind::none}, Shape{700, 4300, 2, 64, MaskKind::none}})
+    for (bool varlen : {false, true}) {
+      Run r;
+      r.shape = AttentionShape::make(2, s.seqlen_q, s.seqlen_k, 8, 8 / s.group, s.head_dim);
+      r.shape.causal = s.mask == MaskKind::causal;
+      if (s.mask == MaskKind::window) r.shape.window_left = r.shape.window_right = 200;
+      if (varlen) {  // two sequences, the first ending mid query block
+        r.shape.seqlens_q = {s.seqlen_q / 3, s.seqlen_q - s.seqlen_q / 3};
+        r.shape.seqlens_k = {s.seqlen_k, s.seqlen_k / 2};
+      }
+      r.deterministic = true;
+      BackwardCase c(r.shape, DType::bf16, seed++);
+      for (Backend backend : backward_backends(r)) {
+        AttentionOptions options;
+        options.deterministic = true;
+        options.backend = backend;
         c.run(test_runtime(), options);
-        CHECK(c.gradient_bits() == first);
+        INFO(c.describe() << (backend == Backend::sm90 ? " sm90_bwd" : " fa2_bwd") << " deterministic");
+        CHECK(c.check(tensor_core_gradient_tolerance(DType::bf16)).ok());
+        const std::vector<uint16_t> first = c.gradient_bits();
+        for (int rerun = 0; rerun < 3; ++rerun) {
+          c.run(test_runtime(), options);
+          CHECK(c.gradient_bits() == first);
+        }
       }
     }
 }
@@ -236,7 +261,8 @@ TEST_CASE("backward: one head and an odd row count (workspace alignment)", "[bac
   // launcher aligns it; its float4 accesses would then fault.
   // Also the smallest case of each sm90_bwd head dim, which the sanitize step of bench/device_run.sh
   // runs under racecheck and synccheck, and a small one with four query steps and two key tiles,
-  // so that the shared buffers reused from step to step are checked too.
+  // so that the shared buffers reused from step to step are checked too; at head dims 64 and 128
+  // in deterministic mode as well (sm90_bwd's ordered dQ: two key tiles, one waits for the other).
   uint64_t seed = 19000;
   for (int head_dim : {64, 128, 256})
     for (bool causal : {false, true})
@@ -244,6 +270,9 @@ TEST_CASE("backward: one head and an odd row count (workspace alignment)", "[bac
         Run r;
         r.shape = AttentionShape::make(1, seqlen_q, seqlen_k, 1, 1, head_dim);
         r.shape.causal = causal;
+        check(r, seed++);
+        if (head_dim == 256) continue;
+        r.deterministic = true;
         check(r, seed++);
       }
 }

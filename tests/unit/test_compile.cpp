@@ -65,6 +65,16 @@ std::vector<KernelSpec> sweep_specs(const Arch& arch) {
       specs.push_back(default_spec(Family::sm90_bwd, arch, DType::bf16, d, MaskKind::none, false, document, true));
       specs.push_back(default_spec(Family::sm90_bwd, arch, DType::bf16, d, MaskKind::none, false, softcap));
     }
+  // sm90_bwd's deterministic mode (ordered dQ adds), at the head dims whose writer warps add dQ,
+  // with each mask (each has its own add order) and a softcap.
+  for (int d : {64, 128})
+    if (family_covers(Family::sm90_bwd, arch, d))
+      for (auto [mask, softcap] : {std::pair{MaskKind::none, false}, std::pair{MaskKind::causal, false},
+                                   std::pair{MaskKind::window, true}}) {
+        KernelSpec s = default_spec(Family::sm90_bwd, arch, DType::bf16, d, mask, softcap);
+        s.ordered_dq = true;
+        specs.push_back(s);
+      }
   if (arch.sm == 80 || arch.sm == 90)
     specs.push_back(default_spec(Family::block_mask, arch, DType::bf16, 0, MaskKind::none, false, document));
   // A masked forward that asks for tail splits (num_splits > 1): the split items' merge beside a

@@ -298,7 +298,7 @@ TEST_CASE("backward workspace: the dQ accumulator starts aligned after the row s
   }
 }
 
-TEST_CASE("backward dispatch: sm90_bwd on sm_90 at fa2_bwd kernel head dims 64, 128 and 256 in atomic mode, else fa2_bwd", "[dispatch]") {
+TEST_CASE("backward dispatch: sm90_bwd on sm_90 at fa2_bwd kernel head dims 64, 128 and 256 (deterministic: 64 and 128), else fa2_bwd", "[dispatch]") {
   auto backward = [](int head_dim, AttentionOptions options = {}, bool deterministic = false) {
     auto q = TensorView::contiguous(arena, ScalarType::bfloat16, {2, 64, 4, head_dim});
     auto lse = TensorView::contiguous(arena, ScalarType::float32, {2, 4, 64});
@@ -323,12 +323,23 @@ TEST_CASE("backward dispatch: sm90_bwd on sm_90 at fa2_bwd kernel head dims 64, 
   causal.causal = true;
   for (const auto* d : {&kA100, &kH200})
     for (int head_dim : {64, 128, 256})
-      CHECK(heuristic_backward_spec(d->arch(), DType::bf16, head_dim, MaskKind::causal) ==
-            detail::select_backward_kernel(backward(head_dim, causal), *d));
+      for (bool deterministic : {false, true})  // (--passes bwd and bwd-deterministic)
+        CHECK(heuristic_backward_spec(d->arch(), DType::bf16, head_dim, MaskKind::causal, false, deterministic) ==
+              detail::select_backward_kernel(backward(head_dim, causal, deterministic), *d));
   for (int head_dim : {32, 96, 160, 192, 224})
     CHECK(detail::select_backward_kernel(backward(head_dim), kH200).family == Family::fa2_bwd);
   CHECK(detail::select_backward_kernel(backward(128), kA100).family == Family::fa2_bwd);
-  CHECK(detail::select_backward_kernel(backward(128, {}, /*deterministic=*/true), kH200).family == Family::fa2_bwd);
+  // Deterministic mode: sm90_bwd's ordered dQ where its writer warps add dQ (head dims 64 and 128,
+  // the heuristic's two stages), fa2_bwd's fixed-order dQ elsewhere.
+  for (int head_dim : {64, 128}) {
+    const KernelSpec ordered = detail::select_backward_kernel(backward(head_dim, {}, /*deterministic=*/true), kH200);
+    CHECK(ordered.family == Family::sm90_bwd);
+    CHECK(ordered.ordered_dq);
+    CHECK(kernel_layout(ordered).constant("kDqWriters") == 1);
+    CHECK_FALSE(detail::select_backward_kernel(backward(head_dim), kH200).ordered_dq);  // atomic: the plain kernel
+  }
+  for (int head_dim : {40, 112, 256})
+    CHECK(detail::select_backward_kernel(backward(head_dim, {}, true), kH200).family == Family::fa2_bwd);
   detail::BackwardProblem odd_dout = backward(128);
   odd_dout.params.do_row_stride = 12;
   CHECK(detail::select_backward_kernel(odd_dout, kH200).family == Family::fa2_bwd);
@@ -339,8 +350,9 @@ TEST_CASE("backward dispatch: sm90_bwd on sm_90 at fa2_bwd kernel head dims 64, 
   AttentionOptions sm90;
   sm90.backend = Backend::sm90;
   CHECK(detail::select_backward_kernel(backward(128, sm90), kH200).family == Family::sm90_bwd);
-  CHECK_THROWS_WITH(detail::select_backward_kernel(backward(128, sm90, true), kH200),
-                    Catch::Contains("backend sm90: deterministic mode"));
+  CHECK(detail::select_backward_kernel(backward(128, sm90, true), kH200).family == Family::sm90_bwd);
+  CHECK_THROWS_WITH(detail::select_backward_kernel(backward(256, sm90, true), kH200),
+                    Catch::Contains("backend sm90: its deterministic mode orders the dQ writer warps' adds, at head dims 64 and 128"));
   CHECK_THROWS_WITH(detail::select_backward_kernel(backward(96, sm90), kH200),
                     Catch::Contains("sm90_bwd has no kernel for head_dim 96"));
   CHECK_THROWS_WITH(detail::select_backward_kernel(backward(128, sm90), kA100),
@@ -352,8 +364,9 @@ TEST_CASE("backward dispatch: sm90_bwd on sm_90 at fa2_bwd kernel head dims 64, 
 
 TEST_CASE("backward dispatch: a tuned sm90_bwd entry applies only where sm90_bwd can run", "[dispatch]") {
   // Backward entries are keyed by fa2_bwd; on an H200 the tuner keeps the heuristic's sm90_bwd spec
-  // unless an fa2_bwd tile beats it. Deterministic mode and layouts TMA cannot read must still get
-  // fa2_bwd.
+  // unless an fa2_bwd tile beats it. Layouts TMA cannot read must still get fa2_bwd; deterministic
+  // mode takes the tuned tiles with ordered dQ adds, or the heuristic's where they have no dQ writer
+  // warps to order them.
   auto backward = [](bool deterministic) {
     auto q = TensorView::contiguous(arena, ScalarType::bfloat16, {2, 64, 4, 128});
     auto lse = TensorView::contiguous(arena, ScalarType::float32, {2, 4, 64});
@@ -377,15 +390,40 @@ TEST_CASE("backward dispatch: a tuned sm90_bwd entry applies only where sm90_bwd
   sources.add_in_memory(entry);
 
   CHECK(detail::select_backward_kernel(atomic, h200, &sources) == entry.spec);
-  CHECK(detail::select_backward_kernel(backward(true), h200, &sources).family == Family::fa2_bwd);
+  KernelSpec ordered = entry.spec;
+  ordered.ordered_dq = true;
+  CHECK(detail::select_backward_kernel(backward(true), h200, &sources) == ordered);
+  KernelSpec three_stages = entry.spec;  // (no room for the dQ writer warps, which deterministic mode orders)
+  three_stages.num_stages = 3;
+  REQUIRE_FALSE(three_stages.validate().has_value());
+  REQUIRE(kernel_layout(three_stages).constant("kDqWriters") == 0);
+  TuningSources three_stage_sources;
+  entry.spec = three_stages;
+  three_stage_sources.add_in_memory(entry);
+  CHECK(detail::select_backward_kernel(backward(false), h200, &three_stage_sources) == three_stages);
+  CHECK(detail::select_backward_kernel(backward(true), h200, &three_stage_sources) ==
+        detail::select_backward_kernel(backward(true), h200));  // the heuristic's, with the writers
+  entry.spec = detail::select_backward_kernel(atomic, h200);
   detail::BackwardProblem odd_dout = backward(false);
   odd_dout.params.do_row_stride = 12;
   CHECK(detail::select_backward_kernel(odd_dout, h200, &sources).family == Family::fa2_bwd);
   CHECK(fa2_backward(atomic.forward, h200, &sources).family == Family::fa2_bwd);
-  // Forced, it is an error there, naming why.
+  // Forced, deterministic mode runs it with ordered dQ adds and refuses it without; ordered adds
+  // need the writer warps; a layout TMA cannot read is an error. Each names why.
   detail::BackwardProblem forced = backward(true);
+  forced.forward.forced_kernel = ordered;
+  CHECK(detail::select_backward_kernel(forced, h200) == ordered);
   forced.forward.forced_kernel = entry.spec;
-  CHECK_THROWS_WITH(detail::select_backward_kernel(forced, h200), Catch::Contains("deterministic mode"));
+  CHECK_THROWS_WITH(detail::select_backward_kernel(forced, h200),
+                    Catch::Contains("the options ask for deterministic mode and its dQ adds are unordered (ordered_dq)"));
+  detail::BackwardProblem forced_atomic = backward(false);
+  forced_atomic.forward.forced_kernel = ordered;
+  CHECK_THROWS_WITH(detail::select_backward_kernel(forced_atomic, h200),
+                    Catch::Contains("it orders its dQ adds (ordered_dq) and the options are not deterministic"));
+  three_stages.ordered_dq = true;
+  forced.forward.forced_kernel = three_stages;
+  CHECK_THROWS_WITH(detail::select_backward_kernel(forced, h200),
+                    Catch::Contains("which head dim 128 at 3 stages leaves no room for"));
   odd_dout.forward.forced_kernel = entry.spec;
   CHECK_THROWS_WITH(detail::select_backward_kernel(odd_dout, h200),
                     Catch::Contains("dout: a stride of 12 elements is not a multiple of 16 bytes"));

@@ -140,6 +140,37 @@ TEST_CASE("a continuing spec: sm90_fwd only, its own name, hash and JSON", "[spe
   CHECK_THAT(*fa2.validate(), Catch::Contains("does not continue partial results"));
 }
 
+TEST_CASE("ordered dQ adds: sm90_bwd's with the writer warps only, their own name, hash and JSON", "[spec]") {
+  const Arch hopper = Arch::parse("sm_90a");
+  KernelSpec s = default_spec(Family::sm90_bwd, hopper, DType::bf16, 128, MaskKind::causal);
+  const KernelSpec plain = s;
+  s.ordered_dq = true;
+  CHECK_FALSE(s.validate().has_value());
+  CHECK(s.name() == "sm90_bwd_bf16_d128_m64n128w12s2_causal_ordered_sm90a");
+  CHECK(s != plain);
+  CHECK(KernelSpecHash{}(s) != KernelSpecHash{}(plain));
+  const json j = s.to_json();
+  CHECK(j.at("ordered_dq") == true);
+  CHECK(KernelSpec::from_json(j) == s);
+  CHECK(plain.to_json().count("ordered_dq") == 0);
+  json bad = j;
+  bad["ordered_dq"] = "yes";
+  CHECK_THROWS_WITH(KernelSpec::from_json(bad), Catch::Contains("'ordered_dq' must be true or false"));
+  // The writer warps order the adds: three stages, or head dim 256, leave no room for them.
+  KernelSpec three_stages = s;
+  three_stages.num_stages = 3;
+  REQUIRE(three_stages.validate());
+  CHECK_THAT(*three_stages.validate(), Catch::Contains("which head dim 128 at 3 stages leaves no room for"));
+  KernelSpec wide = default_spec(Family::sm90_bwd, hopper, DType::bf16, 256);
+  wide.ordered_dq = true;
+  REQUIRE(wide.validate());
+  CHECK_THAT(*wide.validate(), Catch::Contains("which head dim 256 at 2 stages leaves no room for"));
+  KernelSpec fa2 = default_spec(Family::fa2_bwd, Arch::parse("sm_80"), DType::bf16, 128);
+  fa2.ordered_dq = true;
+  REQUIRE(fa2.validate());
+  CHECK_THAT(*fa2.validate(), Catch::Contains("fa2_bwd does not order its dQ adds"));
+}
+
 TEST_CASE("FP8 (e4m3): sm90_fwd's 128-key tiles, its name and JSON; refused elsewhere with the reason", "[spec]") {
   const Arch sm90a = Arch::parse("sm_90a");
   for (int d : {64, 96, 128, 192, 256})

@@ -59,6 +59,10 @@ std::optional<std::string> validate_tiles(const KernelSpec& s) {
   if (smem_bytes(s) > max_smem_per_block(s.arch))
     return fmt::format("needs {} bytes of shared memory per block, {} allows {}", smem_bytes(s), s.arch.name(),
                        max_smem_per_block(s.arch));
+  if (s.ordered_dq && !dq_writers(s))
+    return fmt::format("ordered dQ adds (deterministic mode) are the dQ writer warps', which head dim {} at {} stages "
+                       "leaves no room for (head dims 64 and 128 at 2 stages have them)",
+                       s.head_dim, s.num_stages);
   return std::nullopt;
 }
 
@@ -122,6 +126,9 @@ const FamilyRules kSm90BwdRules{
     /*takes_block_mask=*/true,
     /*takes_continuation=*/true,
     /*takes_seqused=*/true,
+    /*takes_tail_splits=*/false,
+    /*takes_fp8=*/false,
+    /*takes_ordered_dq=*/true,
 };
 
 }  // namespace flashjit::codegen_detail

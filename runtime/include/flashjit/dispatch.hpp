@@ -12,9 +12,10 @@ namespace flashjit {
 KernelSpec heuristic_forward_spec(const Arch& arch, DType dtype, int head_dim, MaskKind mask,
                                   bool has_softcap = false);
 
-// The same for the backward: sm90_bwd where it has a kernel of the head dim on sm_90a, else fa2_bwd.
+// The same for the backward: sm90_bwd where it has a kernel of the head dim on sm_90a, else fa2_bwd;
+// `deterministic` for deterministic mode's (sm90_bwd's with ordered dQ adds, or fa2_bwd).
 KernelSpec heuristic_backward_spec(const Arch& arch, DType dtype, int head_dim, MaskKind mask,
-                                   bool has_softcap = false);
+                                   bool has_softcap = false, bool deterministic = false);
 
 // The kvcache_fwd specs forward_kvcache's heuristic picks on `arch`: the decode tile (up to 16
 // packed query rows per KV head), and the taller ones of longer queries or larger GQA groups (32,

@@ -117,7 +117,7 @@ struct BackwardContinuation {
 // family (tests, benchmarks) and fail with Error(unsupported) where it cannot serve the problem.
 // The forward family: automatic = sm90 on sm_90 devices when TMA can read q, k and v (16-byte
 // aligned bases and strides), fa2 otherwise. The backward: sm90_bwd on sm_90 devices where TMA
-// can read q, k, v and dout (atomic dQ), fa2_bwd otherwise (and in deterministic mode).
+// can read q, k, v and dout (in deterministic mode at head dims 64 and 128 only), fa2_bwd otherwise.
 enum class Backend { automatic, reference, fa2, sm90 };
 
 struct AttentionOptions {
@@ -132,9 +132,9 @@ struct AttentionOptions {
   // mask kind, softcap and modifier, a head dim at least the problem's, and the device's arch;
   // Error(invalid_argument) says which field does not.
   std::optional<KernelSpec> kernel;
-  // backward(): accumulate dQ in a fixed order (a second, query-outer kernel recomputes the scores
-  // instead of atomics), so reruns are bitwise identical; the backward takes 1.27-1.38x as long
-  // (H200, head dim 256; about 1.35x at 64 and 128).
+  // backward(): accumulate dQ in a fixed order, so reruns are bitwise identical. fa2_bwd recomputes
+  // the scores in a second, query-outer kernel instead of atomics (1.27-1.38x the backward's time on
+  // the H200); on sm_90 at head dims 64 and 128 (no block mask) sm90_bwd adds dQ in key-tile order.
   bool deterministic = false;
   // forward(): the backward of this call follows (training under autograd). Where the forward's
   // kernel is not loaded yet, the backward's (for `deterministic` as set here) starts compiling on

@@ -9,7 +9,7 @@ namespace {
 std::optional<std::string> unusable_reason(const PassProblem&, const Arch&) { return std::nullopt; }
 
 void run(const FamilyCall& call) {
-  const BackwardLaunch b(call);
+  const BackwardLaunch b(call, call.backward().deterministic ? DqAccumulation::separate : DqAccumulation::atomic);
   if (b.has_queries) call.launch("preprocess", b.query_rows, b.params);
   if (call.backward().deterministic) {
     // Keys no query sees still get dK = dV = 0 from the dkdv entry.

@@ -1,7 +1,11 @@
 // sm90_bwd at run time: fa2_bwd's entry sequence with atomic dQ (preprocess -> dkdv_atomic_dq ->
-// convert_dq), with TMA maps of q, k, v and dout. It shares fa2_bwd's tuning entries, so that the
-// tuner times both and one entry holds the winner; dispatch picks it only at the kernel head dims
-// fa2_bwd would use (64, 128, 256), in atomic mode, where TMA can read the four tensors.
+// convert_dq), with TMA maps of q, k, v and dout; in deterministic mode (its spec has ordered_dq)
+// the dQ adds go in a fixed order of key tiles (DqAccumulation::ordered). It shares fa2_bwd's tuning entries, so that the tuner times both
+// and one entry holds the winner; dispatch picks it only at the kernel head dims fa2_bwd would use
+// (64, 128, 256), where TMA can read the four tensors, and in deterministic mode at head dims 64 and
+// 128 (where its dQ writer warps add dQ) without a block mask.
+#include <fmt/format.h>
+
 #include "../family.hpp"
 #include "../tma.hpp"
 
@@ -10,7 +14,10 @@ namespace {
 
 std::optional<std::string> unusable_reason(const PassProblem& problem, const Arch& arch) {
   if (auto reason = hopper_arch_reason(Family::sm90_bwd, arch)) return reason;
-  if (problem.deterministic()) return std::string("deterministic mode runs fa2_bwd's fixed-order dQ");
+  const ForwardProblem& f = problem.forward;
+  if (problem.deterministic() && (f.block_sparse || (f.head_dim != 64 && f.head_dim != 128)))
+    return std::string("its deterministic mode orders the dQ writer warps' adds, at head dims 64 and 128 without a "
+                       "block mask; fa2_bwd's fixed-order dQ runs the others");
   return problem.backward != nullptr ? tma_unusable_reason(*problem.backward) : tma_unusable_reason(problem.forward);
 }
 
@@ -47,7 +54,8 @@ AttentionSm90BwdParams hopper_params(const KernelSpec& spec, const ForwardProble
 }
 
 void run(const FamilyCall& call) {
-  const BackwardLaunch b(call);
+  const bool ordered = call.spec.ordered_dq;  // deterministic mode (dispatch, or a forced spec that matches)
+  const BackwardLaunch b(call, ordered ? DqAccumulation::ordered : DqAccumulation::atomic);
   const AttentionSm90BwdParams params = hopper_params(call.spec, call.forward(), b.params);
   if (b.has_queries) call.launch("preprocess", b.query_rows, params);
   if (b.has_keys) call.launch("dkdv_atomic_dq", b.key_tiles, params);

@@ -67,6 +67,9 @@ struct KernelSpec {
   // The forward continues a running result (ring attention's steps): it merges its rows' O and LSE
   // into an fp32 state by the logsumexp rule, and writes the state or, on the last step, the output.
   bool continues = false;
+  // The backward adds each query block's dQ in a fixed order of key tiles (sm90_bwd's deterministic
+  // mode), compiled in so that the atomic kernels keep their code.
+  bool ordered_dq = false;
   // The persistent forward may split its last round's tiles over keys and merge the items
   // (AttentionOptions::num_splits). Dispatch splits unmasked tails by itself, so a spec of a family
   // that splits has them where its mask is none and no block mask (default_tail_splits); a masked
@@ -79,12 +82,12 @@ struct KernelSpec {
   // The reason this spec cannot be compiled, or nullopt when it is legal.
   std::optional<std::string> validate() const;
   // Readable, unique and stable across versions: fa2_fwd_bf16_d128_m128n64w4s2_causal_sm80 (a
-  // modifier adds _mod<its hash>, a block mask _sparse, a continuation _cont, tail splits other
-  // than the default _split or _nosplit).
+  // modifier adds _mod<its hash>, a block mask _sparse, a continuation _cont, ordered dQ adds
+  // _ordered, tail splits other than the default _split or _nosplit).
   std::string name() const;
 
   nlohmann::json to_json() const;
-  // Strict: every field required (but "modifier", "block_sparse", "continues" and "tail_splits", absent
+  // Strict: every field required (but "modifier", "block_sparse", "continues", "ordered_dq" and "tail_splits", absent
   // in plain specs: tail_splits is then its default), unknown fields and bad values rejected with
   // Error(invalid_argument).
   static KernelSpec from_json(const nlohmann::json& j);
@@ -119,6 +122,8 @@ bool family_takes_modifiers(Family family);
 bool family_takes_block_mask(Family family);
 // Whether `family` continues running results (KernelSpec::continues).
 bool family_takes_continuation(Family family);
+// Whether `family` orders its dQ adds where the spec asks (KernelSpec::ordered_dq).
+bool family_takes_ordered_dq(Family family);
 // Whether `family` splits tails (KernelSpec::tail_splits), and whether a spec of it does by default.
 bool family_takes_tail_splits(Family family);
 bool default_tail_splits(Family family, MaskKind mask, bool block_sparse);
