@@ -347,8 +347,6 @@ __device__ void sm90_bwd_dkdv_atomic_dq_kernel(const AttentionSm90BwdParams& par
         const int writer = tid - 32;
         constexpr int kChunksPerRow = kHeadDim / 4;
         const unsigned buffer = base + Shape::kDqOffset;
-        // Deterministic mode: a step's adds wait for those of the tile before this one in the add
-        // order (DqAddOrder), then this tile's turn ends.
         for (int step = 0; step < num_steps; ++step) {
           // The step's head and m0: computed, or where the producer records steps, as the consumers
           // left them in row 0's padding (a block mask's steps are not computable here).
@@ -363,20 +361,25 @@ __device__ void sm90_bwd_dkdv_atomic_dq_kernel(const AttentionSm90BwdParams& par
           const int chunks = min(kBlockM, seq.seqlen_q - m0) * kChunksPerRow;
           float* accum = p.dq_accum +
                          (static_cast<long long>(head) * p.workspace_rows + workspace_row(f, seq, batch, m0)) * kHeadDim;
-          int* order = kOrdered ? p.dq_order + head * p.dq_order_head_stride + workspace_row(f, seq, batch, m0) / kBlockM + batch
-                               : nullptr;
-          const auto turn = add_order.turn(step, m0, kBlockM);
-          if (kOrdered && turn.wait_for >= 0) {
-            if (writer == 0) wait_for_counter(order, turn.wait_for);
-            named_barrier_sync(kDqWritersBarrier, Shape::kDqWriterThreads);
+          // Deterministic mode: wait for the adds of the tile before this one in the add order
+          // (DqAddOrder), on the query block's counter.
+          int* order = nullptr;
+          typename DqAddOrder<kMask, kOrdered>::Turn turn{-1, 0};
+          if constexpr (kOrdered) {
+            order = p.dq_order + head * p.dq_order_head_stride + workspace_row(f, seq, batch, m0) / kBlockM + batch;
+            turn = add_order.turn(step, m0, kBlockM);
+            if (turn.wait_for >= 0) {
+              if (writer == 0) wait_for_counter(order, turn.wait_for);
+              named_barrier_sync(kDqWritersBarrier, Shape::kDqWriterThreads);
+            }
           }
           for (int chunk = writer; chunk < chunks; chunk += Shape::kDqWriterThreads) {
             const float4 v = load_shared_quad(buffer + (chunk / kChunksPerRow) * Shape::kDqRowBytes +
                                               (chunk % kChunksPerRow) * 16);
             atomic_add_quad(accum + 4 * chunk, v);
           }
-          if constexpr (kOrdered) {  // every writer's adds, then the next key tile's turn (the barrier makes the
-                          // release cumulative over them, as CUTLASS's semaphores rely on)
+          if constexpr (kOrdered) {  // every writer's adds, then the next tile's turn (the barrier makes
+                                     // the release cumulative over them, as CUTLASS's semaphores rely on)
             named_barrier_sync(kDqWritersBarrier, Shape::kDqWriterThreads);
             if (writer == 0) store_counter_release(order, turn.done);
           }
