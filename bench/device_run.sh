@@ -3,7 +3,7 @@
 # carried along (the device has no -dev packages; binaries built here run there).
 #   bench/device_run.sh [build-dir] [what...]
 #   what: warm | tests | sanitize | sanitize-kvcache | python | host | sweep | grid | peers | fwdbwd |
-#   tune | profile | decode | decode-splits | ring
+#   tune | profile | decode | decode-splits | ring | bwd-modes
 #   (default: tests);
 #   FLASHJIT_BENCH_ARGS adds arguments to the flashjit-bench steps, PEERS_ARGS to the peers step,
 #   FWDBWD_ARGS to fwdbwd, RING_ARGS to ring's flashjit-bench runs (e.g. --backward).
@@ -36,14 +36,14 @@ for step in $what; do
     sanitize)
       # compute-sanitizer over the Hopper kernels. Forward: memcheck on its tile-shape and margin
       # tests, racecheck and synccheck on the margin test (one persistent CTA takes every tile).
-      # Backward: memcheck over head dim 256 (sm90_bwd's split path) and the smallest case of each
-      # head dim, racecheck and synccheck on the latter.
+      # Backward: memcheck over head dims 192 and 256 (sm90_bwd's split path) and the smallest case of
+      # each head dim, racecheck and synccheck on the latter.
       san() { bounded compute-sanitizer --tool "$1" --error-exitcode 1 "$build/tests/flashjit_gpu_tests" "$2" 2>&1 |
                 tee -a "$out/sanitize_$1.log" | tail -4; [[ ${PIPESTATUS[0]} -eq 0 ]] || status=1; }
       san memcheck "[sm90]"
       san racecheck "sm90_fwd: sm_margin*"
       san synccheck "sm90_fwd: sm_margin*"
-      san memcheck "backward: head dim 256*"
+      san memcheck "backward: head dims 192 and 256*"
       san memcheck "backward: one head and an odd row count*"
       san racecheck "backward: one head and an odd row count*"
       san synccheck "backward: one head and an odd row count*" ;;
@@ -152,6 +152,36 @@ for r in json.load(open('$out/grid_tuned.json'))['rows']:
         bounded "$build/tools/flashjit-bench" --ring 2,4,8 --layout $layout --head-dims 128 --seqlens 16384,32768,65536 \
             --causal off,on --iters 7 ${RING_ARGS:-} --json > "$out/ring_$layout.json" || status=1
       done ;;
+    bwd-modes)
+      # sm90_bwd beside fa2_bwd at the head dims automatic dispatch still leaves to fa2_bwd (kernel
+      # head dims 96 and 192, and 32, 160 and 224 rounded up), and deterministic beside atomic from 64
+      # to 256 (the writer warps order the adds up to 128, the consumers above); both layouts. Rows in
+      # $out/bwd_*.json, ratios printed.
+      bench() { bounded "$build/tools/flashjit-bench" --backward --iters 15 "$@" --json; }
+      for layout in bshd bhsd; do
+        for backend in fa2 sm90; do
+          bench --backend $backend --layout $layout --head-dims 32,96,160,192,224 --seqlens 2048,8192 --causal off,on \
+              > "$out/bwd_${backend}_$layout.json" || status=1
+        done
+        bench --backend sm90 --layout $layout --head-dims 64,96,128,192,256 --seqlens 1024,4096,16384 --causal off,on \
+            > "$out/bwd_atomic_$layout.json" || status=1
+        bench --backend sm90 --deterministic --layout $layout --head-dims 64,96,128,192,256 --seqlens 1024,4096,16384 \
+            --causal off,on > "$out/bwd_deterministic_$layout.json" || status=1
+      done
+      python3 - "$out" <<'PY'
+import json, sys
+out = sys.argv[1]
+def rows(name):
+    try: return {(r["head_dim"], r["seqlen"], r["causal"]): r["tflops"] for r in json.load(open(f"{out}/{name}.json"))["rows"]}
+    except (OSError, ValueError, KeyError): return {}
+for layout in ("bshd", "bhsd"):
+    for a, b, what in (("fa2", "sm90", "sm90_bwd / fa2_bwd"), ("atomic", "deterministic", "deterministic / atomic")):
+        base, new = rows(f"bwd_{a}_{layout}"), rows(f"bwd_{b}_{layout}")
+        print(f"{layout} {what}:")
+        for key in sorted(base):
+            if key in new: print(f"  d{key[0]} S{key[1]} {'causal' if key[2] else 'full'}: {base[key]:.0f} -> {new[key]:.0f} TFLOP/s, {new[key] / base[key]:.3f}x")
+PY
+      ;;
     *) echo "unknown step $step"; status=2 ;;
   esac
 done

@@ -25,12 +25,16 @@
 //                      64   each owns 64 keys (kBlockN 128); dQ is one 64-column panel, so they take
 //                           turns: on even steps consumer 0 computes it over all 128 keys, on odd
 //                           steps consumer 1 (the other only signals that its dS^T rows are in);
-//                      128  each owns 64 keys and computes one 64-column panel of dQ over all 128 keys
-//                           (the warpgroups' dS^T meet in smem);
-//                      256  dK and dV of 64 keys would need 256 registers a thread, so both share 64 keys
-//                           (kBlockN 64): each computes S^T and dP^T for half the queries, writes its
-//                           P^T and dS^T columns to smem, and after one barrier accumulates dK, dV and
-//                           dQ for its half of the head dim from the exchanged tiles.
+//                      96, 128  each owns 64 keys and computes one 64-column panel of dQ over all 128
+//                           keys (the warpgroups' dS^T meet in smem); at 96 the second panel's last
+//                           32 columns are past the head dim (zeros in K) and are not added;
+//                      192, 256  dK and dV of 64 keys would need up to 256 registers a thread, so both
+//                           share 64 keys (kBlockN 64): each computes S^T and dP^T for half the
+//                           queries, writes its P^T and dS^T columns to smem, and after one barrier
+//                           accumulates dK, dV and dQ for two 64-column panels of the head dim from
+//                           the exchanged tiles. At 192 the fourth panel of every tile is never
+//                           loaded: what it holds reaches only columns past the head dim, which are
+//                           never stored.
 //   convert_dq       the accumulator -> dQ in the output dtype (common/bwd.cuh).
 // GQA: a CTA walks the query steps of every query head sharing its K/V head, so dK and dV are summed
 // in registers. Query steps outside the mask are never visited; edge steps are masked per element
@@ -42,7 +46,7 @@
 // the score modifier with its derivative (the user's, or dual numbers) on every element.
 // Shared memory (1024-byte aligned, every tile in 64-value panels with the 128-byte swizzle TMA
 // writes): K, V (kBlockN rows); kStages slots of Q and dO (kBlockM rows); two dS^T buffers (keys x
-// queries, queries contiguous: the dQ GEMM's MN-major A operand), and at head dim 256 two of P^T;
+// queries, queries contiguous: the dQ GEMM's MN-major A operand), and split by head dim two of P^T;
 // kStages slots of LSE (base 2) and delta; the dQ rows for the writer warps; the barriers.
 #pragma once
 
@@ -69,21 +73,28 @@ struct Sm90BwdShape {
   // lists) and with user modifiers (computing them there, ptxas spilled at head dim 128).
   static constexpr bool kRecordsSteps = Mods::kBlockSparse || Mods::kHasMask || Mods::kHasScore;
   static constexpr int kConsumers = kThreads / 128 - 1;
-  static constexpr int kPanels = kHeadDim / 64;
-  // How the two consumers share a step (see the top): by keys (64 each) at head dims 64 and 128; at
-  // 256, where one warpgroup cannot hold dK and dV of 64 keys, by queries for S^T and dP^T and by
-  // head-dim halves for dK, dV and dQ, with P^T and dS^T exchanged through shared memory.
-  static constexpr bool kSplitHeadDim = kPanels == 4;
+  // How the two consumers share a step (see the top): by keys (64 each) at head dims up to 128;
+  // above, where one warpgroup cannot hold dK and dV of 64 keys, by queries for S^T and dP^T and by
+  // two panels each of the head dim for dK, dV and dQ, with P^T and dS^T exchanged through shared
+  // memory.
+  static constexpr bool kSplitHeadDim = kHeadDim > 128;
+  // 64-column panels TMA loads (at 96 the last half-filled with zeros), and the panels a tile has
+  // in shared memory (split by head dim, two per consumer: at 192 one is never loaded).
+  static constexpr int kLoadedPanels = (kHeadDim + 63) / 64;
+  static constexpr int kPanels = kSplitHeadDim ? 2 * kConsumers : kLoadedPanels;
   static constexpr int kKeysPerConsumer = kSplitHeadDim ? kBlockN : 64;
   static constexpr int kScoreQueries = kSplitHeadDim ? kBlockM / kConsumers : kBlockM;  // S^T columns per consumer
-  static constexpr int kGradCols = kSplitHeadDim ? kHeadDim / kConsumers : kHeadDim;    // dK, dV columns per consumer
+  static constexpr int kGradCols = kSplitHeadDim ? kPanels * 64 / kConsumers : kHeadDim;  // dK, dV columns per consumer
   static constexpr int kKvPanelBytes = kBlockN * 128, kKvTileBytes = kPanels * kKvPanelBytes;
   static constexpr int kStepPanelBytes = kBlockM * 128, kStepTileBytes = kPanels * kStepPanelBytes;
+  static constexpr int kKvLoadedBytes = kLoadedPanels * kKvPanelBytes, kStepLoadedBytes = kLoadedPanels * kStepPanelBytes;
   static constexpr int kDsBytes = kBlockN * kBlockM * 2;
-  // The dQ GEMM of one consumer, over all kBlockN keys: a kDqCols-column share of the head dim, or
-  // at head dim 64 (one panel) all of it, the consumers taking turns by step (see the top).
+  // The dQ GEMM of one consumer, over all kBlockN keys: whole 64-column panels of the head dim, or
+  // at head dim 64 (one panel) all of it, the consumers taking turns by step (see the top). At 96
+  // and 192 the second consumer's panels reach past the head dim: it adds only the columns inside.
   static constexpr bool kDqAlternates = kPanels < kConsumers;
-  static constexpr int kDqCols = kDqAlternates ? kHeadDim : kHeadDim / kConsumers;
+  static constexpr int kDqCols = kDqAlternates ? kHeadDim : kPanels * 64 / kConsumers;
+  static constexpr bool kDqPastHeadDim = !kDqAlternates && kConsumers * kDqCols > kHeadDim;
 
   static constexpr int kKOffset = 0;
   static constexpr int kVOffset = kKOffset + kKvTileBytes;
@@ -121,9 +132,10 @@ struct Sm90BwdShape {
   static_assert(kConsumers == 2, "a producer warpgroup and two consumers");
   static_assert(kBlockM == 64, "dS^T rows are one 128-byte swizzle row of queries");
   static_assert(kBlockN == (kSplitHeadDim ? 1 : kConsumers) * kKeysPerConsumer,
-                "keys split between the consumers, or shared at head dim 256");
+                "keys split between the consumers, or shared where the head dim is split");
   static_assert(kDqCols % 64 == 0, "each consumer computes whole 64-column panels of dQ");
-  static_assert(kPanels == 1 || kPanels == 2 || kPanels == 4, "head dims 64, 128 and 256");
+  static_assert(kHeadDim == 64 || kHeadDim == 96 || kHeadDim == 128 || kHeadDim == 192 || kHeadDim == 256,
+                "head dims 64, 96, 128, 192 and 256");
 };
 
 // The row passes run on 256 of the block's threads: 64 rows split into whole passes of them.
@@ -285,8 +297,9 @@ __device__ void sm90_bwd_dkdv_atomic_dq_kernel(const AttentionSm90BwdParams& par
   auto bar_empty = [&](int stage) { return ring.empty_barrier(stage); };
   // The dQ buffer: written (every consumer thread of the step arrives), free again (every writer).
   const unsigned bar_dq_full = bar_kv_full + 8 + 16 * kStages, bar_dq_free = bar_dq_full + 8;
-  // Named barriers: 1 and 2 the consumers' dS^T exchange, 3 the dQ writers' (deterministic mode).
-  constexpr int kDqWritersBarrier = 3;
+  // Named barriers: 1 and 2 the consumers' dS^T exchange, 3 the adders' of a step's dQ taking their
+  // turn in deterministic mode (the writer warps, or without them the consumers).
+  constexpr int kDqTurnBarrier = 3;
 
   const int tid = threadIdx.x, lane = tid % 32;
   const int warp = warp_uniform(tid / 32), group = warp / 4;
@@ -319,6 +332,27 @@ __device__ void sm90_bwd_dkdv_atomic_dq_kernel(const AttentionSm90BwdParams& par
   const DqAddOrder<kMask, kOrdered> add_order(f, mask, n_block, kBlockN, seq.seqlen_k, num_steps);
   auto step_head = [&](int step) { return kv_head * heads_per_kv + add_order.slot(step) / steps_per_head; };
   auto step_m0 = [&](int step) { return (m_block_min + add_order.slot(step) % steps_per_head) * kBlockM; };
+  // Deterministic mode: the adders of a step's dQ (`adders` threads, this one `adder` among them) wait
+  // for the adds of the tile before this one in the add order (DqAddOrder) on the query block's
+  // counter, and once every adder's adds are in pass the turn on (the barrier makes the release
+  // cumulative over them, as CUTLASS's semaphores rely on).
+  struct DqTurn {
+    int* counter;
+    typename DqAddOrder<kMask, kOrdered>::Turn turn;
+  };
+  auto take_dq_turn = [&](int step, int head, int m0, int adder, int barrier, int adders) -> DqTurn {
+    int* counter = p.dq_order + head * p.dq_order_head_stride + workspace_row(f, seq, batch, m0) / kBlockM + batch;
+    const auto turn = add_order.turn(step, m0, kBlockM);
+    if (turn.wait_for >= 0) {
+      if (adder == 0) wait_for_counter(counter, turn.wait_for);
+      named_barrier_sync(barrier, adders);
+    }
+    return {counter, turn};
+  };
+  auto end_dq_turn = [&](const DqTurn& t, int adder, int barrier, int adders) {
+    named_barrier_sync(barrier, adders);
+    if (adder == 0) store_counter_release(t.counter, t.turn.done);
+  };
 
   if (tid == 0) {
     mbarrier_init(bar_kv_full, 1);
@@ -361,36 +395,22 @@ __device__ void sm90_bwd_dkdv_atomic_dq_kernel(const AttentionSm90BwdParams& par
           const int chunks = min(kBlockM, seq.seqlen_q - m0) * kChunksPerRow;
           float* accum = p.dq_accum +
                          (static_cast<long long>(head) * p.workspace_rows + workspace_row(f, seq, batch, m0)) * kHeadDim;
-          // Deterministic mode: wait for the adds of the tile before this one in the add order
-          // (DqAddOrder), on the query block's counter.
-          int* order = nullptr;
-          typename DqAddOrder<kMask, kOrdered>::Turn turn{-1, 0};
-          if constexpr (kOrdered) {
-            order = p.dq_order + head * p.dq_order_head_stride + workspace_row(f, seq, batch, m0) / kBlockM + batch;
-            turn = add_order.turn(step, m0, kBlockM);
-            if (turn.wait_for >= 0) {
-              if (writer == 0) wait_for_counter(order, turn.wait_for);
-              named_barrier_sync(kDqWritersBarrier, Shape::kDqWriterThreads);
-            }
-          }
+          DqTurn turn{};
+          if constexpr (kOrdered) turn = take_dq_turn(step, head, m0, writer, kDqTurnBarrier, Shape::kDqWriterThreads);
           for (int chunk = writer; chunk < chunks; chunk += Shape::kDqWriterThreads) {
             const float4 v = load_shared_quad(buffer + (chunk / kChunksPerRow) * Shape::kDqRowBytes +
                                               (chunk % kChunksPerRow) * 16);
             atomic_add_quad(accum + 4 * chunk, v);
           }
-          if constexpr (kOrdered) {  // every writer's adds, then the next tile's turn (the barrier makes
-                                     // the release cumulative over them, as CUTLASS's semaphores rely on)
-            named_barrier_sync(kDqWritersBarrier, Shape::kDqWriterThreads);
-            if (writer == 0) store_counter_release(order, turn.done);
-          }
+          if constexpr (kOrdered) end_dq_turn(turn, writer, kDqTurnBarrier, Shape::kDqWriterThreads);
           mbarrier_arrive(bar_dq_free);
         }
       }
       return;
     }
     if (lane == 0) {
-      mbarrier_arrive_expect_tx(bar_kv_full, 2 * Shape::kKvTileBytes);
-      for (int panel = 0; panel < Shape::kPanels; ++panel) {
+      mbarrier_arrive_expect_tx(bar_kv_full, 2 * Shape::kKvLoadedBytes);
+      for (int panel = 0; panel < Shape::kLoadedPanels; ++panel) {
         tma_load_4d(sK + panel * Shape::kKvPanelBytes, params.k_map, bar_kv_full, panel * 64, seq.k_start + n0,
                     kv_head, tma_batch);
         tma_load_4d(sV + panel * Shape::kKvPanelBytes, params.v_map, bar_kv_full, panel * 64, seq.k_start + n0,
@@ -416,8 +436,8 @@ __device__ void sm90_bwd_dkdv_atomic_dq_kernel(const AttentionSm90BwdParams& par
           asm volatile("st.shared.v4.s32 [%0], {%1, %2, %3, %3};\n" ::"r"(base + Shape::kStepInfoOffset + 16 * stage),
                        "r"(m0), "r"(head), "r"(at.partial)
                        : "memory");
-        mbarrier_arrive_expect_tx(bar_full(stage), 2 * Shape::kStepTileBytes);
-        for (int panel = 0; panel < Shape::kPanels; ++panel) {
+        mbarrier_arrive_expect_tx(bar_full(stage), 2 * Shape::kStepLoadedBytes);
+        for (int panel = 0; panel < Shape::kLoadedPanels; ++panel) {
           tma_load_4d(sQ(stage) + panel * Shape::kStepPanelBytes, params.q_map, bar_full(stage), panel * 64,
                       seq.q_start + m0, head, tma_batch);
           tma_load_4d(sDo(stage) + panel * Shape::kStepPanelBytes, params.do_map, bar_full(stage), panel * 64,
@@ -452,8 +472,11 @@ __device__ void sm90_bwd_dkdv_atomic_dq_kernel(const AttentionSm90BwdParams& par
   const int consumer_queries = kSplitHeadDim ? consumer * kScoreQueries : 0;  // and columns
   const int consumer_cols = kSplitHeadDim ? consumer * kGradCols : 0;        // its dK and dV columns
   const int key_row0 = consumer_keys + warp_in_group * 16;  // this warp's keys in the tile
-  // This consumer's columns of a step's dQ (at head dim 64 all of them, on its turns).
+  // This consumer's columns of a step's dQ (at head dim 64 all of them, on its turns), and whether
+  // its group j of 8 lies inside the head dim (at 96 and 192 the second consumer's last panel
+  // reaches past it).
   const int dq_col0 = Shape::kDqAlternates ? 0 : consumer * Shape::kDqCols;
+  auto dq_group_inside = [&](int j) { return !Shape::kDqPastHeadDim || dq_col0 + j * 8 < kHeadDim; };
   const float scale_log2 = f.softmax_scale * kLog2e;
   const float softcap_scale = Config::kHasSoftcap ? f.softmax_scale / f.softcap : 0.f;
 
@@ -729,13 +752,21 @@ __device__ void sm90_bwd_dkdv_atomic_dq_kernel(const AttentionSm90BwdParams& par
         const unsigned row_address = buffer + row * Shape::kDqRowBytes + col0 * 4;
 #pragma unroll
         for (int j = 0; j < Shape::kDqCols / 8; ++j)
-          store_shared_pair(row_address + j * 32, dq[4 * j + 2 * h], dq[4 * j + 2 * h + 1]);
+          if (dq_group_inside(j)) store_shared_pair(row_address + j * 32, dq[4 * j + 2 * h], dq[4 * j + 2 * h + 1]);
       }
       mbarrier_arrive(bar_dq_full);
       release_stage();
       continue;
     }
 
+    // Without writer warps (head dims 192 and 256), deterministic mode's turn is the consumers'. (With
+    // them, dispatch runs deterministic mode only where the writers add: the kernel's own head dim.)
+    constexpr bool kConsumersTakeTurns = kOrdered && !Shape::kDqWriters;
+    static_assert(!kConsumersTakeTurns || !Shape::kDqAlternates, "both consumers add each step's dQ");
+    const int adder = tid - 128;
+    DqTurn turn{};
+    if constexpr (kConsumersTakeTurns)
+      turn = take_dq_turn(step, head, m0, adder, kDqTurnBarrier, Shape::kDqConsumerThreads);
     float* accum = p.dq_accum + static_cast<long long>(head) * p.workspace_rows * f.head_dim;
     // Where the head dim is the kernel's, no column needs a bounds check: the atomics then share
     // one address register at constant offsets. Guarded, each sat in its own branch with its own
@@ -749,13 +780,14 @@ __device__ void sm90_bwd_dkdv_atomic_dq_kernel(const AttentionSm90BwdParams& par
       if (full_width) {
 #pragma unroll
         for (int j = 0; j < Shape::kDqCols / 8; ++j)
-          atomic_add_pair<90>(accum_row + j * 8, dq[4 * j + 2 * h], dq[4 * j + 2 * h + 1]);
+          if (dq_group_inside(j)) atomic_add_pair<90>(accum_row + j * 8, dq[4 * j + 2 * h], dq[4 * j + 2 * h + 1]);
       } else {
 #pragma unroll
         for (int j = 0; j < Shape::kDqCols / 8; ++j)
           if (col0 + j * 8 < f.head_dim) atomic_add_pair<90>(accum_row + j * 8, dq[4 * j + 2 * h], dq[4 * j + 2 * h + 1]);
       }
     }
+    if constexpr (kConsumersTakeTurns) end_dq_turn(turn, adder, kDqTurnBarrier, Shape::kDqConsumerThreads);
     release_stage();
   }
 

@@ -39,8 +39,8 @@ Arch checked_arch(const DeviceProperties& device) {
   return arch;
 }
 
-// Why `family` cannot run the problem here: its own reason, or a kernel head dim that would pad
-// more than its tuning-key family's (so no compute is wasted on it).
+// Why `family` cannot run the problem here: its own reason, or no kernel head dim of its own at or
+// above the problem's (it rounds up to its next one, as the forward does).
 std::optional<std::string> unusable_reason(const RuntimeFamily& family, const PassProblem& problem, const Arch& arch) {
   if (problem.forward.modifier != nullptr && !family_takes_modifiers(family.family))
     return fmt::format("{} does not compile user modifiers (mod)", to_string(family.family));
@@ -56,7 +56,7 @@ std::optional<std::string> unusable_reason(const RuntimeFamily& family, const Pa
     return fmt::format("{} does not continue running results (continuation needs sm90_fwd, an sm_90 device)",
                        to_string(family.family));
   if (auto reason = family.unusable_reason(problem, arch)) return reason;
-  const int head_dim = kernel_head_dim(family.tuning_key, problem.forward.head_dim);
+  const int head_dim = kernel_head_dim(family.family, problem.forward.head_dim);
   if (!family_covers(family.family, arch, head_dim))
     return fmt::format("{} has no kernel for head_dim {}", to_string(family.family), problem.forward.head_dim);
   return std::nullopt;

@@ -1,8 +1,9 @@
 // The backward families: dq, dk, dv against the float64 reference gradients over the forward's
 // awkward-shape set (seqlen pairs, batch 1 and 3, GQA 1/4/8, every head dim, causal, window,
 // softcap, varlen with empty and long sequences, strided layouts), forced tile shapes, and
-// deterministic reruns. Every case runs fa2_bwd, and on sm_90 devices, where it has a kernel of the
-// head dim (33-64, 97-128 and 225-256), sm90_bwd too.
+// deterministic reruns. Every case runs fa2_bwd, and on sm_90 devices sm90_bwd too (backend=sm90:
+// every head dim, rounded up to 64, 96, 128, 192 or 256, also where automatic dispatch does not pick
+// it yet).
 #include <catch2/catch.hpp>
 #include <utility>
 
@@ -21,13 +22,12 @@ struct Run {
   std::optional<KernelSpec> kernel;
 };
 
-// The backends a case runs on: fa2_bwd always; sm90_bwd on sm_90 where it has a kernel of the head
-// dim (33-64, 97-128, 225-256), in deterministic mode at 64 and 128, as automatic dispatch would pick it.
+// The backends a case runs on: fa2_bwd always; sm90_bwd on sm_90 at every head dim, in deterministic
+// mode at 64, 96 and 128 (its dQ writer warps order the adds) and above 128 (its consumers do).
 std::vector<Backend> backward_backends(const Run& r) {
   const int d = r.shape.head_dim;
   const bool hopper = device_properties(0).arch().name() == "sm_90a";
-  const bool sm90_head_dim = r.deterministic ? d == 64 || d == 128
-                                             : (d > 32 && d <= 64) || (d > 96 && d <= 128) || (d > 224 && d <= 256);
+  const bool sm90_head_dim = !r.deterministic || d == 64 || d == 96 || d >= 128;
   if (hopper && !r.kernel && sm90_head_dim) return {Backend::fa2, Backend::sm90};
   return {Backend::fa2};
 }
@@ -109,30 +109,33 @@ TEST_CASE("backward: sliding windows and softcap", "[backward]") {
     }
 }
 
-TEST_CASE("backward: head dim 256 with GQA, windows, softcap and varlen", "[backward]") {
-  // sm90_bwd splits the head dim between its consumers here, a path of its own (see sm90_bwd.cuh).
+TEST_CASE("backward: head dims 192 and 256 with GQA, windows, softcap and varlen", "[backward]") {
+  // sm90_bwd splits the head dim between its consumers here, a path of its own (see sm90_bwd.cuh);
+  // at 192 the tiles' fourth panel is never loaded.
   uint64_t seed = 14500;
   struct Case {
     int left, right;
     bool causal;
     float softcap;
   };
-  for (Case w : {Case{-1, -1, false, 0.f}, Case{-1, -1, true, 30.f}, Case{100, 50, false, 0.f}, Case{64, 0, true, 2.f}}) {
-    Run r;
-    r.shape = AttentionShape::make(2, 157, 301, 8, 2, 256);
-    r.shape.window_left = w.left;
-    r.shape.window_right = w.right;
-    r.shape.causal = w.causal;
-    r.shape.softcap = w.softcap;
-    check(r, seed++);
-  }
-  for (bool causal : {false, true}) {
-    Run r;
-    r.shape = AttentionShape::make(4, 0, 0, 2, 1, 256);
-    r.shape.seqlens_q = {0, 1, 200, 77};
-    r.shape.seqlens_k = {5, 1, 333, 0};
-    r.shape.causal = causal;
-    check(r, seed++);
+  for (int head_dim : {192, 256}) {
+    for (Case w : {Case{-1, -1, false, 0.f}, Case{-1, -1, true, 30.f}, Case{100, 50, false, 0.f}, Case{64, 0, true, 2.f}}) {
+      Run r;
+      r.shape = AttentionShape::make(2, 157, 301, 8, 2, head_dim);
+      r.shape.window_left = w.left;
+      r.shape.window_right = w.right;
+      r.shape.causal = w.causal;
+      r.shape.softcap = w.softcap;
+      check(r, seed++);
+    }
+    for (bool causal : {false, true}) {
+      Run r;
+      r.shape = AttentionShape::make(4, 0, 0, 2, 1, head_dim);
+      r.shape.seqlens_q = {0, 1, 200, 77};
+      r.shape.seqlens_k = {5, 1, 333, 0};
+      r.shape.causal = causal;
+      check(r, seed++);
+    }
   }
 }
 
@@ -213,7 +216,7 @@ TEST_CASE("fa2_bwd: forced tile shapes", "[backward]") {
     }
 }
 
-// Both families' deterministic modes (sm90_bwd's on sm_90 at head dims 64 and 128): correct, and
+// Both families' deterministic modes (sm90_bwd's on sm_90 at head dims 64, 96, 128 and 129-256): correct, and
 // reruns bitwise identical, over GQA, masks whose key tiles visit different query blocks (causal
 // with seqlen_q > seqlen_k and the other way round, a window) and varlen.
 TEST_CASE("backward: deterministic mode is bitwise reproducible and correct", "[backward]") {
@@ -224,6 +227,11 @@ TEST_CASE("backward: deterministic mode is bitwise reproducible and correct", "[
   };
   for (Shape s : {Shape{777, 777, 1, 128, MaskKind::none}, Shape{777, 777, 4, 128, MaskKind::causal},
                   Shape{1000, 333, 2, 64, MaskKind::causal}, Shape{333, 1000, 1, 64, MaskKind::causal},
+                  Shape{600, 700, 2, 96, MaskKind::causal}, Shape{700, 600, 4, 96, MaskKind::none},
+                  // Above 128 the consumers take the turns (no writer warps), also where the head dim
+                  // is rounded up (160 in 192).
+                  Shape{500, 600, 2, 192, MaskKind::causal}, Shape{600, 500, 1, 256, MaskKind::none},
+                  Shape{640, 640, 4, 160, MaskKind::window}, Shape{400, 900, 2, 256, MaskKind::causal},
                   Shape{900, 900, 8, 128, MaskKind::window},
                   // sm90_bwd's add orders (DqAddOrder): 777 keys rotate the walks of 7 key tiles,
                   // 900 those of 8 over 4 query heads' steps, 4300 keys (34 tiles) take launch
@@ -262,16 +270,16 @@ TEST_CASE("backward: one head and an odd row count (workspace alignment)", "[bac
   // Also the smallest case of each sm90_bwd head dim, which the sanitize step of bench/device_run.sh
   // runs under racecheck and synccheck, and a small one with four query steps and two key tiles,
   // so that the shared buffers reused from step to step are checked too; at head dims 64 and 128
-  // in deterministic mode as well (sm90_bwd's ordered dQ: two key tiles, one waits for the other).
+  // in deterministic mode as well (sm90_bwd's ordered dQ: two key tiles, one waits for the other; the
+  // writer warps order the adds up to head dim 128, the consumers above).
   uint64_t seed = 19000;
-  for (int head_dim : {64, 128, 256})
+  for (int head_dim : {64, 96, 128, 192, 256})
     for (bool causal : {false, true})
       for (auto [seqlen_q, seqlen_k] : {std::pair{37, 53}, std::pair{203, 131}}) {
         Run r;
         r.shape = AttentionShape::make(1, seqlen_q, seqlen_k, 1, 1, head_dim);
         r.shape.causal = causal;
         check(r, seed++);
-        if (head_dim == 256) continue;
         r.deterministic = true;
         check(r, seed++);
       }

@@ -67,7 +67,7 @@ std::vector<KernelSpec> sweep_specs(const Arch& arch) {
     }
   // sm90_bwd's deterministic mode (ordered dQ adds), at the head dims whose writer warps add dQ,
   // with each mask (each has its own add order) and a softcap.
-  for (int d : {64, 128})
+  for (int d : {64, 96, 128})
     if (family_covers(Family::sm90_bwd, arch, d))
       for (auto [mask, softcap] : {std::pair{MaskKind::none, false}, std::pair{MaskKind::causal, false},
                                    std::pair{MaskKind::window, true}}) {

@@ -298,7 +298,8 @@ TEST_CASE("backward workspace: the dQ accumulator starts aligned after the row s
   }
 }
 
-TEST_CASE("backward dispatch: sm90_bwd on sm_90 at fa2_bwd kernel head dims 64, 128 and 256 (deterministic: 64 and 128), else fa2_bwd", "[dispatch]") {
+TEST_CASE("backward dispatch: sm90_bwd on sm_90 at head dims 33-64, 97-128 and 225-256 (deterministic: 64 and 128), "
+          "backend=sm90 at every head dim and in either mode, else fa2_bwd", "[dispatch]") {
   auto backward = [](int head_dim, AttentionOptions options = {}, bool deterministic = false) {
     auto q = TensorView::contiguous(arena, ScalarType::bfloat16, {2, 64, 4, head_dim});
     auto lse = TensorView::contiguous(arena, ScalarType::float32, {2, 4, 64});
@@ -326,6 +327,8 @@ TEST_CASE("backward dispatch: sm90_bwd on sm_90 at fa2_bwd kernel head dims 64, 
       for (bool deterministic : {false, true})  // (--passes bwd and bwd-deterministic)
         CHECK(heuristic_backward_spec(d->arch(), DType::bf16, head_dim, MaskKind::causal, false, deterministic) ==
               detail::select_backward_kernel(backward(head_dim, causal, deterministic), *d));
+  // sm90_bwd's kernels of head dims 96 and 192, and rounding 32, 160 and 224 up, await a device
+  // run: automatic dispatch leaves them to fa2_bwd, backend=sm90 runs them (below).
   for (int head_dim : {32, 96, 160, 192, 224})
     CHECK(detail::select_backward_kernel(backward(head_dim), kH200).family == Family::fa2_bwd);
   CHECK(detail::select_backward_kernel(backward(128), kA100).family == Family::fa2_bwd);
@@ -351,10 +354,27 @@ TEST_CASE("backward dispatch: sm90_bwd on sm_90 at fa2_bwd kernel head dims 64, 
   sm90.backend = Backend::sm90;
   CHECK(detail::select_backward_kernel(backward(128, sm90), kH200).family == Family::sm90_bwd);
   CHECK(detail::select_backward_kernel(backward(128, sm90, true), kH200).family == Family::sm90_bwd);
-  CHECK_THROWS_WITH(detail::select_backward_kernel(backward(256, sm90, true), kH200),
-                    Catch::Contains("backend sm90: its deterministic mode orders the dQ writer warps' adds, at head dims 64 and 128"));
-  CHECK_THROWS_WITH(detail::select_backward_kernel(backward(96, sm90), kH200),
-                    Catch::Contains("sm90_bwd has no kernel for head_dim 96"));
+  // Every head dim, rounded up to the forward's kernel head dims (64, 96, 128, 192, 256).
+  for (auto [head_dim, kernel_head_dim] : {std::pair{8, 64}, {32, 64}, {72, 96}, {96, 96}, {136, 192}, {160, 192},
+                                           {192, 192}, {224, 256}}) {
+    INFO("head dim " << head_dim);
+    const KernelSpec s = detail::select_backward_kernel(backward(head_dim, sm90), kH200);
+    CHECK(s.family == Family::sm90_bwd);
+    CHECK(s.head_dim == kernel_head_dim);
+    CHECK(s.block_n == (kernel_head_dim > 128 ? 64 : 128));  // split by head dim above 128
+    CHECK(dynamic_smem_bytes(s) <= kH200.max_smem_per_block_optin);
+  }
+  // Deterministic mode at every head dim: the writer warps order the adds where they are (96 here),
+  // the consumers elsewhere (192, 256).
+  for (auto [head_dim, writers] : {std::pair{96, 1}, {160, 0}, {192, 0}, {224, 0}, {256, 0}}) {
+    const KernelSpec ordered = detail::select_backward_kernel(backward(head_dim, sm90, true), kH200);
+    CHECK(ordered.family == Family::sm90_bwd);
+    CHECK(ordered.ordered_dq);
+    CHECK(kernel_layout(ordered).constant("kDqWriters") == writers);
+  }
+  // Rounded up to 64, 96 or 128, a step's dQ rows are not whole: the writers cannot order them.
+  CHECK_THROWS_WITH(detail::select_backward_kernel(backward(112, sm90, true), kH200),
+                    Catch::Contains("fa2_bwd's fixed-order dQ runs head dim 112"));
   CHECK_THROWS_WITH(detail::select_backward_kernel(backward(128, sm90), kA100),
                     Catch::Contains("needs an sm_90 device"));
   odd_dout.forward.backend = Backend::sm90;
@@ -423,7 +443,7 @@ TEST_CASE("backward dispatch: a tuned sm90_bwd entry applies only where sm90_bwd
   three_stages.ordered_dq = true;
   forced.forward.forced_kernel = three_stages;
   CHECK_THROWS_WITH(detail::select_backward_kernel(forced, h200),
-                    Catch::Contains("which head dim 128 at 3 stages leaves no room for"));
+                    Catch::Contains("at head dim 128 are the dQ writer warps', which 3 stages leave no room for"));
   odd_dout.forward.forced_kernel = entry.spec;
   CHECK_THROWS_WITH(detail::select_backward_kernel(odd_dout, h200),
                     Catch::Contains("dout: a stride of 12 elements is not a multiple of 16 bytes"));

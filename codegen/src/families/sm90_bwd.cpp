@@ -1,8 +1,9 @@
 // Rules of the Hopper backward family (templates/sm90_bwd.cuh): a producer warpgroup and two wgmma
-// consumer warpgroups, query steps of block_m = 64 in a ring of num_stages. At head dims 64 and 128
-// the consumers own 64 keys each (block_n 128); at 256 they share 64 keys (block_n 64) and split the
-// head dim, exchanging P^T through shared memory. The shared-memory arithmetic mirrors Sm90BwdShape
-// in the template.
+// consumer warpgroups, query steps of block_m = 64 in a ring of num_stages. At head dims 64, 96 and
+// 128 the consumers own 64 keys each (block_n 128); at 192 and 256 they share 64 keys (block_n 64)
+// and split the head dim, exchanging P^T through shared memory. Tiles hold whole 64-column panels
+// (head dim 96 loads two, 192 three and a fourth of zeros). The shared-memory arithmetic mirrors
+// Sm90BwdShape in the template.
 #include <fmt/format.h>
 
 #include "../family_rules.hpp"
@@ -13,14 +14,15 @@ namespace flashjit::codegen_detail {
 namespace {
 
 constexpr int kConsumers = 2;
-int panels(const KernelSpec& s) { return s.head_dim / 64; }
-bool split_head_dim(const KernelSpec& s) { return panels(s) == 4; }
+bool split_head_dim(const KernelSpec& s) { return s.head_dim > 128; }
+// 64-column panels per tile in shared memory: split, the consumers own two each.
+int panels(const KernelSpec& s) { return split_head_dim(s) ? 2 * kConsumers : (s.head_dim + 63) / 64; }
 int keys_per_cta(const KernelSpec& s) { return split_head_dim(s) ? 64 : 64 * kConsumers; }
 
 int smem_bytes_without_dq_buffer(const KernelSpec& s) {
   const int kv_tile = panels(s) * s.block_n * 128, step_tile = panels(s) * s.block_m * 128;
   const int ds = s.block_n * s.block_m * 2, rows = s.num_stages * s.block_m * 4;
-  const int exchanged_tiles = split_head_dim(s) ? 4 : 2;  // dS^T double-buffered, and P^T at head dim 256
+  const int exchanged_tiles = split_head_dim(s) ? 4 : 2;  // dS^T double-buffered, and P^T where split
   // Each stage's query step, recorded for the consumers under a block mask or modifiers.
   const int step_info = s.block_sparse || s.modifier != nullptr ? 16 * s.num_stages : 0;
   return 1024 + 2 * kv_tile + 2 * s.num_stages * step_tile + exchanged_tiles * ds + 2 * rows + step_info +
@@ -32,8 +34,8 @@ int smem_bytes_without_dq_buffer(const KernelSpec& s) {
 // and its two mbarriers (full, free).
 int dq_buffer_bytes(const KernelSpec& s) { return s.block_m * (s.head_dim * 4 + 32) + 16; }
 
-// Writer warps where the buffer fits beside the rest: head dims 64 and 128 at two stages. At 256
-// (and 128 with three stages) the consumers add dQ with their own atomics.
+// Writer warps where the buffer fits beside the rest: head dims 64, 96 and 128 at two stages. At 192
+// and 256 (and 96 and 128 with three stages) the consumers add dQ with their own atomics.
 bool dq_writers(const KernelSpec& s) {
   return smem_bytes_without_dq_buffer(s) + dq_buffer_bytes(s) <= max_smem_per_block(s.arch);
 }
@@ -59,9 +61,11 @@ std::optional<std::string> validate_tiles(const KernelSpec& s) {
   if (smem_bytes(s) > max_smem_per_block(s.arch))
     return fmt::format("needs {} bytes of shared memory per block, {} allows {}", smem_bytes(s), s.arch.name(),
                        max_smem_per_block(s.arch));
-  if (s.ordered_dq && !dq_writers(s))
-    return fmt::format("ordered dQ adds (deterministic mode) are the dQ writer warps', which head dim {} at {} stages "
-                       "leaves no room for (head dims 64 and 128 at 2 stages have them)",
+  // Ordered dQ adds (deterministic mode) are the writer warps' up to head dim 128, off the consumers'
+  // path; above, where the buffer never fits, the consumers take the turns themselves.
+  if (s.ordered_dq && !split_head_dim(s) && !dq_writers(s))
+    return fmt::format("ordered dQ adds (deterministic mode) at head dim {} are the dQ writer warps', which {} stages "
+                       "leave no room for (two stages have them)",
                        s.head_dim, s.num_stages);
   return std::nullopt;
 }
@@ -87,14 +91,14 @@ std::vector<KernelConstant> constants(const KernelSpec& s) {
 }
 
 // Per consumer: S^T and dP^T (64 keys x the consumer's queries, both operands K-major in shared
-// memory); dK and dV (64 keys x the consumer's columns, P^T and dS^T from registers, or at head dim
-// 256 from the exchanged tiles); dQ (block_m queries x whole 64-column panels, dS^T and K both
-// MN-major in shared memory).
+// memory); dK and dV (64 keys x the consumer's columns, P^T and dS^T from registers, or where the
+// head dim is split from the exchanged tiles); dQ (block_m queries x whole 64-column panels, dS^T
+// and K both MN-major in shared memory).
 std::string config_members(const KernelSpec& s) {
   const bool split = split_head_dim(s);
   const int score_queries = split ? s.block_m / kConsumers : s.block_m;
-  const int grad_cols = split ? s.head_dim / kConsumers : s.head_dim;
-  const int dq_cols = panels(s) < kConsumers ? s.head_dim : s.head_dim / kConsumers;
+  const int grad_cols = split ? panels(s) * 64 / kConsumers : s.head_dim;
+  const int dq_cols = panels(s) < kConsumers ? 64 : panels(s) * 64 / kConsumers;
   return wgmma_member_function("wgmma_scores", score_queries, s.dtype, WgmmaOperands::ss_k_major) +
          wgmma_member_function("wgmma_key_gradient", grad_cols, s.dtype,
                                split ? WgmmaOperands::ss_b_mn_major : WgmmaOperands::rs_b_mn_major) +
@@ -115,7 +119,7 @@ const FamilyRules kSm90BwdRules{
      {"convert_dq", "flashjit::AttentionSm90BwdParams", "flashjit::kernels::sm90_bwd_convert_dq_kernel", true}},
     /*min_sm=*/90,
     /*needs_arch_specific=*/true,
-    /*head_dims=*/{64, 128, 256},
+    /*head_dims=*/{64, 96, 128, 192, 256},
     validate_tiles,
     set_default_tiles,
     threads,

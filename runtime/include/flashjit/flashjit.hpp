@@ -117,7 +117,9 @@ struct BackwardContinuation {
 // family (tests, benchmarks) and fail with Error(unsupported) where it cannot serve the problem.
 // The forward family: automatic = sm90 on sm_90 devices when TMA can read q, k and v (16-byte
 // aligned bases and strides), fa2 otherwise. The backward: sm90_bwd on sm_90 devices where TMA
-// can read q, k, v and dout (in deterministic mode at head dims 64 and 128 only), fa2_bwd otherwise.
+// can read q, k, v and dout, at head dims 33-64, 97-128 and 225-256 (in deterministic mode 64 and
+// 128 only), fa2_bwd otherwise; backend=sm90 runs sm90_bwd at every head dim (the rest awaits a
+// device run before automatic dispatch takes it), in deterministic mode at 64, 96, 128 and 129-256.
 enum class Backend { automatic, reference, fa2, sm90 };
 
 struct AttentionOptions {
