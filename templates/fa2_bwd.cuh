@@ -12,6 +12,11 @@
 //   convert_dq     dQ accumulator -> the output dtype (atomic mode).
 // The softmax scale (and the softcap's derivative) is folded into dS once, so no gradient needs a
 // final scaling. Query steps and key tiles entirely outside the mask are never visited.
+// User modifiers and block masks (common/modifiers.cuh), as sm90_bwd takes them: under a block mask
+// dkdv walks the key tile's row of the transposed lists for each query head and dq the query tile's
+// row of the forward's lists; the user's mask decides the elements of partly visible steps (every
+// step without a block mask), and the score modifier with its derivative (the user's, or dual
+// numbers) runs on every element inside the sequence.
 //   Grids: preprocess/convert (ceil(seqlen_q / kRowsPerCta), heads_q, batch); dkdv (ceil(seqlen_k /
 //   kBlockN), heads_kv, batch); dq (ceil(seqlen_q / kDqBlockM), heads_q, batch).
 //   Shared memory (dkdv): K, V, kNumStages buffers of Q and dO, P^T and dS^T, LSE and delta; see
@@ -130,6 +135,7 @@ template <class Config, bool kAtomicDq>
 __device__ void fa2_bwd_dkdv(const AttentionBwdParams& p) {
   using Shape = Fa2BwdShape<Config>;
   using Element = typename Shape::Element;
+  using Mods = typename ModifiersOf<Config>::type;
   constexpr int kBlockM = Shape::kBlockM, kBlockN = Shape::kBlockN, kStages = Shape::kStages;
   constexpr MaskKind kMask = Config::kMask;
   constexpr float kLog2e = 1.4426950408889634f;
@@ -162,7 +168,9 @@ __device__ void fa2_bwd_dkdv(const AttentionBwdParams& p) {
   const int m_block_min = queries.begin / kBlockM;
   const int m_block_max = queries.end > queries.begin ? (queries.end + kBlockM - 1) / kBlockM : m_block_min;
   const int steps_per_head = m_block_max - m_block_min;
-  const int num_steps = steps_per_head * group;
+  // Under a block mask, every query head's row of the transposed lists instead.
+  const int num_steps = Mods::kBlockSparse ? sparse_query_step_count(p.transposed_block_mask, batch, kv_head, group, n0)
+                                           : steps_per_head * group;
 
   const Element* gK = static_cast<const Element*>(f.k) + seq.k_batch_offset +
                       (seq.k_start + n0) * f.k_row_stride + kv_head * f.k_head_stride;
@@ -170,10 +178,19 @@ __device__ void fa2_bwd_dkdv(const AttentionBwdParams& p) {
                       (seq.k_start + n0) * f.v_row_stride + kv_head * f.v_head_stride;
   const long long do_batch = f.cu_seqlens_q != nullptr ? 0 : batch * p.do_batch_stride;
 
-  auto step_head = [&](int step) { return kv_head * group + step / steps_per_head; };
-  auto step_m0 = [&](int step) { return (m_block_min + step % steps_per_head) * kBlockM; };
+  // Query step `step`: its first query, its query head and whether the user's mask decides its
+  // elements.
+  auto query_step = [&](int step) -> QueryStep {
+    if constexpr (Mods::kBlockSparse) {
+      return sparse_query_step<kBlockM>(p.transposed_block_mask, batch, kv_head, group, n0, step);
+    } else {  // (the head first: computed after m0, ptxas scheduled the plain kernels otherwise)
+      const int head = kv_head * group + step / steps_per_head, m0 = (m_block_min + step % steps_per_head) * kBlockM;
+      return {m0, head, 1};
+    }
+  };
   auto load_step = [&](int step, int buffer) {
-    const int head = step_head(step), m0 = step_m0(step);
+    const QueryStep at = query_step(step);
+    const int head = at.head, m0 = at.m0;
     const Element* gQ = static_cast<const Element*>(f.q) + seq.q_batch_offset +
                         (seq.q_start + m0) * f.q_row_stride + head * f.q_head_stride;
     const Element* gDo = static_cast<const Element*>(p.d_o) + do_batch +
@@ -226,7 +243,8 @@ __device__ void fa2_bwd_dkdv(const AttentionBwdParams& p) {
       if (step + 1 < num_steps) load_step(step + 1, buffer ^ 1);
       cp_async_commit();
     }
-    const int head = step_head(step), m0 = step_m0(step);
+    const QueryStep at = query_step(step);
+    const int head = at.head, m0 = at.m0;
     const unsigned sQ = base + Shape::kQOffset + buffer * Shape::kStepBytes;
     const unsigned sDo = base + Shape::kDoOffset + buffer * Shape::kStepBytes;
     const float* lse = sLse + buffer * kBlockM;
@@ -244,7 +262,8 @@ __device__ void fa2_bwd_dkdv(const AttentionBwdParams& p) {
       warp_gemm_ss<Element, kKeyFrags, kQueryFrags, Shape::kHeadDim / 16, false, false>(
           dp, sV + score_key0 * Shape::kRowStride * 2, Shape::kRowStride, sDo + score_query0 * Shape::kRowStride * 2,
           Shape::kRowStride, lane);
-      const bool needs_mask = n0 + kBlockN > seq.seqlen_k ||
+      const bool asks_mask = Mods::kHasMask && at.partial != 0;  // the user's mask decides this step's elements
+      const bool needs_mask = asks_mask || n0 + kBlockN > seq.seqlen_k ||
                               (has_right && n0 + kBlockN - 1 > m0 + diagonal + f.window_right) ||
                               (has_left && n0 < m0 + kBlockM - 1 + diagonal - f.window_left);
 #pragma unroll
@@ -262,9 +281,15 @@ __device__ void fa2_bwd_dkdv(const AttentionBwdParams& p) {
             float prob[2], ds[2];
 #pragma unroll
             for (int c = 0; c < 2; ++c) {
-              const bool visible = !needs_mask || AttentionMask<kMask>::visible(f, m0 + query + c, n0 + key, seq.seqlen_k, diagonal);
-              prob[c] = probability_and_ds<Config>(s[mi][ni][2 * h + c], lse_log2[c], dp[mi][ni][2 * h + c],
-                                                   deltas[c], visible, scale_log2, softcap_scale, f, ds[c]);
+              const int q = m0 + query + c;
+              const bool visible = !needs_mask || AttentionMask<kMask>::visible(f, q, n0 + key, seq.seqlen_k, diagonal);
+              if constexpr (Mods::kHasMask || Mods::kHasScore)
+                prob[c] = modified_element<Mods, Config>(s[mi][ni][2 * h + c], lse_log2[c], dp[mi][ni][2 * h + c],
+                                                         deltas[c], visible, asks_mask, seq, f, batch, head, q,
+                                                         n0 + key, scale_log2, softcap_scale, ds[c]);
+              else
+                prob[c] = probability_and_ds<Config>(s[mi][ni][2 * h + c], lse_log2[c], dp[mi][ni][2 * h + c],
+                                                     deltas[c], visible, scale_log2, softcap_scale, f, ds[c]);
             }
             const int offset = (key * Shape::kPStride + query) * 2;
             asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(sP + offset), "r"(pack2<Element>(prob[0], prob[1])));
@@ -371,6 +396,7 @@ template <class Config>
 __device__ void fa2_bwd_dq_kernel(const AttentionBwdParams& p) {
   using Shape = Fa2BwdShape<Config>;
   using Element = typename Shape::Element;
+  using Mods = typename ModifiersOf<Config>::type;
   constexpr int kBlockM = Shape::kDqBlockM, kBlockN = Shape::kDqBlockN;
   constexpr int kSFrags = kBlockN / 8, kOFrags = Shape::kHeadDim / 8;
   constexpr MaskKind kMask = Config::kMask;
@@ -409,8 +435,15 @@ __device__ void fa2_bwd_dq_kernel(const AttentionBwdParams& p) {
   const bool has_left = kMask == MaskKind::kWindow && f.window_left >= 0;
   const AttentionMask<kMask> mask(f, seq.seqlen_q, seq.seqlen_k);
   const KeyRange keys = mask.keys_of(f, m0, kBlockM);
-  const int n_block_min = keys.begin / kBlockN;
-  const int n_block_max = keys.end > keys.begin ? (keys.end + kBlockN - 1) / kBlockN : n_block_min;
+  int n_block_min = keys.begin / kBlockN;
+  int n_block_max = keys.end > keys.begin ? (keys.end + kBlockN - 1) / kBlockN : n_block_min;
+  // Under a block mask, steps 0 .. count - 1 of the query tile's row of the forward's lists instead.
+  SparseRow sparse{};
+  if constexpr (Mods::kBlockSparse) {
+    sparse = sparse_row(f.block_mask, batch, head, m0 / f.block_mask.row_block_size);
+    n_block_min = 0;
+    n_block_max = sparse.count;
+  }
 
   // This thread's two rows: LSE (base 2) and delta, read once.
   const int warp_row0 = warp * 16;
@@ -434,7 +467,10 @@ __device__ void fa2_bwd_dq_kernel(const AttentionBwdParams& p) {
   const float softcap_scale = Config::kHasSoftcap ? f.softmax_scale / f.softcap : 0.f;
 
   for (int n_block = n_block_min; n_block < n_block_max; ++n_block) {
-    const int n0 = n_block * kBlockN;
+    // The key tile: its first key, and whether the user's mask decides its elements.
+    SparseTile tile{n_block * kBlockN, 1};
+    if constexpr (Mods::kBlockSparse) tile = sparse_tile<kBlockN>(f.block_mask, sparse, n_block);
+    const int n0 = tile.start;
     __syncthreads();  // every warp is done with the previous K and V
     load_tile_async<Tile, kBlockN>(sK, gK + n0 * f.k_row_stride, f.k_row_stride, seq.seqlen_k - n0, f.head_dim, tid);
     load_tile_async<Tile, kBlockN>(sV, gV + n0 * f.v_row_stride, f.v_row_stride, seq.seqlen_k - n0, f.head_dim, tid);
@@ -449,7 +485,8 @@ __device__ void fa2_bwd_dq_kernel(const AttentionBwdParams& p) {
         s, sQ + warp_row0 * Shape::kRowStride * 2, Shape::kRowStride, sK, Shape::kRowStride, lane);
     warp_gemm_ss<Element, 1, kSFrags, Shape::kHeadDim / 16, false, false>(
         dp, sDo + warp_row0 * Shape::kRowStride * 2, Shape::kRowStride, sV, Shape::kRowStride, lane);
-    const bool needs_mask = n0 + kBlockN > seq.seqlen_k ||
+    const bool asks_mask = Mods::kHasMask && tile.partial != 0;  // the user's mask decides this tile's elements
+    const bool needs_mask = asks_mask || n0 + kBlockN > seq.seqlen_k ||
                             (has_right && n0 + kBlockN - 1 > m0 + diagonal + f.window_right) ||
                             (has_left && n0 < m0 + kBlockM - 1 + diagonal - f.window_left);
 #pragma unroll
@@ -459,8 +496,12 @@ __device__ void fa2_bwd_dq_kernel(const AttentionBwdParams& p) {
         const int row = m0 + warp_row0 + lane / 4 + (e / 2) * 8, key = n0 + ni * 8 + (lane % 4) * 2 + e % 2;
         const bool visible = !needs_mask || AttentionMask<kMask>::visible(f, row, key, seq.seqlen_k, diagonal);
         float ds;
-        probability_and_ds<Config>(s[0][ni][e], lse_log2[e / 2], dp[0][ni][e], delta[e / 2], visible, scale_log2,
-                                   softcap_scale, f, ds);
+        if constexpr (Mods::kHasMask || Mods::kHasScore)
+          modified_element<Mods, Config>(s[0][ni][e], lse_log2[e / 2], dp[0][ni][e], delta[e / 2], visible, asks_mask,
+                                         seq, f, batch, head, row, key, scale_log2, softcap_scale, ds);
+        else
+          probability_and_ds<Config>(s[0][ni][e], lse_log2[e / 2], dp[0][ni][e], delta[e / 2], visible, scale_log2,
+                                     softcap_scale, f, ds);
         s[0][ni][e] = ds;
       }
     // dQ += dS K: dS straight from the registers (C layout of two n8 tiles = A layout of one k16).

@@ -186,22 +186,6 @@ __device__ __forceinline__ BwdKeyTile bwd_key_tile(const AttentionFwdParams& f, 
   }
 }
 
-// A query step of a key tile: its first query, its query head and whether the mask modifier decides
-// its elements (under a block mask, a partly visible block; otherwise every step).
-struct QueryStep {
-  int m0, head, partial;
-};
-
-// The query steps key tile n0 of K/V head kv_head visits under the block mask: every query head's
-// row of the transposed lists.
-__device__ __forceinline__ int sparse_query_step_count(const BlockSparseParams& mask, int batch, int kv_head,
-                                                       int heads_per_kv, int n0) {
-  int steps = 0;
-  for (int h = 0; h < heads_per_kv; ++h)
-    steps += sparse_row(mask, batch, kv_head * heads_per_kv + h, n0 / mask.row_block_size).count;
-  return steps;
-}
-
 // Deterministic mode: the order in which the key tiles visiting a query block add to its dQ rows,
 // chosen so that a tile's turn comes without waiting. A block's counter holds 1 + the key of the
 // last tile that added (keys rise along the order); a tile waits for its predecessor's where that

@@ -63,18 +63,18 @@ std::optional<std::string> unusable_reason(const RuntimeFamily& family, const Pa
 }
 
 // The families of the problem's backend that can run it, in preference order (the first is the
-// choice); throws naming why when there is none.
+// choice); throws naming why when there is none (each family's reason, where several were asked).
 std::vector<const RuntimeFamily*> usable_families(const PassProblem& problem, const Arch& arch) {
   const Backend backend = problem.forward.backend;
   std::vector<const RuntimeFamily*> usable;
-  std::optional<std::string> first_reason;
+  std::vector<std::pair<Family, std::string>> reasons;
   bool any_allowed = false;
   for (const RuntimeFamily* family : runtime_families()) {
     if (family->pass != problem.pass || (backend == Backend::automatic ? !family->automatic : family->backend != backend))
       continue;
     any_allowed = true;
     if (auto reason = unusable_reason(*family, problem, arch)) {
-      if (!first_reason) first_reason = reason;
+      reasons.emplace_back(family->family, *reason);
     } else {
       usable.push_back(family);
     }
@@ -86,8 +86,12 @@ std::vector<const RuntimeFamily*> usable_families(const PassProblem& problem, co
   if (usable.empty()) {
     if (backend != Backend::automatic)
       throw Error(ErrorCode::invalid_argument, problem.operation(),
-                  fmt::format("backend {}: {}", backend_name(backend), *first_reason));
-    throw Error(ErrorCode::unsupported, problem.operation(), *first_reason);
+                  fmt::format("backend {}: {}", backend_name(backend), reasons.front().second));
+    if (reasons.size() == 1) throw Error(ErrorCode::unsupported, problem.operation(), reasons.front().second);
+    std::string all;
+    for (const auto& [family, reason] : reasons)
+      all += fmt::format("{}{}: {}", all.empty() ? "" : "; ", to_string(family), reason);
+    throw Error(ErrorCode::unsupported, problem.operation(), fmt::format("no kernel family can run it ({})", all));
   }
   return usable;
 }

@@ -101,6 +101,60 @@ __device__ __forceinline__ float modified_probability_and_ds(float dot, float ls
   return prob;
 }
 
+// A query step of a key tile: its first query, its query head and whether the mask modifier decides
+// its elements (under a block mask, a partly visible block; otherwise every step).
+struct QueryStep {
+  int m0, head, partial;
+};
+
+// The query steps key tile n0 of K/V head kv_head visits under the block mask: every query head's
+// row of the transposed lists.
+__device__ __forceinline__ int sparse_query_step_count(const BlockSparseParams& mask, int batch, int kv_head,
+                                                       int heads_per_kv, int n0) {
+  int steps = 0;
+  for (int h = 0; h < heads_per_kv; ++h)
+    steps += sparse_row(mask, batch, kv_head * heads_per_kv + h, n0 / mask.row_block_size).count;
+  return steps;
+}
+
+// Step `step` of that walk (kBlockM queries a step), found by walking the query heads' rows: each
+// query head's row in turn, its fully visible blocks first. (sm90_bwd's producer walks the rows
+// once, in order; fa2_bwd's threads look each step up, a few loads from L1.)
+template <int kBlockM>
+__device__ __forceinline__ QueryStep sparse_query_step(const BlockSparseParams& mask, int batch, int kv_head,
+                                                       int heads_per_kv, int n0, int step) {
+  for (int h = 0; h < heads_per_kv; ++h) {
+    const int head = kv_head * heads_per_kv + h;
+    const SparseRow row = sparse_row(mask, batch, head, n0 / mask.row_block_size);
+    if (step < row.count) {
+      const SparseTile queries = sparse_tile<kBlockM>(mask, row, step);
+      return {queries.start, head, queries.partial};
+    }
+    step -= row.count;
+  }
+  return {0, kv_head * heads_per_kv, 1};  // (past the walk's end: no caller asks)
+}
+
+// One element of fa2_bwd's backward under user modifiers: the user's mask where it decides the
+// element (`asks_mask`) on top of `visible` (the built-in mask's and the bounds' verdict), then P
+// and dS, through the score modifier where there is one. The user's functions see only elements
+// inside the sequence.
+template <class Mods, class Config>
+__device__ __forceinline__ float modified_element(float dot, float lse_log2, float dp, float delta, bool visible,
+                                                  bool asks_mask, const SequenceExtent& seq, const AttentionFwdParams& f,
+                                                  int batch, int head, int query, int key, float scale_log2,
+                                                  float softcap_scale, float& ds) {
+  const bool inside = query < seq.seqlen_q && key < seq.seqlen_k;
+  if constexpr (Mods::kHasMask) visible = visible && (!asks_mask || (inside && Mods::mask(f, batch, head, query, key)));
+  if constexpr (Mods::kHasScore) {
+    const float prob = modified_probability_and_ds<Mods>(dot, lse_log2, dp, delta, inside, f, batch, head, query, key, ds);
+    if (!visible) ds = 0.f;
+    return visible ? prob : 0.f;
+  } else {
+    return probability_and_ds<Config>(dot, lse_log2, dp, delta, visible, scale_log2, softcap_scale, f, ds);
+  }
+}
+
 // ---------------------------------------------------------------------------------------------
 // preprocess and convert_dq: row-parallel passes of kRowsPerCta rows, kLoadThreadsPerRow threads
 // (16 bytes each) per row.

@@ -120,12 +120,25 @@ std::vector<uint8_t> host_tile_states(int batch, int heads, int seqlen_q, int se
   return states;
 }
 
+// `count` tile states of a random block mask: a tile is kept with probability `density`, then
+// partly (1) or fully (2) visible at even odds; 0 empty.
+std::vector<uint8_t> random_tile_states(size_t count, double density, unsigned seed) {
+  std::mt19937 rng(static_cast<unsigned>(density * 1000) + seed);
+  std::vector<uint8_t> states(count);
+  for (auto& state : states) {
+    const double u = std::uniform_real_distribution<double>(0, 1)(rng);
+    state = u >= density ? 0 : std::uniform_int_distribution<int>(1, 2)(rng);
+  }
+  return states;
+}
+
 struct ModifierRun {
   AttentionShape shape;
   std::shared_ptr<const AttentionModifier> code;
   std::vector<TensorView> tensors;
   bool block_mask = false;  // build one with create_block_mask and pass it
   Backend backend = Backend::automatic;
+  bool deterministic = false;  // (the backward)
 };
 
 // Builds the run's block mask (checking its lists against the host's) into `mask` and returns the
@@ -135,6 +148,7 @@ AttentionOptions modifier_options(const ModifierRun& r, AttentionMod& mod, std::
   AttentionOptions options;
   options.mod = &mod;
   options.backend = r.backend;
+  options.deterministic = r.deterministic;
   if (r.block_mask) {
     mask = std::make_unique<DeviceBlockMask>(r.shape.batch, r.shape.heads_q, r.shape.seqlen_q, r.shape.seqlen_k);
     test_runtime().create_block_mask(mod, r.shape.batch, r.shape.heads_q, r.shape.seqlen_q, r.shape.seqlen_k, mask->buffers);
@@ -146,7 +160,8 @@ AttentionOptions modifier_options(const ModifierRun& r, AttentionMod& mod, std::
 }
 
 std::string describe_modifier(const ModifierRun& r) {
-  return std::string(r.backend == Backend::fa2 ? " fa2_fwd" : "") + (r.block_mask ? " with a block mask" : "") + " mask {" + r.code->mask + "} score {" + r.code->score +
+  return std::string(r.backend == Backend::fa2 ? " fa2 family" : "") + (r.deterministic ? " deterministic" : "") +
+         (r.block_mask ? " with a block mask" : "") + " mask {" + r.code->mask + "} score {" + r.code->score +
          "}" + (r.code->has_score_grad() ? " score_grad {" + r.code->score_grad + "}" : "");
 }
 
@@ -161,14 +176,24 @@ void check_modifier(ModifierRun r, uint64_t seed) {
 }
 
 // The backward of a run (after its forward, itself checked) against the float64 reference
-// gradients, whose score derivative is a central difference of the shape's score_fn.
+// gradients, whose score derivative is a central difference of the shape's score_fn. In
+// deterministic mode, two reruns must give the same bits.
 GradientComparison backward_of(const ModifierRun& r, uint64_t seed) {
   AttentionMod mod;
   std::unique_ptr<DeviceBlockMask> mask;
   const AttentionOptions options = modifier_options(r, mod, mask);
   BackwardCase c(r.shape, DType::bf16, seed);
   c.run(test_runtime(), options);
-  return c.check(tensor_core_gradient_tolerance(DType::bf16));
+  const GradientComparison g = c.check(tensor_core_gradient_tolerance(DType::bf16));
+  if (r.deterministic) {
+    const std::vector<uint16_t> first = c.gradient_bits();
+    for (int rerun = 0; rerun < 2; ++rerun) {
+      c.run(test_runtime(), options);
+      INFO("deterministic rerun " << rerun << describe_modifier(r));
+      CHECK(c.gradient_bits() == first);
+    }
+  }
+  return g;
 }
 
 void check_modifier_backward(const ModifierRun& r, uint64_t seed) {
@@ -308,12 +333,7 @@ TEST_CASE("modifiers: random block masks at densities 0, 5%, 50% and 100%", "[mo
   // In partial tiles an element mask of the indices; full tiles skip it.
   auto element = [](int, int h, int i, int j) { return (i * 7 + j * 13 + h) % 5 != 0; };
   for (double density : {0.0, 0.05, 0.5, 1.0}) {
-    std::mt19937 rng(static_cast<unsigned>(density * 1000) + 11);
-    std::vector<uint8_t> states(size_t(batch) * heads * q_blocks * kv_blocks);
-    for (auto& s : states) {
-      const double u = std::uniform_real_distribution<double>(0, 1)(rng);
-      s = u >= density ? 0 : std::uniform_int_distribution<int>(1, 2)(rng);
-    }
+    const std::vector<uint8_t> states = random_tile_states(size_t(batch) * heads * q_blocks * kv_blocks, density, 11);
     DeviceBuffer map(states.size());
     map.upload(states);
     DeviceBlockMask mask(batch, heads, seqlen_q, seqlen_k);
@@ -359,9 +379,46 @@ TEST_CASE("modifiers: bad block masks and side tensors are refused by name", "[m
   CHECK_THROWS_WITH(test_runtime().forward(qv, qv, qv, ov, nullptr, options), Catch::Contains("replaces causal"));
 }
 
+// ALiBi slopes of `heads` heads, on the host and the device.
+struct AlibiSlopes {
+  explicit AlibiSlopes(int heads) : host(heads), device(heads * 4) {
+    for (int h = 0; h < heads; ++h) host[h] = std::pow(2.f, -8.f * (h + 1) / heads);
+    device.upload(host);
+  }
+  std::vector<float> host;
+  DeviceBuffer device;
+};
+
+// The backward's score-modifier runs at one head dim: ALiBi beside the built-in causal mask (its
+// gradient derived); a tanh softcap of 2 on unit-scale scores (the tanh's derivative matters); a
+// mask modifier on every tile (no block mask) beside a score modifier, where every fifth query sees
+// no key (output 0, LSE -inf, no gradient).
+std::vector<ModifierRun> score_modifier_runs(int head_dim, const AlibiSlopes& slopes) {
+  const int heads = static_cast<int>(slopes.host.size());
+  ModifierRun alibi;
+  alibi.shape = AttentionShape::make(2, 333, 333, heads, 2, head_dim);
+  alibi.shape.causal = true;
+  alibi.shape.score_fn = [&slopes](double s, int, int h, int i, int j) { return s - double(slopes.host[h]) * (i - j); };
+  alibi.code = modifier("", "return score - slopes[head] * float(q_idx - kv_idx);", {{"slopes", ModifierTensorType::float32}});
+  alibi.tensors = {TensorView::contiguous(slopes.device.get(), ScalarType::float32, {heads})};
+
+  ModifierRun softcap;
+  softcap.shape = AttentionShape::make(1, 257, 450, 4, 1, head_dim);
+  softcap.shape.score_fn = [](double s, int, int, int, int) { return 2.0 * std::tanh(s / 2.0); };
+  softcap.code = modifier("", "return 2.f * tanhf(score / 2.f);");
+
+  ModifierRun both;
+  both.shape = AttentionShape::make(1, 300, 300, 2, 2, head_dim);
+  both.shape.mask_fn = [](int, int h, int i, int j) { return i % 5 != 0 && (i + j + h) % 3 != 0; };
+  both.shape.score_fn = [](double s, int, int, int i, int j) { return s * (1.0 + 0.1 * ((i ^ j) & 3)); };
+  both.code = modifier("return q_idx % 5 != 0 && (q_idx + kv_idx + head) % 3 != 0;",
+                       "return score * (1.f + 0.1f * float((q_idx ^ kv_idx) & 3));");
+  return {alibi, softcap, both};
+}
+
 // ---------------------------------------------------------------------------------------------
-// The backward (sm90_bwd): the same modifiers and block masks, dq, dk and dv against the float64
-// reference gradients.
+// The backward (sm90_bwd, and fa2_bwd by name): the same modifiers and block masks, dq, dk and dv
+// against the float64 reference gradients.
 
 TEST_CASE("modifiers backward: document masking, prefix-LM and sliding window with sinks, through block masks",
           "[modifiers][quick]") {
@@ -371,75 +428,52 @@ TEST_CASE("modifiers backward: document masking, prefix-LM and sliding window wi
 
 TEST_CASE("modifiers backward: ALiBi and tanh softcap with derived gradients, rows that see no key", "[modifiers][quick]") {
   if (!hopper_or_skip()) return;
-  const int heads = 4;
-  std::vector<float> slopes(heads);
-  for (int h = 0; h < heads; ++h) slopes[h] = std::pow(2.f, -8.f * (h + 1) / heads);
-  DeviceBuffer slope_buffer(heads * 4);
-  slope_buffer.upload(slopes);
+  const AlibiSlopes slopes(4);
   for (int head_dim : {64, 128, 256}) {
-    ModifierRun alibi;
-    alibi.shape = AttentionShape::make(2, 333, 333, heads, 2, head_dim);
-    alibi.shape.causal = true;
-    alibi.shape.score_fn = [&](double s, int, int h, int i, int j) { return s - double(slopes[h]) * (i - j); };
-    alibi.code = modifier("", "return score - slopes[head] * float(q_idx - kv_idx);", {{"slopes", ModifierTensorType::float32}});
-    alibi.tensors = {TensorView::contiguous(slope_buffer.get(), ScalarType::float32, {heads})};
-    check_modifier_backward(alibi, 24);
-
-    // Softcap 2 on unit-scale scores: the tanh's derivative matters.
-    ModifierRun softcap;
-    softcap.shape = AttentionShape::make(1, 257, 450, 4, 1, head_dim);
-    softcap.shape.score_fn = [](double s, int, int, int, int) { return 2.0 * std::tanh(s / 2.0); };
-    softcap.code = modifier("", "return 2.f * tanhf(score / 2.f);");
-    check_modifier_backward(softcap, 25);
-
-    // A mask modifier on every tile (no block mask) beside a score modifier; every fifth query sees
-    // no key (output 0, LSE -inf, no gradient).
-    ModifierRun both;
-    both.shape = AttentionShape::make(1, 300, 300, 2, 2, head_dim);
-    both.shape.mask_fn = [](int, int h, int i, int j) { return i % 5 != 0 && (i + j + h) % 3 != 0; };
-    both.shape.score_fn = [](double s, int, int, int i, int j) { return s * (1.0 + 0.1 * ((i ^ j) & 3)); };
-    both.code = modifier("return q_idx % 5 != 0 && (q_idx + kv_idx + head) % 3 != 0;",
-                         "return score * (1.f + 0.1f * float((q_idx ^ kv_idx) & 3));");
-    check_modifier_backward(both, 26);
+    uint64_t seed = 24;
+    for (const ModifierRun& run : score_modifier_runs(head_dim, slopes)) check_modifier_backward(run, seed++);
   }
 }
 
 TEST_CASE("modifiers backward: random block masks at densities 0, 5%, 50% and 100%", "[modifiers][quick]") {
-  if (!hopper_or_skip()) return;
+  // sm90_bwd (automatic, on sm_90), and fa2_bwd by name in both dQ modes.
+  const bool hopper = device_properties(0).arch().name() == "sm_90a";
   const int seqlen_q = 700, seqlen_k = 900, heads = 4, batch = 1;
   const int q_blocks = (seqlen_q + 127) / 128, kv_blocks = (seqlen_k + 127) / 128;
-  for (int head_dim : {64, 128}) {
-    for (double density : {0.0, 0.05, 0.5, 1.0}) {
-      std::mt19937 rng(static_cast<unsigned>(density * 1000) + head_dim);
-      std::vector<uint8_t> states(size_t(batch) * heads * q_blocks * kv_blocks);
-      for (auto& s : states) {
-        const double u = std::uniform_real_distribution<double>(0, 1)(rng);
-        s = u >= density ? 0 : std::uniform_int_distribution<int>(1, 2)(rng);
-      }
-      DeviceBuffer map(states.size());
-      map.upload(states);
-      DeviceBlockMask mask(batch, heads, seqlen_q, seqlen_k);
-      test_runtime().block_mask_from_tiles(
-          TensorView::contiguous(map.get(), ScalarType::uint8, {batch, heads, q_blocks, kv_blocks}), seqlen_q, seqlen_k,
-          mask.buffers);
-      synchronize();
+  for (auto [backend, deterministic] : {std::pair{Backend::automatic, false}, {Backend::fa2, false}, {Backend::fa2, true}}) {
+    for (int head_dim : {64, 128}) {
+      if (backend == Backend::automatic && !hopper) continue;
+      for (double density : {0.0, 0.05, 0.5, 1.0}) {
+        const std::vector<uint8_t> states =
+            random_tile_states(size_t(batch) * heads * q_blocks * kv_blocks, density, head_dim);
+        DeviceBuffer map(states.size());
+        map.upload(states);
+        DeviceBlockMask mask(batch, heads, seqlen_q, seqlen_k);
+        test_runtime().block_mask_from_tiles(
+            TensorView::contiguous(map.get(), ScalarType::uint8, {batch, heads, q_blocks, kv_blocks}), seqlen_q, seqlen_k,
+            mask.buffers);
+        synchronize();
 
-      AttentionShape shape = AttentionShape::make(batch, seqlen_q, seqlen_k, heads, 2, head_dim);
-      shape.mask_fn = [&](int, int h, int i, int j) {
-        const int state = states[(size_t(h) * q_blocks + i / 128) * kv_blocks + j / 128];
-        return state == 2 || (state == 1 && (i * 7 + j * 13 + h) % 5 != 0);
-      };
-      AttentionMod mod{modifier("return (q_idx * 7 + kv_idx * 13 + head) % 5 != 0;", ""), {}};
-      AttentionOptions options;
-      options.mod = &mod;
-      options.block_mask = &mask.mask;
-      BackwardCase c(shape, DType::bf16, 27);
-      c.run(test_runtime(), options);
-      const GradientComparison g = c.check(tensor_core_gradient_tolerance(DType::bf16));
-      INFO(c.describe() << " block density " << density);
-      for (auto [name, cmp] : {std::pair{"forward out", &g.forward_out}, {"dq", &g.dq}, {"dk", &g.dk}, {"dv", &g.dv}}) {
-        INFO(name << ": " << cmp->bad << " of " << cmp->checked << " outside tolerance; first " << cmp->first_bad);
-        CHECK(cmp->ok());
+        AttentionShape shape = AttentionShape::make(batch, seqlen_q, seqlen_k, heads, 2, head_dim);
+        shape.mask_fn = [&](int, int h, int i, int j) {
+          const int state = states[(size_t(h) * q_blocks + i / 128) * kv_blocks + j / 128];
+          return state == 2 || (state == 1 && (i * 7 + j * 13 + h) % 5 != 0);
+        };
+        AttentionMod mod{modifier("return (q_idx * 7 + kv_idx * 13 + head) % 5 != 0;", ""), {}};
+        AttentionOptions options;
+        options.mod = &mod;
+        options.block_mask = &mask.mask;
+        options.backend = backend;
+        options.deterministic = deterministic;
+        BackwardCase c(shape, DType::bf16, 27);
+        c.run(test_runtime(), options);
+        const GradientComparison g = c.check(tensor_core_gradient_tolerance(DType::bf16));
+        INFO(c.describe() << " block density " << density << (backend == Backend::fa2 ? " fa2_bwd" : "")
+                          << (deterministic ? " deterministic" : ""));
+        for (auto [name, cmp] : {std::pair{"forward out", &g.forward_out}, {"dq", &g.dq}, {"dk", &g.dk}, {"dv", &g.dv}}) {
+          INFO(name << ": " << cmp->bad << " of " << cmp->checked << " outside tolerance; first " << cmp->first_bad);
+          CHECK(cmp->ok());
+        }
       }
     }
   }
@@ -458,6 +492,39 @@ TEST_CASE("modifiers backward: a wrong hand-written score gradient is caught, th
   run.code = modifier("", "return 1.5f * score + 0.25f * score * score;", {}, "return 1.5f;");
   const GradientComparison wrong = backward_of(run, 28);
   CHECK(wrong.forward_out.ok());
+  CHECK(wrong.dv.ok());
+  CHECK_FALSE(wrong.dq.ok());
+  CHECK_FALSE(wrong.dk.ok());
+}
+
+// fa2_bwd with modifiers and block masks: the backward of sm_80/sm_89 devices and of deterministic
+// mode under a block mask on sm_90, forced by name (automatic dispatch waits for this test to pass
+// on a device), in both dQ modes.
+TEST_CASE("modifiers backward: the sm_80 family (fa2_bwd) with modifiers and block masks, atomic and deterministic",
+          "[modifiers]") {
+  for (bool deterministic : {false, true}) {
+    for_mask_examples(600, 520, [&](ModifierRun run, uint64_t seed) {
+      run.backend = Backend::fa2;
+      run.deterministic = deterministic;
+      check_modifier_backward(run, seed + 50);
+    });
+    const AlibiSlopes slopes(4);
+    for (int head_dim : {64, 128, 256}) {
+      uint64_t seed = 60 + head_dim;
+      for (ModifierRun run : score_modifier_runs(head_dim, slopes)) {
+        run.backend = Backend::fa2;
+        run.deterministic = deterministic;
+        check_modifier_backward(run, seed++);
+      }
+    }
+  }
+  // A wrong hand-written gradient is caught here too.
+  ModifierRun run;
+  run.shape = AttentionShape::make(1, 256, 256, 2, 2, 128);
+  run.shape.score_fn = [](double s, int, int, int, int) { return 1.5 * s + 0.25 * s * s; };
+  run.code = modifier("", "return 1.5f * score + 0.25f * score * score;", {}, "return 1.5f;");
+  run.backend = Backend::fa2;
+  const GradientComparison wrong = backward_of(run, 29);
   CHECK(wrong.dv.ok());
   CHECK_FALSE(wrong.dq.ok());
   CHECK_FALSE(wrong.dk.ok());

@@ -60,11 +60,12 @@ std::vector<KernelSpec> sweep_specs(const Arch& arch) {
   // derived (dual numbers). (ALiBi at head dim 128 spills 8-40 bytes there: left out.)
   auto softcap = std::make_shared<AttentionModifier>();
   softcap->score = "return 30.f * tanhf(score / 30.f);";
-  for (int d : {64, 128, 256})
-    if (family_covers(Family::sm90_bwd, arch, d)) {
-      specs.push_back(default_spec(Family::sm90_bwd, arch, DType::bf16, d, MaskKind::none, false, document, true));
-      specs.push_back(default_spec(Family::sm90_bwd, arch, DType::bf16, d, MaskKind::none, false, softcap));
-    }
+  for (Family family : {Family::sm90_bwd, Family::fa2_bwd})
+    for (int d : {64, 128, 256})
+      if (family_covers(family, arch, d)) {
+        specs.push_back(default_spec(family, arch, DType::bf16, d, MaskKind::none, false, document, true));
+        specs.push_back(default_spec(family, arch, DType::bf16, d, MaskKind::none, false, softcap));
+      }
   // sm90_bwd's deterministic mode (ordered dQ adds), at the head dims whose writer warps add dQ,
   // with each mask (each has its own add order) and a softcap.
   for (int d : {64, 96, 128})

@@ -382,6 +382,42 @@ TEST_CASE("backward dispatch: sm90_bwd on sm_90 at head dims 33-64, 97-128 and 2
                     Catch::Contains("dout: a stride of 12 elements is not a multiple of 16 bytes"));
 }
 
+TEST_CASE("backward dispatch: user modifiers and block masks on fa2_bwd with backend=fa2, awaiting a device run", "[dispatch]") {
+  auto softcap = std::make_shared<AttentionModifier>();
+  softcap->score = "return 30.f * tanhf(score / 30.f);";
+  const AttentionMod mod{softcap, {}};
+  auto backward = [&](int head_dim, Backend backend, bool deterministic = false, bool block_sparse = false) {
+    auto q = TensorView::contiguous(arena, ScalarType::bfloat16, {2, 64, 4, head_dim});
+    auto lse = TensorView::contiguous(arena, ScalarType::float32, {2, 4, 64});
+    AttentionOptions options;
+    options.mod = &mod;
+    options.backend = backend;
+    options.deterministic = deterministic;
+    detail::BackwardProblem problem = detail::make_backward_problem(q, q, q, q, q, &lse, q, q, q, nullptr, options);
+    problem.forward.block_sparse = block_sparse;  // (the walk's flag is all dispatch reads)
+    return problem;
+  };
+  // sm_80: only fa2_bwd has a backward, and automatic dispatch waits for its device run.
+  CHECK_THROWS_WITH(detail::select_backward_kernel(backward(128, Backend::automatic), kA100),
+                    Catch::Contains("fa2_bwd's kernels with user modifiers and block masks await a device run: "
+                                    "backend=fa2 runs them"));
+  for (int head_dim : {64, 128, 256}) {
+    const KernelSpec s = detail::select_backward_kernel(backward(head_dim, Backend::fa2), kA100);
+    INFO(s.name());
+    CHECK(s.family == Family::fa2_bwd);
+    CHECK(s.modifier != nullptr);
+    CHECK_FALSE(s.validate().has_value());
+  }
+  CHECK(detail::select_backward_kernel(backward(128, Backend::fa2), kA100).block_n == 64);  // (128 keys spilled)
+  // sm_90: sm90_bwd, and fa2_bwd by name, also in deterministic mode under a block mask.
+  CHECK(detail::select_backward_kernel(backward(128, Backend::automatic), kH200).family == Family::sm90_bwd);
+  CHECK_THROWS_WITH(detail::select_backward_kernel(backward(128, Backend::automatic, true, true), kH200),
+                    Catch::Contains("await a device run"));
+  const KernelSpec sparse = detail::select_backward_kernel(backward(128, Backend::fa2, true, true), kH200);
+  CHECK(sparse.family == Family::fa2_bwd);
+  CHECK(sparse.block_sparse);
+}
+
 TEST_CASE("backward dispatch: a tuned sm90_bwd entry applies only where sm90_bwd can run", "[dispatch]") {
   // Backward entries are keyed by fa2_bwd; on an H200 the tuner keeps the heuristic's sm90_bwd spec
   // unless an fa2_bwd tile beats it. Layouts TMA cannot read must still get fa2_bwd; deterministic

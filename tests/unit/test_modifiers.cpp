@@ -86,9 +86,12 @@ TEST_CASE("modifiers: specs carry them in names, JSON, equality and hashes", "[m
 }
 
 TEST_CASE("modifiers: the rules say which specs may carry them", "[modifiers]") {
-  KernelSpec fa2 = default_spec(Family::fa2_bwd, Arch::parse("sm_80"), DType::bf16, 128);
-  fa2.modifier = document_mask();
-  CHECK_THAT(*fa2.validate(), Catch::Contains("does not compile user modifiers"));
+  KernelSpec kvcache = default_spec(Family::kvcache_fwd, Arch::parse("sm_80"), DType::bf16, 128);
+  kvcache.modifier = document_mask();
+  CHECK_THAT(*kvcache.validate(), Catch::Contains("does not compile user modifiers"));
+  kvcache.modifier = nullptr;
+  kvcache.block_sparse = true;
+  CHECK_THAT(*kvcache.validate(), Catch::Contains("does not walk block masks"));
   KernelSpec fa2_forward = default_spec(Family::fa2_fwd, Arch::parse("sm_80"), DType::bf16, 128, MaskKind::none, false,
                                         document_mask(), true);
   CHECK_FALSE(fa2_forward.validate().has_value());
@@ -108,6 +111,19 @@ TEST_CASE("modifiers: the rules say which specs may carry them", "[modifiers]") 
     CHECK(128 % s.block_m == 0);
     CHECK(128 % s.block_n == 0);
   }
+  // fa2_bwd's too (the backward on sm_80, and in deterministic mode under a block mask on sm_90),
+  // its deterministic dq entry's tile included; 64 keys at head dim 128 (128 spilled there).
+  for (const char* arch : {"sm_80", "sm_86", "sm_90a"})
+    for (int d : {32, 64, 96, 128, 160, 192, 224, 256}) {
+      const KernelSpec s = default_spec(Family::fa2_bwd, Arch::parse(arch), DType::bf16, d, MaskKind::none, false,
+                                        document_mask(), true);
+      INFO(s.name());
+      CHECK_FALSE(s.validate().has_value());
+      const KernelLayout layout = kernel_layout(s);
+      for (int tile : {s.block_m, s.block_n, layout.constant("kDqBlockM"), layout.constant("kDqBlockN")})
+        CHECK(128 % tile == 0);
+      if (d == 128) CHECK(s.block_n == 64);
+    }
 }
 
 TEST_CASE("modifiers: rendered as functions numbered with the user's lines", "[modifiers]") {

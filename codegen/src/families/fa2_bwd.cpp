@@ -131,7 +131,10 @@ void set_default_tiles(KernelSpec& s) {
   // (64-key tiles when masked, where short rows waste the long tile); eight warps over 128 keys
   // at 128, 64 keys above. Hopper's shared memory double-buffers Q and dO (not with softcap at
   // 128, which then spills); sm_80 single-buffers; the 99 KB archs get the smallest tiles, with
-  // eight warps from head dim 96 (four spill there).
+  // eight warps from head dim 96 (four spill there). User modifiers and block masks take the masked
+  // tiles, and 64 keys at 128 too: their per-element work (side-tensor loads, a score and its
+  // derivative) spilled 4-16 bytes in 128-key tiles there, and hundreds in 32 x 128 ones at 64.
+  const bool modified = s.modifier != nullptr || s.block_sparse;
   const int smem = max_smem_per_block(s.arch);
   const bool hopper_smem = smem >= 200 * 1024, small_smem = smem < 160 * 1024;
   auto set = [&](int block_m, int block_n, int warps, int stages) {
@@ -143,11 +146,11 @@ void set_default_tiles(KernelSpec& s) {
   if (small_smem) {
     s.head_dim <= 64 ? set(64, 64, 4, 1) : s.head_dim <= 128 ? set(64, 64, 8, 1) : set(32, 32, 4, 1);
   } else if (s.head_dim <= 64) {
-    s.mask == MaskKind::none ? set(32, 128, 4, 1) : set(64, 64, 4, 1);
+    s.mask == MaskKind::none && !modified ? set(32, 128, 4, 1) : set(64, 64, 4, 1);
   } else if (s.head_dim <= 96) {
     set(64, 64, 8, hopper_smem ? 2 : 1);
   } else if (s.head_dim <= 128) {
-    set(64, 128, 8, hopper_smem && !s.has_softcap ? 2 : 1);
+    modified ? set(64, 64, 8, hopper_smem ? 2 : 1) : set(64, 128, 8, hopper_smem && !s.has_softcap ? 2 : 1);
   } else {
     set(64, 64, 8, hopper_smem ? 2 : 1);
   }
@@ -187,6 +190,10 @@ const FamilyRules kFa2BwdRules{
     set_default_tiles,
     threads,
     constants,
+    /*config_members=*/nullptr,
+    /*min_blocks_per_sm=*/nullptr,
+    /*takes_modifiers=*/true,
+    /*takes_block_mask=*/true,
 };
 
 }  // namespace flashjit::codegen_detail

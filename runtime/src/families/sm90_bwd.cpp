@@ -36,7 +36,7 @@ std::optional<std::string> unusable_reason(const PassProblem& problem, const Arc
     if (auto reason = awaits_device_run(problem)) return reason;
   if (problem.deterministic() && f.block_sparse)
     return std::string("its deterministic mode orders the dQ adds by key tile, which a block mask's walk does not "
-                       "follow; fa2_bwd's fixed-order dQ runs block masks");
+                       "follow; fa2_bwd's fixed-order dQ runs block masks (backend=fa2)");
   if (problem.deterministic() && f.head_dim <= 128 && f.head_dim != 64 && f.head_dim != 96 && f.head_dim != 128)
     return fmt::format("its deterministic mode runs at head dims 64, 96, 128 and 129-256 (below 128 the dQ writer "
                        "warps order the adds, of whole rows only); fa2_bwd's fixed-order dQ runs head dim {}",
