@@ -3,7 +3,7 @@
 # carried along (the device has no -dev packages; binaries built here run there).
 #   bench/device_run.sh [build-dir] [what...]
 #   what: warm | tests | sanitize | sanitize-kvcache | python | host | sweep | grid | peers | fwdbwd |
-#   tune | profile | decode | decode-splits | ring | bwd-modes
+#   tune | profile | decode | decode-splits | ring | bwd-modes | pending
 #   (default: tests);
 #   FLASHJIT_BENCH_ARGS adds arguments to the flashjit-bench steps, PEERS_ARGS to the peers step,
 #   FWDBWD_ARGS to fwdbwd, RING_ARGS to ring's flashjit-bench runs (e.g. --backward).
@@ -152,6 +152,22 @@ for r in json.load(open('$out/grid_tuned.json'))['rows']:
         bounded "$build/tools/flashjit-bench" --ring 2,4,8 --layout $layout --head-dims 128 --seqlens 16384,32768,65536 \
             --causal off,on --iters 7 ${RING_ARGS:-} --json > "$out/ring_$layout.json" || status=1
       done ;;
+    pending)
+      # What the tree compiles but has not yet run on a device (the README's "await a device run"):
+      # sm90_bwd at head dims 96/192 and rounded up, its consumers' ordered dQ adds, fa2_bwd with
+      # modifiers and block masks. Their GPU tests, compute-sanitizer on the smallest backward cases
+      # (every sm90_bwd head dim, both dQ modes), then the timings that decide automatic dispatch
+      # (bwd-modes). Passing, the gates in runtime/src/families/{sm90_bwd,fa2_bwd}.cpp come off.
+      GPU_TEST_REPORT=$out/pipeline_costs.jsonl bounded "$build/tests/flashjit_gpu_tests" \
+          "[backward]~[ring],modifiers backward*" --durations yes 2>&1 | tee "$out/pending_tests.log" |
+          grep -vE '^[0-9.]+ s: ' | tail -40
+      [[ ${PIPESTATUS[0]} -eq 0 ]] || status=1
+      for tool in memcheck racecheck synccheck; do
+        bounded compute-sanitizer --tool $tool --error-exitcode 1 "$build/tests/flashjit_gpu_tests" \
+            "backward: one head and an odd row count*" 2>&1 | tee -a "$out/pending_sanitize_$tool.log" | tail -3
+        [[ ${PIPESTATUS[0]} -eq 0 ]] || status=1
+      done
+      "$0" "$build" bwd-modes || status=1 ;;
     bwd-modes)
       # sm90_bwd beside fa2_bwd at the head dims automatic dispatch still leaves to fa2_bwd (kernel
       # head dims 96 and 192, and 32, 160 and 224 rounded up), and deterministic beside atomic from 64
