@@ -56,8 +56,9 @@ std::vector<KernelSpec> sweep_specs(const Arch& arch) {
       specs.push_back(default_spec(Family::sm90_fwd, arch, DType::bf16, d, MaskKind::none, false, document, true));
       if (d <= 128) specs.push_back(default_spec(Family::sm90_fwd, arch, DType::bf16, d, MaskKind::causal, false, alibi));
     }
-  // The backward: the document mask through a block mask, and a score modifier whose gradient is
-  // derived (dual numbers). (ALiBi at head dim 128 spills 8-40 bytes there: left out.)
+  // The backward (sm90_bwd, and fa2_bwd: sm_80's): the document mask through a block mask, and a
+  // score modifier whose gradient is derived (dual numbers). (ALiBi beside causal spills in both,
+  // 8-40 bytes in sm90_bwd at head dim 128: left out.)
   auto softcap = std::make_shared<AttentionModifier>();
   softcap->score = "return 30.f * tanhf(score / 30.f);";
   for (Family family : {Family::sm90_bwd, Family::fa2_bwd})
@@ -66,9 +67,9 @@ std::vector<KernelSpec> sweep_specs(const Arch& arch) {
         specs.push_back(default_spec(family, arch, DType::bf16, d, MaskKind::none, false, document, true));
         specs.push_back(default_spec(family, arch, DType::bf16, d, MaskKind::none, false, softcap));
       }
-  // sm90_bwd's deterministic mode (ordered dQ adds), at the head dims whose writer warps add dQ,
-  // with each mask (each has its own add order) and a softcap.
-  for (int d : {64, 96, 128})
+  // sm90_bwd's deterministic mode (ordered dQ adds): the writer warps' at 64, 96 and 128, the
+  // consumers' at 192 and 256; with each mask (each has its own add order) and a softcap.
+  for (int d : {64, 96, 128, 192, 256})
     if (family_covers(Family::sm90_bwd, arch, d))
       for (auto [mask, softcap] : {std::pair{MaskKind::none, false}, std::pair{MaskKind::causal, false},
                                    std::pair{MaskKind::window, true}}) {

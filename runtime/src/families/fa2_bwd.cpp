@@ -1,8 +1,6 @@
 // fa2_bwd at run time: preprocess (delta, the zeroed dQ accumulator) -> dkdv with atomic dQ ->
 // convert dQ; or, in deterministic mode, preprocess -> dkdv -> the query-outer dq entry. All on the
 // caller's stream. Any layout, any sm_80+ arch, both dQ modes, user modifiers and block masks.
-#include <fmt/format.h>
-
 #include "../family.hpp"
 
 namespace flashjit::detail {
