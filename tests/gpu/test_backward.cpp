@@ -216,9 +216,9 @@ TEST_CASE("fa2_bwd: forced tile shapes", "[backward]") {
     }
 }
 
-// Both families' deterministic modes (sm90_bwd's on sm_90 at head dims 64, 96, 128 and 129-256): correct, and
-// reruns bitwise identical, over GQA, masks whose key tiles visit different query blocks (causal
-// with seqlen_q > seqlen_k and the other way round, a window) and varlen.
+// Both families' deterministic modes (sm90_bwd's on sm_90 at head dims 64, 96, 128 and 129-256):
+// correct, and reruns bitwise identical, over GQA, masks whose key tiles visit different query
+// blocks (causal with seqlen_q > seqlen_k and the other way round, a window) and varlen.
 TEST_CASE("backward: deterministic mode is bitwise reproducible and correct", "[backward]") {
   uint64_t seed = 18000;
   struct Shape {
@@ -269,9 +269,9 @@ TEST_CASE("backward: one head and an odd row count (workspace alignment)", "[bac
   // launcher aligns it; its float4 accesses would then fault.
   // Also the smallest case of each sm90_bwd head dim, which the sanitize step of bench/device_run.sh
   // runs under racecheck and synccheck, and a small one with four query steps and two key tiles,
-  // so that the shared buffers reused from step to step are checked too; at head dims 64 and 128
-  // in deterministic mode as well (sm90_bwd's ordered dQ: two key tiles, one waits for the other; the
-  // writer warps order the adds up to head dim 128, the consumers above).
+  // so that the shared buffers reused from step to step are checked too; in deterministic mode as
+  // well (sm90_bwd's ordered dQ: two key tiles, one waits for the other; the writer warps order the
+  // adds up to head dim 128, the consumers above).
   uint64_t seed = 19000;
   for (int head_dim : {64, 96, 128, 192, 256})
     for (bool causal : {false, true})
