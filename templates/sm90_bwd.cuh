@@ -1,6 +1,8 @@
 // Hopper backward (sm_90a): the fa2_bwd algorithm (K/V outer, recompute from the saved LSE, dK and
-// dV in registers, dQ added to an fp32 accumulator) on TMA and wgmma. Three entries, in order:
+// dV in registers, dQ added to an fp32 accumulator) on TMA and wgmma. Its entries, in order:
 //   preprocess       delta = rowsum(dO * O); zeroes the dQ accumulator (common/bwd.cuh).
+//   dq_visits        (deterministic mode under a block mask only) which key tiles visit each query
+//                    block, from the transposed lists.
 //   dkdv_atomic_dq   one CTA per kBlockN keys of one K/V head: a producer warp loads K and V once
 //                    and streams the query steps (Q and dO by TMA, LSE and delta by the warp's
 //                    lanes) through a ring of kStages; two consumer warpgroups per step of kBlockM
@@ -21,7 +23,9 @@
 //                    named barriers, compute-sanitizer's racecheck reported hazards it does not
 //                    report here). Deterministic mode (specs with ordered_dq, where the writers add)
 //                    orders each query block's adds by key tile on a counter (p.dq_order), so reruns
-//                    sum dQ in one order. How the consumers share the work depends on the head dim:
+//                    sum dQ in one order; under a block mask the order is the key tiles' own, each
+//                    waiting for the tiles below it that visit the block (the dq_visits entry marks
+//                    them first). How the consumers share the work depends on the head dim:
 //                      64   each owns 64 keys (kBlockN 128); dQ is one 64-column panel, so they take
 //                           turns: on even steps consumer 0 computes it over all 128 keys, on odd
 //                           steps consumer 1 (the other only signals that its dS^T rows are in);
@@ -111,10 +115,13 @@ struct Sm90BwdShape {
   static constexpr bool kDqWriters = Config::kDqWriters != 0;
   static constexpr int kDqRowBytes = kHeadDim * 4 + 32;
   // Where the producer records steps, the step's query head and m0 ride in row 0's padding, for
-  // the writers.
+  // the writers (and in deterministic mode under a block mask the step's turn, its rank).
   static constexpr int kDqStepOffset = kHeadDim * 4;
-  // Where it records them, each stage's query step (m0, query head, partial: QueryStep), written
-  // with the stage's loads.
+  // Deterministic mode under a block mask: each step's turn at its query block is a rank among the
+  // visiting key tiles, which the producer warp counts as it records the step.
+  static constexpr bool kRanksTurns = Mods::kBlockSparse && OrderedDqOf<Config>::value;
+  // Where it records them, each stage's query step (m0, query head, partial: QueryStep; the rank
+  // where it counts them), written with the stage's loads.
   static constexpr int kStepInfoOffset = kDeltaOffset + kStages * kBlockM * 4;
   static constexpr int kDqOffset = kStepInfoOffset + (kRecordsSteps ? 16 * kStages : 0);
   static constexpr int kBarrierOffset = kDqOffset + (kDqWriters ? kBlockM * kDqRowBytes : 0);
@@ -151,6 +158,56 @@ template <class Config>
 __device__ void sm90_bwd_convert_dq_kernel(const AttentionSm90BwdParams& params) {
   if (threadIdx.x >= kSm90BwdRowPassThreads) return;
   bwd_convert_dq<Config, kSm90BwdRowPassThreads, /*kSeqused=*/true>(params.bwd);
+}
+
+// The order counter of the query block holding row m0 of query head `head` (deterministic mode),
+// and the index of its row of visit bits under a block mask.
+template <int kBlockM>
+__device__ __forceinline__ int dq_order_index(const AttentionBwdParams& p, const SequenceExtent& seq, int batch,
+                                              int head, int m0) {
+  return head * p.dq_order_head_stride + workspace_row(p.fwd, seq, batch, m0) / kBlockM + batch;
+}
+
+// Deterministic mode under a block mask, before dkdv_atomic_dq (same grid): the key tiles that visit
+// each query block, a bit per tile in the block's row of p.dq_visits, from the transposed lists the
+// dkdv walk follows (so the ranks agree with the visits whatever the forward's lists say). Entries
+// past the sequence add nothing and are left out. Other specs launch it never; it compiles empty.
+template <class Config>
+__device__ void sm90_bwd_dq_visits_kernel(const AttentionSm90BwdParams& params) {
+  using Shape = Sm90BwdShape<Config>;
+  if constexpr (Shape::kBlockSparse && OrderedDqOf<Config>::value) {
+    static_assert(Config::kMask == MaskKind::kNone, "a block mask replaces the built-in masks: key tiles in grid order");
+    const AttentionBwdParams& p = params.bwd;
+    const AttentionFwdParams& f = p.fwd;
+    const int n_block = blockIdx.x, kv_head = blockIdx.y, batch = blockIdx.z;
+    const SequenceExtent seq = sequence_extent<true>(f, batch);
+    const int n0 = n_block * Shape::kBlockN;
+    if (n0 >= seq.seqlen_k) return;
+    const int heads_per_kv = f.num_heads_q / f.num_heads_kv;
+    const BlockSparseParams& mask_by_key = p.transposed_block_mask;
+    for (int h = 0; h < heads_per_kv; ++h) {
+      const int head = kv_head * heads_per_kv + h;
+      const SparseRow row = sparse_row(mask_by_key, batch, head, n0 / mask_by_key.row_block_size);
+      for (int i = threadIdx.x; i < row.count; i += blockDim.x) {
+        const int m0 = sparse_tile<Shape::kBlockM>(mask_by_key, row, i).start;
+        if (m0 >= seq.seqlen_q) continue;
+        unsigned* visits =
+            p.dq_visits + static_cast<long long>(dq_order_index<Shape::kBlockM>(p, seq, batch, head, m0)) * p.dq_visit_words;
+        atomicOr(visits + n_block / 32, 1u << (n_block % 32));
+      }
+    }
+  }
+}
+
+// Key tile n_block's turn at a query block under a block mask: the visiting tiles before it (the
+// block's row of visit bits), counted by the lanes of a warp together.
+__device__ __forceinline__ int dq_visit_rank(const unsigned* visits, int n_block, int lane) {
+  int count = 0;
+  for (int word = lane; word <= n_block / 32; word += 32) {
+    const unsigned below = word < n_block / 32 ? ~0u : (1u << (n_block % 32)) - 1u;
+    count += __popc(__ldg(visits + word) & below);
+  }
+  return __reduce_add_sync(0xffffffffu, count);
 }
 
 // The key tile a CTA of the dkdv grid (key tiles, K/V heads, batch) works on. Causal: CTAs start
@@ -202,6 +259,8 @@ __device__ __forceinline__ BwdKeyTile bwd_key_tile(const AttentionFwdParams& f, 
 //        and each tile finds its predecessor's adds a step old (first-to-last made each wait a step
 //        for the one before; causal ran at ~0.55x the unordered backward at 16k). bwd_key_tile
 //        starts the tiles in this order, so the one waited for is running or done.
+//   a block mask                             not here: launch order, each tile waiting for the tiles
+//        before it that visit the block (their count, dq_visit_rank), whichever steps they take.
 template <MaskKind kMask, bool kOrdered>
 struct DqAddOrder {
   static constexpr bool kLastTileFirst = kMask != MaskKind::kNone;
@@ -289,7 +348,9 @@ __device__ void sm90_bwd_dkdv_atomic_dq_kernel(const AttentionSm90BwdParams& par
   const int warp = warp_uniform(tid / 32), group = warp / 4;
   const int heads_per_kv = f.num_heads_q / f.num_heads_kv;
   constexpr bool kOrdered = OrderedDqOf<Config>::value;  // deterministic mode (p.dq_order set)
-  const BwdKeyTile tile = bwd_key_tile<kMask>(f, heads_per_kv, kOrdered && DqAddOrder<kMask, kOrdered>::kLastTileFirst);
+  // The add order of a plain walk; under a block mask each turn is a count of visits instead.
+  using AddOrder = DqAddOrder<kMask, kOrdered && !Shape::kBlockSparse>;
+  const BwdKeyTile tile = bwd_key_tile<kMask>(f, heads_per_kv, kOrdered && AddOrder::kLastTileFirst);
   const int n_block = tile.n_block, kv_head = tile.kv_head, batch = tile.batch;
   const SequenceExtent seq = sequence_extent<true>(f, batch);
   const int n0 = n_block * kBlockN;
@@ -313,29 +374,48 @@ __device__ void sm90_bwd_dkdv_atomic_dq_kernel(const AttentionSm90BwdParams& par
   const int num_steps = Shape::kBlockSparse
                             ? sparse_query_step_count(p.transposed_block_mask, batch, kv_head, heads_per_kv, n0)
                             : steps_per_head * heads_per_kv;
-  const DqAddOrder<kMask, kOrdered> add_order(f, mask, n_block, kBlockN, seq.seqlen_k, num_steps);
+  const AddOrder add_order(f, mask, n_block, kBlockN, seq.seqlen_k, num_steps);
   auto step_head = [&](int step) { return kv_head * heads_per_kv + add_order.slot(step) / steps_per_head; };
   auto step_m0 = [&](int step) { return (m_block_min + add_order.slot(step) % steps_per_head) * kBlockM; };
   // Deterministic mode: the adders of a step's dQ (`adders` threads, this one `adder` among them) wait
   // for the adds of the tile before this one in the add order (DqAddOrder) on the query block's
   // counter, and once every adder's adds are in pass the turn on (the barrier makes the release
   // cumulative over them, as CUTLASS's semaphores rely on).
+  // Under a block mask the counter counts the block's adds: a tile waits for as many as there are
+  // visiting tiles before it (`rank`, recorded with the step), and its own raises the count. A list
+  // entry past the sequence adds nothing and takes no turn.
   struct DqTurn {
     int* counter;
-    typename DqAddOrder<kMask, kOrdered>::Turn turn;
+    typename AddOrder::Turn turn;
   };
-  auto take_dq_turn = [&](int step, int head, int m0, int adder, int barrier, int adders) -> DqTurn {
-    int* counter = p.dq_order + head * p.dq_order_head_stride + workspace_row(f, seq, batch, m0) / kBlockM + batch;
-    const auto turn = add_order.turn(step, m0, kBlockM);
-    if (turn.wait_for >= 0) {
-      if (adder == 0) wait_for_counter(counter, turn.wait_for);
-      named_barrier_sync(barrier, adders);
+  auto take_dq_turn = [&](int step, int head, int m0, int rank, int adder, int barrier, int adders) -> DqTurn {
+    if constexpr (Shape::kRanksTurns) {
+      if (m0 >= seq.seqlen_q) return {nullptr, {-1, 0}};
+      int* counter = p.dq_order + dq_order_index<kBlockM>(p, seq, batch, head, m0);
+      if (rank > 0) {
+        if (adder == 0) wait_for_count(counter, rank);
+        named_barrier_sync(barrier, adders);
+      }
+      return {counter, {rank, rank + 1}};
+    } else {
+      int* counter = p.dq_order + head * p.dq_order_head_stride + workspace_row(f, seq, batch, m0) / kBlockM + batch;
+      const auto turn = add_order.turn(step, m0, kBlockM);
+      if (turn.wait_for >= 0) {
+        if (adder == 0) wait_for_counter(counter, turn.wait_for);
+        named_barrier_sync(barrier, adders);
+      }
+      return {counter, turn};
     }
-    return {counter, turn};
   };
   auto end_dq_turn = [&](const DqTurn& t, int adder, int barrier, int adders) {
-    named_barrier_sync(barrier, adders);
-    if (adder == 0) store_counter_release(t.counter, t.turn.done);
+    if constexpr (Shape::kRanksTurns) {
+      if (t.counter == nullptr) return;
+      named_barrier_sync(barrier, adders);
+      if (adder == 0) raise_count_release(t.counter, t.turn.done);
+    } else {
+      named_barrier_sync(barrier, adders);
+      if (adder == 0) store_counter_release(t.counter, t.turn.done);
+    }
   };
 
   if (tid == 0) {
@@ -368,19 +448,24 @@ __device__ void sm90_bwd_dkdv_atomic_dq_kernel(const AttentionSm90BwdParams& par
         for (int step = 0; step < num_steps; ++step) {
           // The step's head and m0: computed, or where the producer records steps, as the consumers
           // left them in row 0's padding (a block mask's steps are not computable here).
-          int head = 0, m0 = 0;
+          int head = 0, m0 = 0, rank = 0, unused;
           if constexpr (!Shape::kRecordsSteps) {
             head = step_head(step);
             m0 = step_m0(step);
           }
           mbarrier_wait(bar_dq_full, step & 1);
-          if constexpr (Shape::kRecordsSteps)
+          if constexpr (Shape::kRanksTurns)
+            asm volatile("ld.shared.v4.s32 {%0, %1, %2, %3}, [%4];\n"
+                         : "=r"(head), "=r"(m0), "=r"(rank), "=r"(unused)
+                         : "r"(buffer + Shape::kDqStepOffset));
+          else if constexpr (Shape::kRecordsSteps)
             asm volatile("ld.shared.v2.s32 {%0, %1}, [%2];\n" : "=r"(head), "=r"(m0) : "r"(buffer + Shape::kDqStepOffset));
           const int chunks = min(kBlockM, seq.seqlen_q - m0) * kChunksPerRow;
           float* accum = p.dq_accum +
                          (static_cast<long long>(head) * p.workspace_rows + workspace_row(f, seq, batch, m0)) * kHeadDim;
           DqTurn turn{};
-          if constexpr (kOrdered) turn = take_dq_turn(step, head, m0, writer, kDqTurnBarrier, Shape::kDqWriterThreads);
+          if constexpr (kOrdered)
+            turn = take_dq_turn(step, head, m0, rank, writer, kDqTurnBarrier, Shape::kDqWriterThreads);
           for (int chunk = writer; chunk < chunks; chunk += Shape::kDqWriterThreads) {
             const float4 v = load_shared_quad(buffer + (chunk / kChunksPerRow) * Shape::kDqRowBytes +
                                               (chunk % kChunksPerRow) * 16);
@@ -402,9 +487,15 @@ __device__ void sm90_bwd_dkdv_atomic_dq_kernel(const AttentionSm90BwdParams& par
       }
     }
     // Query step `step`: LSE and delta by every lane, Q and dO by TMA, and where it is recorded the
-    // step itself for the consumers.
+    // step itself for the consumers (and its turn, counted by every lane).
     auto load_step = [&](int step, const QueryStep& at) {
       const int stage = step % kStages, head = at.head, m0 = at.m0;
+      int rank = 0;
+      if constexpr (Shape::kRanksTurns)
+        if (m0 < seq.seqlen_q)
+          rank = dq_visit_rank(p.dq_visits + static_cast<long long>(dq_order_index<kBlockM>(p, seq, batch, head, m0)) *
+                                                 p.dq_visit_words,
+                               n_block, lane);
       ring.wait_empty(step);
       // LSE (in base 2) and delta; queries past the sequence get 0 (the consumers mask them).
       const float* gLse = f.lse + batch * f.lse_batch_stride + head * f.lse_head_stride + (varlen ? seq.q_start : 0) + m0;
@@ -416,7 +507,11 @@ __device__ void sm90_bwd_dkdv_atomic_dq_kernel(const AttentionSm90BwdParams& par
       }
       if (lane != 0) mbarrier_arrive(bar_full(stage));  // this lane's stores are in
       if (lane == 0) {
-        if constexpr (Shape::kRecordsSteps)
+        if constexpr (Shape::kRanksTurns)
+          asm volatile("st.shared.v4.s32 [%0], {%1, %2, %3, %4};\n" ::"r"(base + Shape::kStepInfoOffset + 16 * stage),
+                       "r"(m0), "r"(head), "r"(at.partial), "r"(rank)
+                       : "memory");
+        else if constexpr (Shape::kRecordsSteps)
           asm volatile("st.shared.v4.s32 [%0], {%1, %2, %3, %3};\n" ::"r"(base + Shape::kStepInfoOffset + 16 * stage),
                        "r"(m0), "r"(head), "r"(at.partial)
                        : "memory");
@@ -531,11 +626,11 @@ __device__ void sm90_bwd_dkdv_atomic_dq_kernel(const AttentionSm90BwdParams& par
   };
 
   // The step's queries: computed (before the wait, as ever), or where the producer records them,
-  // read once the stage is full.
-  auto recorded_query_step = [&](int stage) -> QueryStep {
-    int m0, head, partial, unused;
+  // read once the stage is full (with the step's turn where it counts them).
+  auto recorded_query_step = [&](int stage, int& rank) -> QueryStep {
+    int m0, head, partial;
     asm volatile("ld.shared.v4.s32 {%0, %1, %2, %3}, [%4];\n"
-                 : "=r"(m0), "=r"(head), "=r"(partial), "=r"(unused)
+                 : "=r"(m0), "=r"(head), "=r"(partial), "=r"(rank)
                  : "r"(base + Shape::kStepInfoOffset + 16 * stage));
     return {warp_uniform(m0), warp_uniform(head), warp_uniform(partial)};
   };
@@ -545,9 +640,10 @@ __device__ void sm90_bwd_dkdv_atomic_dq_kernel(const AttentionSm90BwdParams& par
     const int stage = step % kStages;
     const unsigned ds_tile = sDs(step % 2), p_tile = sP(step % 2);
     QueryStep at{};
+    int rank = 0;  // (the step's turn under a block mask in deterministic mode)
     if constexpr (!Shape::kRecordsSteps) at = {step_m0(step), step_head(step), 1};
     ring.wait_full(step);
-    if constexpr (Shape::kRecordsSteps) at = recorded_query_step(stage);
+    if constexpr (Shape::kRecordsSteps) at = recorded_query_step(stage, rank);
     const int head = at.head, m0 = at.m0;
     float s[kScoreQueries / 2], dp[kScoreQueries / 2];
     fence_operands(s);
@@ -726,9 +822,15 @@ __device__ void sm90_bwd_dkdv_atomic_dq_kernel(const AttentionSm90BwdParams& par
     if (dq_writers) {  // to the writer warps, through shared memory (rows past the sequence too: zeros)
       mbarrier_wait(bar_dq_free, (step & 1) ^ 1);  // a fresh barrier passes parity 1
       const unsigned buffer = base + Shape::kDqOffset;
-      if (Shape::kRecordsSteps && dq_col0 == 0 && warp_in_group == 0 && lane == 0)
-        asm volatile("st.shared.v2.s32 [%0], {%1, %2};\n" ::"r"(buffer + Shape::kDqStepOffset), "r"(head), "r"(m0)
-                     : "memory");
+      if (Shape::kRecordsSteps && dq_col0 == 0 && warp_in_group == 0 && lane == 0) {
+        if constexpr (Shape::kRanksTurns)
+          asm volatile("st.shared.v4.s32 [%0], {%1, %2, %3, %3};\n" ::"r"(buffer + Shape::kDqStepOffset), "r"(head),
+                       "r"(m0), "r"(warp_uniform(rank))
+                       : "memory");
+        else
+          asm volatile("st.shared.v2.s32 [%0], {%1, %2};\n" ::"r"(buffer + Shape::kDqStepOffset), "r"(head), "r"(m0)
+                       : "memory");
+      }
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         const int row = warp_in_group * 16 + lane / 4 + h * 8;
@@ -750,7 +852,7 @@ __device__ void sm90_bwd_dkdv_atomic_dq_kernel(const AttentionSm90BwdParams& par
     const int adder = tid - 128;
     DqTurn turn{};
     if constexpr (kConsumersTakeTurns)
-      turn = take_dq_turn(step, head, m0, adder, kDqTurnBarrier, Shape::kDqConsumerThreads);
+      turn = take_dq_turn(step, head, m0, warp_uniform(rank), adder, kDqTurnBarrier, Shape::kDqConsumerThreads);
     float* accum = p.dq_accum + static_cast<long long>(head) * p.workspace_rows * f.head_dim;
     // Where the head dim is the kernel's, no column needs a bounds check: the atomics then share
     // one address register at constant offsets. Guarded, each sat in its own branch with its own

@@ -114,13 +114,21 @@ size_t dq_order_offset(const BackwardProblem& problem) {
   return (problem.dq_accum_offset() + problem.dq_accum_bytes() + 255) / 256 * 256;
 }
 
-size_t backward_workspace_bytes(const BackwardProblem& problem, DqAccumulation dq, int block_m) {
+// Under a block mask, beside each counter a bit per key tile (AttentionBwdParams::dq_visits).
+int dq_visit_words(const BackwardProblem& problem, const KernelSpec& spec) {
+  return problem.forward.block_sparse ? static_cast<int>((blocks(problem.forward.seqlen_k, spec.block_n) + 31) / 32) : 0;
+}
+
+size_t dq_order_counters(const BackwardProblem& problem, const KernelSpec& spec) {
+  return size_t(problem.forward.heads_q) * dq_order_counters_per_head(problem, spec.block_m);
+}
+
+size_t backward_workspace_bytes(const BackwardProblem& problem, DqAccumulation dq, const KernelSpec& spec) {
   switch (dq) {
     case DqAccumulation::separate: return problem.delta_bytes();
     case DqAccumulation::atomic: return problem.dq_accum_offset() + problem.dq_accum_bytes();
     case DqAccumulation::ordered:
-      return dq_order_offset(problem) +
-             sizeof(int) * size_t(problem.forward.heads_q) * dq_order_counters_per_head(problem, block_m);
+      return dq_order_offset(problem) + sizeof(int) * dq_order_counters(problem, spec) * (1 + dq_visit_words(problem, spec));
   }
   return 0;
 }
@@ -128,7 +136,7 @@ size_t backward_workspace_bytes(const BackwardProblem& problem, DqAccumulation d
 }  // namespace
 
 BackwardLaunch::BackwardLaunch(const FamilyCall& call, DqAccumulation dq)
-    : workspace(call.forward().device, call.stream, backward_workspace_bytes(call.backward(), dq, call.spec.block_m)),
+    : workspace(call.forward().device, call.stream, backward_workspace_bytes(call.backward(), dq, call.spec)),
       params(call.backward().params) {
   const BackwardProblem& problem = call.backward();
   const ForwardProblem& f = problem.forward;
@@ -136,11 +144,17 @@ BackwardLaunch::BackwardLaunch(const FamilyCall& call, DqAccumulation dq)
   params.dq_accum =
       dq == DqAccumulation::separate ? nullptr : reinterpret_cast<float*>(workspace.get() + problem.dq_accum_offset());
   params.dq_order = nullptr;
+  params.dq_visits = nullptr;
+  params.dq_visit_words = 0;
   if (dq == DqAccumulation::ordered) {
+    // The counters, then under a block mask their rows of visit bits, zeroed together.
     const CUdeviceptr counters = workspace.get() + dq_order_offset(problem);
+    const size_t count = dq_order_counters(problem, call.spec);
     params.dq_order = reinterpret_cast<int*>(counters);
     params.dq_order_head_stride = dq_order_counters_per_head(problem, call.spec.block_m);
-    FLASHJIT_CU(cuMemsetD32Async, counters, 0u, size_t(f.heads_q) * params.dq_order_head_stride, call.stream);
+    params.dq_visit_words = dq_visit_words(problem, call.spec);
+    if (params.dq_visit_words > 0) params.dq_visits = reinterpret_cast<unsigned*>(counters + sizeof(int) * count);
+    FLASHJIT_CU(cuMemsetD32Async, counters, 0u, count * (1 + params.dq_visit_words), call.stream);
   }
   const auto batch = static_cast<unsigned>(f.batch);
   query_rows = {blocks(f.seqlen_q, kBwdRowPassRows), static_cast<unsigned>(f.heads_q), batch};

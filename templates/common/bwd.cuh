@@ -46,6 +46,20 @@ __device__ __forceinline__ void wait_for_counter(const int* counter, int value) 
 __device__ __forceinline__ void store_counter_release(int* counter, int value) {
   asm volatile("st.release.gpu.global.b32 [%0], %1;\n" ::"l"(counter), "r"(value) : "memory");
 }
+// The counting form (sm90_bwd's turns under a block mask): wait until at least `value` adds are in,
+// and after one raise the count to `value` at least. A list that names a block twice for one key
+// tile then adds out of turn instead of waiting forever for a count already passed.
+__device__ __forceinline__ void wait_for_count(const int* counter, int value) {
+  int seen;
+  for (;;) {
+    asm volatile("ld.acquire.gpu.global.b32 %0, [%1];\n" : "=r"(seen) : "l"(counter) : "memory");
+    if (seen >= value) return;
+    __nanosleep(64);
+  }
+}
+__device__ __forceinline__ void raise_count_release(int* counter, int value) {
+  asm volatile("red.release.gpu.global.max.s32 [%0], %1;\n" ::"l"(counter), "r"(value) : "memory");
+}
 
 // Two floats from shared memory, kept in program order: a plain load would be hoisted above the
 // (volatile) MMAs before it, holding registers across the whole GEMM and spilling.

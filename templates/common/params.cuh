@@ -164,6 +164,12 @@ struct AttentionBwdParams {
   long long dq_state_batch_stride, dq_state_row_stride, dq_state_head_stride;
   long long dkv_state_batch_stride, dkv_state_row_stride, dkv_state_head_stride;
   int gradients_final;
+  // Deterministic mode under a block mask, beside each dq_order counter: which key tiles visit the
+  // block, a bit per key tile in dq_visit_words words (built by sm90_bwd's dq_visits entry from the
+  // transposed lists the key tiles walk); a tile's turn at the block is its rank among them. Else
+  // null. (Last: the fields before it keep their offsets in the kernels' parameter space.)
+  unsigned* dq_visits;
+  int dq_visit_words;
 };
 
 // Backward attention (sm90_bwd): TMA maps of q, k, v and dO (laid out as the forward's maps, with

@@ -436,13 +436,15 @@ TEST_CASE("modifiers backward: ALiBi and tanh softcap with derived gradients, ro
 }
 
 TEST_CASE("modifiers backward: random block masks at densities 0, 5%, 50% and 100%", "[modifiers][quick]") {
-  // sm90_bwd (automatic, on sm_90), and fa2_bwd by name in both dQ modes.
+  // sm90_bwd (automatic, on sm_90; by name in deterministic mode, its adds ordered by the key tiles'
+  // visits), and fa2_bwd by name in both dQ modes.
   const bool hopper = device_properties(0).arch().name() == "sm_90a";
   const int seqlen_q = 700, seqlen_k = 900, heads = 4, batch = 1;
   const int q_blocks = (seqlen_q + 127) / 128, kv_blocks = (seqlen_k + 127) / 128;
-  for (auto [backend, deterministic] : {std::pair{Backend::automatic, false}, {Backend::fa2, false}, {Backend::fa2, true}}) {
+  for (auto [backend, deterministic] : {std::pair{Backend::automatic, false}, {Backend::sm90, true}, {Backend::fa2, false},
+                                        {Backend::fa2, true}}) {
     for (int head_dim : {64, 128}) {
-      if (backend == Backend::automatic && !hopper) continue;
+      if (backend != Backend::fa2 && !hopper) continue;
       for (double density : {0.0, 0.05, 0.5, 1.0}) {
         const std::vector<uint8_t> states =
             random_tile_states(size_t(batch) * heads * q_blocks * kv_blocks, density, head_dim);
@@ -474,6 +476,11 @@ TEST_CASE("modifiers backward: random block masks at densities 0, 5%, 50% and 10
           INFO(name << ": " << cmp->bad << " of " << cmp->checked << " outside tolerance; first " << cmp->first_bad);
           CHECK(cmp->ok());
         }
+        if (deterministic) {
+          const std::vector<uint16_t> first = c.gradient_bits();
+          c.run(test_runtime(), options);
+          CHECK(c.gradient_bits() == first);
+        }
       }
     }
   }
@@ -495,6 +502,57 @@ TEST_CASE("modifiers backward: a wrong hand-written score gradient is caught, th
   CHECK(wrong.dv.ok());
   CHECK_FALSE(wrong.dq.ok());
   CHECK_FALSE(wrong.dk.ok());
+}
+
+// sm90_bwd's deterministic mode under a block mask: each key tile adds to a query block's dQ after
+// the tiles before it that visit the block (their count, from the transposed lists). The mask
+// examples at head dims 64, 128 and 256, the document mask at 96 and 192 too, bitwise reruns.
+TEST_CASE("modifiers backward: sm90_bwd's deterministic mode under block masks", "[modifiers]") {
+  if (!hopper_or_skip()) return;
+  for_mask_examples(700, 520, [](ModifierRun run, uint64_t seed) {
+    run.backend = Backend::sm90;
+    run.deterministic = true;
+    check_modifier_backward(run, seed + 80);
+  });
+  for (int head_dim : {96, 192}) {
+    const int seqlen = 600;
+    const std::vector<int> docs = document_ids(seqlen, {300, 57, 129, 500});
+    DeviceBuffer doc_buffer(docs.size() * 4);
+    doc_buffer.upload(docs);
+    const TensorView doc_view = TensorView::contiguous(doc_buffer.get(), ScalarType::int32, {seqlen});
+    ModifierRun run = mask_examples(head_dim, seqlen, docs, doc_view)[0];
+    run.backend = Backend::sm90;
+    run.deterministic = true;
+    check_modifier_backward(run, 90 + head_dim);
+  }
+}
+
+// A transposed list that names a query block twice for one key tile (malformed: FlexAttention's
+// builders never write one) double-counts that tile's work, but the ordered adds must still finish:
+// key tile 1's second visit to query block 1 finds the block's count already past its turn.
+TEST_CASE("modifiers backward: deterministic sm90_bwd finishes on a list that repeats a block", "[modifiers]") {
+  if (!hopper_or_skip()) return;
+  const int seqlen = 256, heads = 1, batch = 1, head_dim = 64;
+  DeviceBlockMask mask(batch, heads, seqlen, seqlen);
+  const std::vector<uint8_t> states(4, 2);  // every tile fully visible
+  DeviceBuffer map(states.size());
+  map.upload(states);
+  test_runtime().block_mask_from_tiles(TensorView::contiguous(map.get(), ScalarType::uint8, {batch, heads, 2, 2}), seqlen,
+                                       seqlen, mask.buffers);
+  synchronize();
+  std::vector<int> q_num = mask.q_num.download<int>(), q_ids = mask.q_ids.download<int>();
+  q_num[1] = 1;      // key block 1's partial list: query block 1, which its full list names too
+  q_ids[1 * 2] = 1;  // (rows of q_blocks ids)
+  mask.q_num.upload(q_num);
+  mask.q_ids.upload(q_ids);
+  AttentionMod mod{modifier("return true;", ""), {}};
+  AttentionOptions options;
+  options.mod = &mod;
+  options.block_mask = &mask.mask;
+  options.backend = Backend::sm90;
+  options.deterministic = true;
+  BackwardCase c(AttentionShape::make(batch, seqlen, seqlen, heads, heads, head_dim), DType::bf16, 31);
+  CHECK_NOTHROW(c.run(test_runtime(), options));
 }
 
 // fa2_bwd with modifiers and block masks: the backward of sm_80/sm_89 devices and of deterministic

@@ -71,15 +71,20 @@ std::vector<KernelSpec> sweep_specs(const Arch& arch) {
           specs.push_back(default_spec(family, arch, DType::bf16, d, MaskKind::causal, false, alibi));
       }
   // sm90_bwd's deterministic mode (ordered dQ adds): the writer warps' at 64, 96 and 128, the
-  // consumers' at 192 and 256; with each mask (each has its own add order) and a softcap.
+  // consumers' at 192 and 256; with each mask (each has its own add order) and a softcap, and the
+  // document mask through a block mask (turns counted from the visits: the producer warp counts).
   for (int d : {64, 96, 128, 192, 256})
-    if (family_covers(Family::sm90_bwd, arch, d))
+    if (family_covers(Family::sm90_bwd, arch, d)) {
       for (auto [mask, softcap] : {std::pair{MaskKind::none, false}, std::pair{MaskKind::causal, false},
                                    std::pair{MaskKind::window, true}}) {
         KernelSpec s = default_spec(Family::sm90_bwd, arch, DType::bf16, d, mask, softcap);
         s.ordered_dq = true;
         specs.push_back(s);
       }
+      KernelSpec s = default_spec(Family::sm90_bwd, arch, DType::bf16, d, MaskKind::none, false, document, true);
+      s.ordered_dq = true;
+      specs.push_back(s);
+    }
   if (arch.sm == 80 || arch.sm == 90)
     specs.push_back(default_spec(Family::block_mask, arch, DType::bf16, 0, MaskKind::none, false, document));
   // A masked forward that asks for tail splits (num_splits > 1): the split items' merge beside a

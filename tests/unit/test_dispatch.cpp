@@ -409,13 +409,24 @@ TEST_CASE("backward dispatch: user modifiers and block masks on fa2_bwd with bac
     CHECK_FALSE(s.validate().has_value());
   }
   CHECK(detail::select_backward_kernel(backward(128, Backend::fa2), kA100).block_n == 64);  // (128 keys spilled)
-  // sm_90: sm90_bwd, and fa2_bwd by name, also in deterministic mode under a block mask.
+  // sm_90: sm90_bwd, and either family by name in deterministic mode under a block mask (sm90_bwd
+  // with its adds ordered by the visits), which automatic dispatch leaves until a device run.
   CHECK(detail::select_backward_kernel(backward(128, Backend::automatic), kH200).family == Family::sm90_bwd);
   CHECK_THROWS_WITH(detail::select_backward_kernel(backward(128, Backend::automatic, true, true), kH200),
-                    Catch::Contains("await a device run"));
+                    Catch::Contains("its deterministic mode under a block mask (ordered by the key tiles' visits) "
+                                    "awaits a device run: backend=sm90 runs it") &&
+                        Catch::Contains("await a device run: backend=fa2 runs them"));
   const KernelSpec sparse = detail::select_backward_kernel(backward(128, Backend::fa2, true, true), kH200);
   CHECK(sparse.family == Family::fa2_bwd);
   CHECK(sparse.block_sparse);
+  for (int head_dim : {64, 96, 128, 192, 256}) {
+    const KernelSpec ordered = detail::select_backward_kernel(backward(head_dim, Backend::sm90, true, true), kH200);
+    INFO(ordered.name());
+    CHECK(ordered.family == Family::sm90_bwd);
+    CHECK(ordered.block_sparse);
+    CHECK(ordered.ordered_dq);
+    CHECK_FALSE(ordered.validate().has_value());
+  }
 }
 
 TEST_CASE("backward dispatch: a tuned sm90_bwd entry applies only where sm90_bwd can run", "[dispatch]") {

@@ -114,6 +114,7 @@ const FamilyRules kSm90BwdRules{
     "sm90_bwd.cuh",
     /*computes_gradients=*/true,
     {{"preprocess", "flashjit::AttentionSm90BwdParams", "flashjit::kernels::sm90_bwd_preprocess_kernel", true},
+     {"dq_visits", "flashjit::AttentionSm90BwdParams", "flashjit::kernels::sm90_bwd_dq_visits_kernel", true},
      {"dkdv_atomic_dq", "flashjit::AttentionSm90BwdParams", "flashjit::kernels::sm90_bwd_dkdv_atomic_dq_kernel", true,
       "kSmemBytes"},
      {"convert_dq", "flashjit::AttentionSm90BwdParams", "flashjit::kernels::sm90_bwd_convert_dq_kernel", true}},

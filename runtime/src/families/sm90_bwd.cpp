@@ -2,9 +2,10 @@
 // convert_dq), with TMA maps of q, k, v and dout; in deterministic mode (its spec has ordered_dq)
 // the dQ adds go in a fixed order of key tiles (DqAccumulation::ordered). It shares fa2_bwd's tuning entries, so that the tuner times both
 // and one entry holds the winner. Its kernel head dims are the forward's (64, 96, 128, 192, 256),
-// others rounded up; it runs where TMA can read the four tensors, and in deterministic mode without a
-// block mask at head dims 64, 96 and 128 (its dQ writer warps order the adds, where a step's dQ rows
-// are whole) and 129-256 (the consumers order them).
+// others rounded up; it runs where TMA can read the four tensors, and in deterministic mode at head
+// dims 64, 96 and 128 (its dQ writer warps order the adds, where a step's dQ rows are whole) and
+// 129-256 (the consumers order them); under a block mask the dq_visits entry first marks which key
+// tiles visit each query block, and each tile waits for those before it.
 #include <fmt/format.h>
 
 #include "../family.hpp"
@@ -18,8 +19,12 @@ namespace {
 // (the writer warps' ordered adds). The rest (the kernels of head dims 96 and 192, rounding 32, 160
 // and 224 up, the consumers' ordered adds) compiles without spills or serialised wgmma but has not
 // run on a device yet: backend=sm90 or a forced spec runs it, as the GPU tests do, and automatic
-// calls stay with fa2_bwd until a device run has passed.
+// calls stay with fa2_bwd until a device run has passed. So does deterministic mode under a block
+// mask (the dq_visits ranks).
 std::optional<std::string> awaits_device_run(const PassProblem& problem) {
+  if (problem.deterministic() && problem.forward.block_sparse)
+    return std::string("its deterministic mode under a block mask (ordered by the key tiles' visits) awaits a device "
+                       "run: backend=sm90 runs it");
   const int d = problem.forward.head_dim;
   const bool measured = problem.deterministic() ? d == 64 || d == 128
                                                 : (d > 32 && d <= 64) || (d > 96 && d <= 128) || d > 224;
@@ -34,9 +39,6 @@ std::optional<std::string> unusable_reason(const PassProblem& problem, const Arc
   const ForwardProblem& f = problem.forward;
   if (f.backend == Backend::automatic && !f.forced_kernel)
     if (auto reason = awaits_device_run(problem)) return reason;
-  if (problem.deterministic() && f.block_sparse)
-    return std::string("its deterministic mode orders the dQ adds by key tile, which a block mask's walk does not "
-                       "follow; fa2_bwd's fixed-order dQ runs block masks (backend=fa2)");
   if (problem.deterministic() && f.head_dim <= 128 && f.head_dim != 64 && f.head_dim != 96 && f.head_dim != 128)
     return fmt::format("its deterministic mode runs at head dims 64, 96, 128 and 129-256 (below 128 the dQ writer "
                        "warps order the adds, of whole rows only); fa2_bwd's fixed-order dQ runs head dim {}",
@@ -81,6 +83,7 @@ void run(const FamilyCall& call) {
   const BackwardLaunch b(call, ordered ? DqAccumulation::ordered : DqAccumulation::atomic);
   const AttentionSm90BwdParams params = hopper_params(call.spec, call.forward(), b.params);
   if (b.has_queries) call.launch("preprocess", b.query_rows, params);
+  if (ordered && call.forward().block_sparse && b.has_keys) call.launch("dq_visits", b.key_tiles, params);
   if (b.has_keys) call.launch("dkdv_atomic_dq", b.key_tiles, params);
   if (b.has_queries) call.launch("convert_dq", b.query_rows, params);
 }
