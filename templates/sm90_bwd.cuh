@@ -176,7 +176,7 @@ template <class Config>
 __device__ void sm90_bwd_dq_visits_kernel(const AttentionSm90BwdParams& params) {
   using Shape = Sm90BwdShape<Config>;
   if constexpr (Shape::kBlockSparse && OrderedDqOf<Config>::value) {
-    static_assert(Config::kMask == MaskKind::kNone, "a block mask replaces the built-in masks: key tiles in grid order");
+    static_assert(Config::kMask == MaskKind::kNone, "a block mask replaces the built-in masks (tiles in grid order)");
     const AttentionBwdParams& p = params.bwd;
     const AttentionFwdParams& f = p.fwd;
     const int n_block = blockIdx.x, kv_head = blockIdx.y, batch = blockIdx.z;
@@ -191,9 +191,8 @@ __device__ void sm90_bwd_dq_visits_kernel(const AttentionSm90BwdParams& params) 
       for (int i = threadIdx.x; i < row.count; i += blockDim.x) {
         const int m0 = sparse_tile<Shape::kBlockM>(mask_by_key, row, i).start;
         if (m0 >= seq.seqlen_q) continue;
-        unsigned* visits =
-            p.dq_visits + static_cast<long long>(dq_order_index<Shape::kBlockM>(p, seq, batch, head, m0)) * p.dq_visit_words;
-        atomicOr(visits + n_block / 32, 1u << (n_block % 32));
+        const long long row = dq_order_index<Shape::kBlockM>(p, seq, batch, head, m0);
+        atomicOr(p.dq_visits + row * p.dq_visit_words + n_block / 32, 1u << (n_block % 32));
       }
     }
   }

@@ -116,7 +116,8 @@ size_t dq_order_offset(const BackwardProblem& problem) {
 
 // Under a block mask, beside each counter a bit per key tile (AttentionBwdParams::dq_visits).
 int dq_visit_words(const BackwardProblem& problem, const KernelSpec& spec) {
-  return problem.forward.block_sparse ? static_cast<int>((blocks(problem.forward.seqlen_k, spec.block_n) + 31) / 32) : 0;
+  if (!problem.forward.block_sparse) return 0;
+  return static_cast<int>((blocks(problem.forward.seqlen_k, spec.block_n) + 31) / 32);
 }
 
 size_t dq_order_counters(const BackwardProblem& problem, const KernelSpec& spec) {
@@ -128,7 +129,8 @@ size_t backward_workspace_bytes(const BackwardProblem& problem, DqAccumulation d
     case DqAccumulation::separate: return problem.delta_bytes();
     case DqAccumulation::atomic: return problem.dq_accum_offset() + problem.dq_accum_bytes();
     case DqAccumulation::ordered:
-      return dq_order_offset(problem) + sizeof(int) * dq_order_counters(problem, spec) * (1 + dq_visit_words(problem, spec));
+      return dq_order_offset(problem) +
+             sizeof(int) * dq_order_counters(problem, spec) * (1 + dq_visit_words(problem, spec));
   }
   return 0;
 }

@@ -143,13 +143,13 @@ std::vector<KernelSpec> mma_sync_tile_candidates(const KernelSpec& base);
 // How a backward family sums dQ over the key tiles: `atomic`, in any order, into the fp32
 // accumulator; `ordered`, the same in key-tile order (sm90_bwd's deterministic mode: an order counter
 // per query block beside the accumulator, AttentionBwdParams::dq_order, and under a block mask the
-// key tiles visiting each block, dq_visits); `separate`, in a later
-// query-outer entry of its own (fa2_bwd's deterministic mode: no accumulator).
+// key tiles visiting each block, dq_visits); `separate`, in a later query-outer entry of its own
+// (fa2_bwd's deterministic mode: no accumulator).
 enum class DqAccumulation { atomic, ordered, separate };
 
 // What every backward family's entry sequence shares: the scratch memory (delta and, unless dQ is
-// separate, the fp32 dQ accumulator after it, then any order counters and visit bits, zeroed on the stream),
-// stream-ordered, and the grids of the row passes (preprocess, convert_dq) and of the key tiles. No
+// separate, the fp32 dQ accumulator after it, then any order counters and visit bits, zeroed on
+// the stream), stream-ordered, and the grids of the row passes (preprocess, convert_dq) and of the key tiles. No
 // queries still means dK = dV = 0 to write; no keys, dQ = 0: `has_queries` and `has_keys` say which
 // entries have work.
 struct BackwardLaunch {

@@ -441,8 +441,8 @@ TEST_CASE("modifiers backward: random block masks at densities 0, 5%, 50% and 10
   const bool hopper = device_properties(0).arch().name() == "sm_90a";
   const int seqlen_q = 700, seqlen_k = 900, heads = 4, batch = 1;
   const int q_blocks = (seqlen_q + 127) / 128, kv_blocks = (seqlen_k + 127) / 128;
-  for (auto [backend, deterministic] : {std::pair{Backend::automatic, false}, {Backend::sm90, true}, {Backend::fa2, false},
-                                        {Backend::fa2, true}}) {
+  for (auto [backend, deterministic] :
+       {std::pair{Backend::automatic, false}, {Backend::sm90, true}, {Backend::fa2, false}, {Backend::fa2, true}}) {
     for (int head_dim : {64, 128}) {
       if (backend != Backend::fa2 && !hopper) continue;
       for (double density : {0.0, 0.05, 0.5, 1.0}) {
@@ -537,8 +537,8 @@ TEST_CASE("modifiers backward: deterministic sm90_bwd finishes on a list that re
   const std::vector<uint8_t> states(4, 2);  // every tile fully visible
   DeviceBuffer map(states.size());
   map.upload(states);
-  test_runtime().block_mask_from_tiles(TensorView::contiguous(map.get(), ScalarType::uint8, {batch, heads, 2, 2}), seqlen,
-                                       seqlen, mask.buffers);
+  const TensorView tiles = TensorView::contiguous(map.get(), ScalarType::uint8, {batch, heads, 2, 2});
+  test_runtime().block_mask_from_tiles(tiles, seqlen, seqlen, mask.buffers);
   synchronize();
   std::vector<int> q_num = mask.q_num.download<int>(), q_ids = mask.q_ids.download<int>();
   q_num[1] = 1;      // key block 1's partial list: query block 1, which its full list names too
