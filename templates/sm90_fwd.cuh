@@ -92,9 +92,10 @@ struct Sm90FwdShape {
   static constexpr int kQBytes = kPanels * kQPanelBytes;
   static constexpr int kKVPanelBytes = kBlockN * 128;
   static constexpr int kKVTileBytes = kPanels * kKVPanelBytes;
-  // V transposed (FP8): kHeadDim rows of kBlockN keys, in 128-key panels.
+  // V transposed (FP8): kHeadDim rows of kBlockN keys, in 128-key panels (a last panel of fewer
+  // keys fills only the first bytes of each row).
   static constexpr int kVtPanelBytes = kFp8 ? kHeadDim * 128 : 0;
-  static constexpr int kVtTileBytes = kFp8 ? kHeadDim * kBlockN : 0;
+  static constexpr int kVtTileBytes = kFp8 ? (kBlockN + 127) / 128 * kVtPanelBytes : 0;
   static constexpr int kTransposeWarps = kFp8 ? 3 : 0;
   // Q slots: with two, the next work tile's Q loads while this one's runs (where shared memory
   // has room for a second; codegen decides).
@@ -143,7 +144,7 @@ struct Sm90FwdShape {
 
   static_assert(kBlockM % 64 == 0 && kThreads == 128 * (1 + kConsumers), "one producer and kConsumers warpgroups");
   static_assert(kHeadDim % 32 == 0 && kBlockN % 16 == 0 && kStages >= 2, "whole k16 steps, two stages to overlap");
-  static_assert(!kFp8 || (kBlockN % 128 == 0 && kHeadDim % 32 == 0), "FP8: whole 128-key Vt panels, whole k32 steps");
+  static_assert(!kFp8 || (kBlockN % 32 == 0 && kHeadDim % 32 == 0), "FP8: whole k32 steps of both GEMMs");
   static_assert(kQStages == 1 || kQStages == 2, "one or two Q slots");
   // The tail splits' workspace as the host sizes it: per split item, a float4 of row statistics and
   // kHeadDim / 4 float4s of O per consumer thread; a counter per warp (16 rows) of a split tile.

@@ -155,22 +155,26 @@ detail::Pass pass_of(const TuneShape& s) {
 // Validates a shape as the runtime would (without touching a GPU) and returns its problem.
 detail::ForwardProblem problem_of(const TuneShape& s) {
   alignas(16) static unsigned char stand_in[16];  // validation only reads addresses
-  if (s.dtype == DType::e4m3) throw usage("dtype", "e4m3 (FP8) problems are not tuned yet: sm90_fwd runs its heuristic tiles");
-  const ScalarType t = s.dtype == DType::bf16 ? ScalarType::bfloat16 : ScalarType::float16;
+  const bool fp8 = s.dtype == DType::e4m3;
+  if (fp8 && (s.backward || s.kvcache))
+    throw usage("dtype", fmt::format("{}: e4m3 (FP8) runs forward only (--pass fwd)", s.describe()));
+  const ScalarType t = fp8 ? ScalarType::float8_e4m3 : s.dtype == DType::bf16 ? ScalarType::bfloat16 : ScalarType::float16;
   for (int v : {s.batch, s.seqlen_q, s.seqlen_k, s.heads_q, s.heads_kv, s.head_dim})
     if (v < 1) throw usage("shape", fmt::format("{}: every extent must be positive", s.describe()));
-  auto view = [&](int seqlen, int heads) {
-    return s.head_major ? TensorView::head_major(stand_in, t, s.batch, seqlen, heads, s.head_dim)
-                        : TensorView::contiguous(stand_in, t, {s.batch, seqlen, heads, s.head_dim});
+  auto view = [&](int seqlen, int heads, ScalarType type) {
+    return s.head_major ? TensorView::head_major(stand_in, type, s.batch, seqlen, heads, s.head_dim)
+                        : TensorView::contiguous(stand_in, type, {s.batch, seqlen, heads, s.head_dim});
   };
-  auto q = view(s.seqlen_q, s.heads_q);
-  auto k = view(s.seqlen_k, s.heads_kv);
+  auto q = view(s.seqlen_q, s.heads_q, t);
+  auto k = view(s.seqlen_k, s.heads_kv, t);
+  auto out = view(s.seqlen_q, s.heads_q, fp8 ? ScalarType::bfloat16 : t);  // (FP8: a bf16 out)
   AttentionOptions options;
   options.causal = s.causal;
   try {
-    detail::ForwardProblem p = s.kvcache ? detail::make_kvcache_problem(q, KvCache{k, k}, q, nullptr, options).forward
-                                         : detail::make_forward_problem(q, k, k, q, nullptr, nullptr, options);
-    detail::tuning_plan(detail::PassProblem{pass_of(s), p}, Arch::parse("sm_80"));  // a head dim over 256
+    detail::ForwardProblem p = s.kvcache ? detail::make_kvcache_problem(q, KvCache{k, k}, out, nullptr, options).forward
+                                         : detail::make_forward_problem(q, k, k, out, nullptr, nullptr, options);
+    // (A head dim over 256, say, has no family; FP8 has one only on sm_90.)
+    detail::tuning_plan(detail::PassProblem{pass_of(s), p}, Arch::parse(fp8 ? "sm_90a" : "sm_80"));
     return p;
   } catch (const Error& e) {
     throw usage("shape", fmt::format("{}: {}", s.describe(), e.message()));
@@ -290,7 +294,7 @@ int main(int argc, char** argv) {
   app.add_option("--shapes", o.shapes_file, "JSON file of shapes");
   app.add_flag("--grid", o.grid, "The forward grid of DESIGN.md (16k tokens x 2048 hidden, D 64/128/256)");
   app.add_option("--causal", o.causal, "off, on, or off,on")->delimiter(',');
-  app.add_option("--dtype", o.dtypes, "bf16, fp16, or both")->delimiter(',');
+  app.add_option("--dtype", o.dtypes, "bf16, fp16, e4m3 (FP8, forward only), or a list")->delimiter(',');
   app.add_option("--pass", o.passes, "fwd, bwd, kvcache (forward_kvcache over a contiguous cache of SK tokens), or a list")
       ->delimiter(',');
   app.add_option("--layout", o.layout, "bshd (sequence-major, flash-attn's order; the default) or bhsd (head-major, SDPA's)");

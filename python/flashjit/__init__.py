@@ -107,15 +107,17 @@ def _current_stream(device):
 class _CallPlan:
     """A C call's argument structs for one key (every tensor's shape, strides, dtype and device, and
     the options), built once per thread; a call then sets only the data pointers and the stream. `copy`: some input's strides
-    are not the kernels' (see _kernel_input), so calls take the copying path instead."""
+    are not the kernels' (see _kernel_input), so calls take the copying path instead. `scalars`: plain
+    arguments between the tensors and the options."""
     __slots__ = ("views", "options", "args", "copy")
 
-    def __init__(self, named_tensors, options, copy=False):
+    def __init__(self, named_tensors, options, copy=False, scalars=()):
         # An optional tensor left out (None) is a NULL argument; `call` takes the others' pointers.
         self.views = [_view(t, name) for t, name in named_tensors if t is not None]
         views = iter(self.views)
         self.options = options
         self.args = [None if t is None else ctypes.byref(next(views)) for t, _ in named_tensors]
+        self.args += list(scalars)
         self.args.append(ctypes.byref(options))
         self.copy = copy
 
@@ -212,19 +214,51 @@ def _forward_fp8(q, k, v, softmax_scale, causal, window_left, window_right, soft
             raise ValueError(f"{name}: FP8 attention takes torch.float8_e4m3fn q, k and v, got {t.dtype}")
         if t.requires_grad and torch.is_grad_enabled():
             raise ValueError(f"{name}: FP8 attention is forward-only (no gradients); run it in torch.bfloat16 to train")
+    if varlen is None:
+        return _forward_fp8_planned(q, k, v, softmax_scale, causal, window_left, window_right, softcap, backend,
+                                    sm_margin, (q_descale, k_descale, v_descale))
     q, k, v = _kernel_input(q, "q"), _kernel_input(k, "k"), _kernel_input(v, "v")
     out = torch.empty(q.shape, dtype=torch.bfloat16, device=q.device)
-    lse_shape = (q.shape[1], q.shape[0]) if varlen is not None else (q.shape[0], q.shape[2], q.shape[1])
-    lse = torch.empty(lse_shape, dtype=torch.float32, device=q.device)
+    lse = torch.empty((q.shape[1], q.shape[0]), dtype=torch.float32, device=q.device)
     views = [_view(t, name) for t, name in ((q, "q"), (k, "k"), (v, "v"), (out, "out"), (lse, "lse"))]
     descales = [None if t is None else _view(t, name)
                 for t, name in ((q_descale, "q_descale"), (k_descale, "k_descale"), (v_descale, "v_descale"))]
-    lengths = [None, None] if varlen is None else [_view(varlen[0], "cu_seqlens_q"), _view(varlen[1], "cu_seqlens_k")]
-    max_lengths = (0, 0) if varlen is None else (int(varlen[2]), int(varlen[3]))
+    lengths = [_view(varlen[0], "cu_seqlens_q"), _view(varlen[1], "cu_seqlens_k")]
+    max_lengths = (int(varlen[2]), int(varlen[3]))
     with torch.cuda.device(q.device):
         options = _options(q, softmax_scale, causal, window_left, window_right, softcap, backend, sm_margin=sm_margin)
         by_ref = [None if view is None else ctypes.byref(view) for view in views + descales + lengths]
         _check(_lib.flashjit_forward_fp8(*by_ref, *max_lengths, ctypes.byref(options)))
+    return out, lse
+
+
+def _forward_fp8_planned(q, k, v, softmax_scale, causal, window_left, window_right, softcap, backend, sm_margin,
+                         descales, may_copy=True):
+    """_forward_fp8 of a fixed-length batch through a per-shape _CallPlan, as _forward."""
+    torch = _torch()
+    plans = _plans("forward_fp8")
+    key = (q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), q.device, k.device, v.device,
+           tuple(None if d is None else (d.shape, d.stride(), d.dtype, d.device) for d in descales), softmax_scale,
+           causal, window_left, window_right, softcap, backend, sm_margin)
+    plan = plans.get(key)
+    pointers = (q.data_ptr(), k.data_ptr(), v.data_ptr())
+    if may_copy and ((plan is not None and plan.copy) or (pointers[0] | pointers[1] | pointers[2]) & 15):
+        return _forward_fp8_planned(_kernel_input(q, "q"), _kernel_input(k, "k"), _kernel_input(v, "v"), softmax_scale,
+                                    causal, window_left, window_right, softcap, backend, sm_margin, descales,
+                                    may_copy=False)
+    out = torch.empty(q.shape, dtype=torch.bfloat16, device=q.device)
+    lse = torch.empty((q.shape[0], q.shape[2], q.shape[1]), dtype=torch.float32, device=q.device)
+    if plan is None:
+        options = _options(q, softmax_scale, causal, window_left, window_right, softcap, backend, sm_margin=sm_margin)
+        copy = not all(_kernel_ready(t) for t in (q, k, v))
+        named = ((q, "q"), (k, "k"), (v, "v"), (out, "out"), (lse, "lse"), (descales[0], "q_descale"),
+                 (descales[1], "k_descale"), (descales[2], "v_descale"), (None, "cu_seqlens_q"), (None, "cu_seqlens_k"))
+        plan = plans[key] = _CallPlan(named, options, copy, scalars=(0, 0))
+        if copy and may_copy:
+            return _forward_fp8_planned(q, k, v, softmax_scale, causal, window_left, window_right, softcap, backend,
+                                        sm_margin, descales)
+    pointers += (out.data_ptr(), lse.data_ptr()) + tuple(d.data_ptr() for d in descales if d is not None)
+    plan.call(_lib.flashjit_forward_fp8, pointers, _current_stream(q.device))
     return out, lse
 
 

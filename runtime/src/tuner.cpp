@@ -45,8 +45,9 @@ constexpr int kHeatMs = 300;
 // never find their inputs in the L2.
 struct ProblemBuffers {
   DeviceMemory q, k, v, out, lse, dout, dq, dk, dv;
-  ProblemBuffers(size_t q_bytes, size_t kv_bytes, size_t lse_bytes, bool backward)
-      : q(q_bytes), k(kv_bytes), v(kv_bytes), out(q_bytes), lse(lse_bytes), dout(backward ? q_bytes : 0),
+  // (FP8: one-byte q, k and v, a bf16 out of out_bytes.)
+  ProblemBuffers(size_t q_bytes, size_t kv_bytes, size_t out_bytes, size_t lse_bytes, bool backward)
+      : q(q_bytes), k(kv_bytes), v(kv_bytes), out(out_bytes), lse(lse_bytes), dout(backward ? q_bytes : 0),
         dq(backward ? q_bytes : 0), dk(backward ? kv_bytes : 0), dv(backward ? kv_bytes : 0) {}
 };
 
@@ -77,10 +78,13 @@ TuneResult tune(Runtime& runtime, const TuneShape& shape, const TuneOptions& o) 
   const DeviceProperties& device = device_properties(o.device);
   make_context_current(o.device);
   const DType dtype = shape.dtype;
-  if (dtype == DType::e4m3)
-    throw Error(ErrorCode::unsupported, "tune",
-                "FP8 (e4m3) problems are not tuned yet: sm90_fwd runs its heuristic 128-key tiles (bench/fp8.py times them)");
-  const ScalarType scalar = dtype == DType::bf16 ? ScalarType::bfloat16 : ScalarType::float16;
+  const bool fp8 = dtype == DType::e4m3;  // e4m3 q, k and v (no descales: 1), a bf16 out; forward only
+  if (fp8 && (shape.backward || shape.kvcache))
+    throw Error(ErrorCode::invalid_argument, "tune", "e4m3 (FP8) runs forward only: no backward or KV-cache pass to tune");
+  const ScalarType scalar = fp8 ? ScalarType::float8_e4m3 : dtype == DType::bf16 ? ScalarType::bfloat16 : ScalarType::float16;
+  const ScalarType out_scalar = fp8 ? ScalarType::bfloat16 : scalar;
+  const DType out_dtype = fp8 ? DType::bf16 : dtype;
+  const size_t element_bytes = fp8 ? 1 : 2;
   auto report = [&](const char* stage, size_t done, size_t total) {
     if (o.progress) o.progress(TuneProgress{stage, done, total});
   };
@@ -89,23 +93,37 @@ TuneResult tune(Runtime& runtime, const TuneShape& shape, const TuneOptions& o) 
   const size_t q_elems = size_t(shape.batch) * shape.seqlen_q * shape.heads_q * shape.head_dim;
   const size_t kv_elems = size_t(shape.batch) * shape.seqlen_k * shape.heads_kv * shape.head_dim;
   const size_t lse_bytes = size_t(shape.batch) * shape.heads_q * shape.seqlen_q * 4;
-  const size_t set_bytes = (q_elems * 2 + kv_elems * 2) * 2 * (shape.backward ? 2 : 1) + lse_bytes;
+  // q, k, v and out (and the backward's dout, dq, dk, dv alike) and the LSE.
+  const size_t set_bytes = ((q_elems + kv_elems * 2) * element_bytes + q_elems * 2) * (shape.backward ? 2 : 1) + lse_bytes;
   const size_t sets = std::clamp<size_t>(3 * size_t(device.l2_bytes) / std::max<size_t>(set_bytes, 1) + 1, 1, 8);
   std::vector<std::unique_ptr<ProblemBuffers>> buffers;
+  // FP8's inputs, for the check: the reference kernel reads them widened to bf16 (which holds every
+  // e4m3 value exactly).
+  std::vector<std::vector<uint16_t>> widened_inputs;
   {
     std::mt19937_64 rng(12345);
     std::normal_distribution<float> normal(0.f, 1.f);
-    auto random_bits = [&](size_t n) {
-      std::vector<uint16_t> bits(n);
-      for (auto& b : bits) b = to_half_bits(normal(rng), dtype);
-      return bits;
+    auto random_bits = [&](size_t n) {  // n elements' storage bytes
+      std::vector<uint8_t> bytes(n * element_bytes);
+      for (size_t i = 0; i < n; ++i) {
+        if (fp8) {
+          bytes[i] = to_e4m3_bits(normal(rng));
+        } else {
+          const uint16_t bits = to_half_bits(normal(rng), dtype);
+          std::memcpy(&bytes[2 * i], &bits, 2);
+        }
+      }
+      return bytes;
     };
     const auto q_bits = random_bits(q_elems), k_bits = random_bits(kv_elems), v_bits = random_bits(kv_elems);
-    const auto dout_bits = shape.backward ? random_bits(q_elems) : std::vector<uint16_t>{};
+    const auto dout_bits = shape.backward ? random_bits(q_elems) : std::vector<uint8_t>{};
+    if (fp8)
+      for (const auto* input : {&q_bits, &k_bits, &v_bits}) widened_inputs.push_back(e4m3_as_bf16_bits(*input));
     for (size_t i = 0; i < sets; ++i) {
-      auto b = std::make_unique<ProblemBuffers>(q_elems * 2, kv_elems * 2, lse_bytes, shape.backward);
-      auto upload = [](const DeviceMemory& m, const std::vector<uint16_t>& bits) {
-        FLASHJIT_CU(cuMemcpyHtoD, reinterpret_cast<CUdeviceptr>(m.get()), bits.data(), bits.size() * 2);
+      auto b = std::make_unique<ProblemBuffers>(q_elems * element_bytes, kv_elems * element_bytes, q_elems * 2,
+                                                lse_bytes, shape.backward);
+      auto upload = [](const DeviceMemory& m, const std::vector<uint8_t>& bytes) {
+        FLASHJIT_CU(cuMemcpyHtoD, reinterpret_cast<CUdeviceptr>(m.get()), bytes.data(), bytes.size());
       };
       upload(b->q, q_bits);
       upload(b->k, k_bits);
@@ -114,14 +132,16 @@ TuneResult tune(Runtime& runtime, const TuneShape& shape, const TuneOptions& o) 
       buffers.push_back(std::move(b));
     }
   }
-  // (batch, seqlen, heads, head_dim) views over memory in the shape's layout.
-  auto view = [&](const DeviceMemory& m, int seqlen, int heads) {
+  // (batch, seqlen, heads, head_dim) views over memory in the shape's layout: the inputs' type, or
+  // out's (`type`).
+  auto view = [&](const DeviceMemory& m, int seqlen, int heads, ScalarType type) {
     return shape.head_major
-               ? TensorView::head_major(m.get(), scalar, shape.batch, seqlen, heads, shape.head_dim, o.device)
-               : TensorView::contiguous(m.get(), scalar, {shape.batch, seqlen, heads, shape.head_dim}, o.device);
+               ? TensorView::head_major(m.get(), type, shape.batch, seqlen, heads, shape.head_dim, o.device)
+               : TensorView::contiguous(m.get(), type, {shape.batch, seqlen, heads, shape.head_dim}, o.device);
   };
-  auto q_view = [&](const DeviceMemory& m) { return view(m, shape.seqlen_q, shape.heads_q); };
-  auto kv_view = [&](const DeviceMemory& m) { return view(m, shape.seqlen_k, shape.heads_kv); };
+  auto q_view = [&](const DeviceMemory& m) { return view(m, shape.seqlen_q, shape.heads_q, scalar); };
+  auto kv_view = [&](const DeviceMemory& m) { return view(m, shape.seqlen_k, shape.heads_kv, scalar); };
+  auto out_view = [&](const DeviceMemory& m) { return view(m, shape.seqlen_q, shape.heads_q, out_scalar); };
   auto lse_view = [&](const DeviceMemory& m) {
     return TensorView::contiguous(m.get(), ScalarType::float32, {shape.batch, shape.heads_q, shape.seqlen_q}, o.device);
   };
@@ -130,16 +150,16 @@ TuneResult tune(Runtime& runtime, const TuneShape& shape, const TuneOptions& o) 
   const ProblemBuffers& first = *buffers[0];
   const TensorView first_lse = lse_view(first.lse);
   const ForwardProblem forward = make_forward_problem(q_view(first.q), kv_view(first.k), kv_view(first.v),
-                                                      q_view(first.out), nullptr, nullptr, base);
+                                                      out_view(first.out), nullptr, nullptr, base);
   if (shape.kvcache && shape.backward)
     throw Error(ErrorCode::invalid_argument, "tune", "a shape tunes the backward or the KV-cache pass, not both");
   std::optional<BackwardProblem> backward;
   std::optional<KvCacheProblem> kvcache;
   // The KV-cache pass attends over the whole contiguous cache (no cache_seqlens, nothing appended).
   auto cache_of = [&](const ProblemBuffers& b) { return KvCache{kv_view(b.k), kv_view(b.v)}; };
-  if (shape.kvcache) kvcache = make_kvcache_problem(q_view(first.q), cache_of(first), q_view(first.out), &first_lse, base);
+  if (shape.kvcache) kvcache = make_kvcache_problem(q_view(first.q), cache_of(first), out_view(first.out), &first_lse, base);
   if (shape.backward)
-    backward = make_backward_problem(q_view(first.q), kv_view(first.k), kv_view(first.v), q_view(first.out),
+    backward = make_backward_problem(q_view(first.q), kv_view(first.k), kv_view(first.v), out_view(first.out),
                                      q_view(first.dout), &first_lse, q_view(first.dq), kv_view(first.dk),
                                      kv_view(first.dv), nullptr, base);
   const PassProblem problem = backward  ? PassProblem{Pass::backward, backward->forward, &*backward}
@@ -152,18 +172,18 @@ TuneResult tune(Runtime& runtime, const TuneShape& shape, const TuneOptions& o) 
     ProblemBuffers& b = *buffers[set];
     const TensorView lse = lse_view(b.lse);
     if (shape.backward)
-      runtime.backward(q_view(b.q), kv_view(b.k), kv_view(b.v), q_view(b.out), q_view(b.dout), &lse, q_view(b.dq),
+      runtime.backward(q_view(b.q), kv_view(b.k), kv_view(b.v), out_view(b.out), q_view(b.dout), &lse, q_view(b.dq),
                        kv_view(b.dk), kv_view(b.dv), options);
     else if (shape.kvcache)
-      runtime.forward_kvcache(q_view(b.q), cache_of(b), q_view(b.out), &lse, options);
+      runtime.forward_kvcache(q_view(b.q), cache_of(b), out_view(b.out), &lse, options);
     else
-      runtime.forward(q_view(b.q), kv_view(b.k), kv_view(b.v), q_view(b.out), &lse, options);
+      runtime.forward(q_view(b.q), kv_view(b.k), kv_view(b.v), out_view(b.out), &lse, options);
   };
   if (shape.backward)  // the backward reads the forward's out and lse
     for (size_t s = 0; s < sets; ++s) {
       ProblemBuffers& b = *buffers[s];
       const TensorView lse = lse_view(b.lse);
-      runtime.forward(q_view(b.q), kv_view(b.k), kv_view(b.v), q_view(b.out), &lse, base);
+      runtime.forward(q_view(b.q), kv_view(b.k), kv_view(b.v), out_view(b.out), &lse, base);
     }
 
   CUevent start, stop;
@@ -300,21 +320,32 @@ TuneResult tune(Runtime& runtime, const TuneShape& shape, const TuneOptions& o) 
   if (shape.backward) {
     check.deterministic = true;
     run(check, 0);
+  } else if (fp8) {  // the reference kernel on the inputs widened to bf16
+    check.backend = Backend::reference;
+    std::vector<std::unique_ptr<DeviceMemory>> widened;
+    for (const auto& bits : widened_inputs) {
+      widened.push_back(std::make_unique<DeviceMemory>(bits.size() * 2));
+      FLASHJIT_CU(cuMemcpyHtoD, reinterpret_cast<CUdeviceptr>(widened.back()->get()), bits.data(), bits.size() * 2);
+    }
+    auto bf16_view = [&](int i, int seqlen, int heads) { return view(*widened[i], seqlen, heads, ScalarType::bfloat16); };
+    runtime.forward(bf16_view(0, shape.seqlen_q, shape.heads_q), bf16_view(1, shape.seqlen_k, shape.heads_kv),
+                    bf16_view(2, shape.seqlen_k, shape.heads_kv), out_view(buffers[0]->out), nullptr, check);
   } else {  // the KV-cache pass over a whole cache is the dense forward (both bottom-right causal)
     check.backend = Backend::reference;
     ProblemBuffers& b = *buffers[0];
     const TensorView lse = lse_view(b.lse);
-    runtime.forward(q_view(b.q), kv_view(b.k), kv_view(b.v), q_view(b.out), &lse, check);
+    runtime.forward(q_view(b.q), kv_view(b.k), kv_view(b.v), out_view(b.out), &lse, check);
   }
   const auto expected = outputs();
-  const double tolerance = shape.backward ? 2e-2 : 1e-2;
+  // (FP8 also rounds P to e4m3 for P V: a percent or two of the output; a wrong tile, ~1.)
+  const double tolerance = shape.backward ? 2e-2 : fp8 ? 5e-2 : 1e-2;
   std::vector<std::pair<double, size_t>> finalists;
   for (size_t i = 0; i < timed.size() && finalists.size() < size_t(std::max(1, o.finalists)); ++i) {
     report("verify", i + 1, std::min(timed.size(), size_t(o.finalists)));
     run(with_kernel(candidates[timed[i].second]), 0);
     const auto got = outputs();
     double worst = 0;
-    for (size_t t = 0; t < got.size(); ++t) worst = std::max(worst, relative_l2(got[t], expected[t], dtype));
+    for (size_t t = 0; t < got.size(); ++t) worst = std::max(worst, relative_l2(got[t], expected[t], out_dtype));
     if (worst < tolerance) {
       finalists.push_back(timed[i]);
       result.max_rel_error = std::max(result.max_rel_error, worst);

@@ -8,6 +8,7 @@
 
 #include "support/attention_checks.hpp"
 #include "support/backward_case.hpp"
+#include "support/fp8_case.hpp"
 
 using namespace flashjit;
 using namespace flashjit::test;
@@ -54,4 +55,30 @@ TEST_CASE("tune: the heuristic's spec stays unless a candidate beats it by 1%", 
                         [&](const auto& runner_up) { return runner_up.second == r.heuristic_ms; }));
     CHECK_FALSE(r.entry.spec.validate().has_value());
   }
+}
+
+TEST_CASE("tune: the FP8 forward's tiles, its winner against float64", "[tune][fp8]") {
+  if (!hopper_or_skip("FP8 attention runs on sm_90")) return;
+  TuneShape shape;
+  shape.dtype = DType::e4m3;
+  shape.batch = 2;
+  shape.seqlen_q = shape.seqlen_k = 1000;
+  shape.heads_q = 4;
+  shape.heads_kv = 2;
+  shape.head_dim = 128;
+  TuneOptions options;
+  options.iters = 5;
+  options.finalists = 2;
+  const TuneResult r = tune(test_runtime(), shape, options);
+  INFO(shape.describe() << ": " << r.entry.spec.name() << " " << r.entry.median_ms << " ms, heuristic " << r.heuristic_ms
+                        << " ms");
+  CHECK(r.timed >= 2);
+  CHECK(r.entry.spec.dtype == DType::e4m3);
+  AttentionOptions winner;
+  winner.kernel = r.entry.spec;
+  Fp8Case(AttentionShape::make(shape.batch, shape.seqlen_q, shape.seqlen_k, shape.heads_q, shape.heads_kv,
+                               shape.head_dim),
+          25002)
+      .run_and_check(winner);
+  CHECK(r.entry.median_ms <= r.heuristic_ms);
 }

@@ -47,6 +47,22 @@ inline Tolerance tensor_core_output_tolerance(DType dtype) {
   return Tolerance{1e-6, u, 6 * u, 2 * u};
 }
 
+// The FP8 forward (e4m3 q, k and v, bf16 out; the float64 reference reads the dequantised inputs,
+// so their quantisation is not an error): P is rounded to e4m3 for P V, a 4-bit significand, so
+// the P term above with u = 2^-4 (the kernel offsets P by 2^6: only weights under 2^-12 of the
+// row's largest lose more, to subnormals, and they add little). Per head that leaves 3.4x over
+// independent roundings (0.58 u of the magnitude); a V transpose, key order or descale gone wrong
+// moves O by about its own size. O's own rounding is bf16's half ulp (rtol).
+inline Tolerance fp8_output_tolerance() {
+  const double u = 1.0 / 16;
+  return Tolerance{1e-6, 1.0 / 256, 6 * u, 2 * u};
+}
+
+// FP8 scores: wgmma sums the e4m3 products with fewer bits than fp32 (Hopper's FP8 accumulation is
+// known to keep about 13 of the significand; DeepGEMM adds its partial sums in fp32 for that), so
+// a score moves by up to ~2^-13 of its sum of |terms| (<~ 30 here): the LSE by a few 1e-3.
+inline Tolerance fp8_lse_tolerance() { return {2e-2, 1e-3}; }
+
 // The LSE stays fp32 from fp32 scores (exp2.approx has 2^-22 relative error): sums of <= 16k
 // terms and one log lose ~1e-6 relative; |LSE| <~ 30.
 inline Tolerance tensor_core_lse_tolerance() { return {1e-4, 1e-5}; }

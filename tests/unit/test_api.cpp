@@ -2,10 +2,12 @@
 // call fails cleanly with "no CUDA driver" instead of crashing.
 #include <catch2/catch.hpp>
 
+#include <cmath>
 #include <cstring>
 #include <vector>
 
 #include "driver.hpp"
+#include "host_tensors.hpp"
 #include "flashjit/flashjit.h"
 #include "flashjit/flashjit.hpp"
 #include "support/fake_tensors.hpp"
@@ -296,4 +298,33 @@ TEST_CASE("load_tuning_db reports a malformed or missing file and keeps the prev
   CHECK_THAT(flashjit_last_error(), Catch::Contains("/nonexistent/tuning.json"));
   CHECK(flashjit_load_tuning_db(nullptr) == FLASHJIT_ERROR_INVALID_ARGUMENT);
   std::remove(path.c_str());
+}
+
+// The tools' and tests' FP8 inputs (host_tensors.hpp) are e4m3 as the device rounds: every value
+// round-trips, halfway cases go to the even neighbour, and magnitudes past 448 saturate.
+TEST_CASE("e4m3 storage bits round to nearest even and saturate", "[api]") {
+  using flashjit::detail::from_e4m3_bits;
+  using flashjit::detail::to_e4m3_bits;
+  for (int bits = 0; bits < 256; ++bits) {
+    if ((bits & 0x7f) == 0x7f) {
+      CHECK(std::isnan(from_e4m3_bits(static_cast<uint8_t>(bits))));
+      continue;
+    }
+    INFO("bits " << bits);
+    CHECK(to_e4m3_bits(from_e4m3_bits(static_cast<uint8_t>(bits))) == bits);
+  }
+  for (int bits = 0; bits < 0x7e; ++bits) {  // consecutive non-negative values
+    const float below = from_e4m3_bits(static_cast<uint8_t>(bits)), above = from_e4m3_bits(static_cast<uint8_t>(bits + 1));
+    const float halfway = (below + above) / 2;
+    INFO("between bits " << bits << " and " << bits + 1);
+    CHECK(to_e4m3_bits(halfway) == (bits % 2 == 0 ? bits : bits + 1));
+    CHECK(to_e4m3_bits(std::nextafter(halfway, 0.f)) == bits);
+    CHECK(to_e4m3_bits(std::nextafter(halfway, 1e9f)) == bits + 1);
+  }
+  CHECK(from_e4m3_bits(0x7e) == 448.f);
+  CHECK(from_e4m3_bits(0x01) == std::ldexp(1.f, -9));
+  CHECK(to_e4m3_bits(1e9f) == 0x7e);
+  CHECK(to_e4m3_bits(-500.f) == 0xfe);
+  CHECK(to_e4m3_bits(-0.f) == 0x80);
+  CHECK((to_e4m3_bits(std::nanf("")) & 0x7f) == 0x7f);
 }

@@ -96,16 +96,20 @@ std::vector<KernelSpec> sweep_specs(const Arch& arch) {
       specs.push_back(s);
     }
   // FP8 (e4m3) forwards: every kernel head dim with each mask, a window with a softcap, tail splits
-  // (the transposers in the producer warpgroup, P in 8-bit A fragments, the bf16 output).
+  // (the transposers in the producer warpgroup, P in 8-bit A fragments, the bf16 output; at 256 the
+  // window's 64-key tiles), and key tiles that end in a partly filled 128-key Vt panel.
   for (int d : {64, 96, 128, 192, 256})
     if (family_covers(Family::sm90_fwd, arch, d)) {
       for (MaskKind mask : {MaskKind::none, MaskKind::causal, MaskKind::window})
-        if (d < 256 || mask != MaskKind::window)  // (no registers for a window at 256: validate says so)
-          specs.push_back(default_spec(Family::sm90_fwd, arch, DType::e4m3, d, mask, false));
-      KernelSpec s = default_spec(Family::sm90_fwd, arch, DType::e4m3, d, d < 256 ? MaskKind::window : MaskKind::causal,
-                                  d < 256);
+        specs.push_back(default_spec(Family::sm90_fwd, arch, DType::e4m3, d, mask, false));
+      KernelSpec s = default_spec(Family::sm90_fwd, arch, DType::e4m3, d, MaskKind::window, true);
       s.tail_splits = true;
       specs.push_back(s);
+      KernelSpec partial_panel = default_spec(Family::sm90_fwd, arch, DType::e4m3, d, MaskKind::causal);
+      partial_panel.block_m = 128;
+      partial_panel.num_warps = 12;
+      partial_panel.block_n = d <= 128 ? 192 : 96;
+      specs.push_back(partial_panel);
     }
   // Ring attention's continuing forward and backward, unmasked and causal (the calls a ring makes),
   // and with a window and a softcap together (the most code).

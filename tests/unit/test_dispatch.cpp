@@ -644,3 +644,33 @@ TEST_CASE("empty tensors may have null data; an empty problem is valid", "[dispa
   CHECK_THROWS_WITH(detail::make_forward_problem(q, q, q, q, nullptr, nullptr, AttentionOptions{}),
                     Catch::Contains("q: data pointer is null"));
 }
+
+// FP8: sm90_fwd's heuristic tiles; at head dim 256 a window or a softcap takes 64-key tiles, which
+// automatic dispatch leaves to a device run (backend=sm90 runs them).
+TEST_CASE("dispatch: FP8 forward tiles, and head dim 256 with a window or softcap behind a device run", "[dispatch]") {
+  alignas(16) static unsigned char bf16_out[1 << 16];
+  auto fp8_problem = [&](int head_dim, bool window, float softcap, Backend backend) {
+    auto q = TensorView::contiguous(arena, ScalarType::float8_e4m3, {2, 64, 4, head_dim});
+    auto out = TensorView::contiguous(bf16_out, ScalarType::bfloat16, {2, 64, 4, head_dim});
+    AttentionOptions options;
+    options.window_left = window ? 16 : -1;
+    options.softcap = softcap;
+    options.backend = backend;
+    return detail::make_forward_problem(q, q, q, out, nullptr, nullptr, options);
+  };
+  for (int d : {64, 128, 256}) {
+    const KernelSpec spec = detail::select_forward_kernel(fp8_problem(d, false, 0.f, Backend::automatic), kH200);
+    INFO(spec.name());
+    CHECK(spec.family == Family::sm90_fwd);
+    CHECK(spec.dtype == DType::e4m3);
+    CHECK(spec.block_n == 128);
+  }
+  CHECK(detail::select_forward_kernel(fp8_problem(128, true, 0.f, Backend::automatic), kH200).block_n == 128);
+  for (auto [window, softcap] : {std::pair{true, 0.f}, {false, 30.f}}) {
+    CHECK_THROWS_WITH(detail::select_forward_kernel(fp8_problem(256, window, softcap, Backend::automatic), kH200),
+                      Catch::Contains("FP8 at head dim 256 with a window or a softcap (64-key tiles) awaits a device run"));
+    const KernelSpec forced = detail::select_forward_kernel(fp8_problem(256, window, softcap, Backend::sm90), kH200);
+    CHECK(forced.block_n == 64);
+    CHECK_FALSE(forced.validate().has_value());
+  }
+}

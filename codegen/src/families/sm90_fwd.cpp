@@ -18,8 +18,10 @@ int panels(const KernelSpec& s) { return (s.head_dim * element_bytes(s.dtype) + 
 int smem_bytes_with(const KernelSpec& s, int q_stages) {
   const int q_bytes = panels(s) * s.block_m * 128, kv_tile_bytes = panels(s) * s.block_n * 128;
   const int key_tile_info_bytes = s.block_sparse ? 8 * s.num_stages : 0;  // each K stage's tile under a block mask
-  // FP8: a ring of transposed V tiles, its barriers, and the transposers' end slot.
-  const int vt_ring_bytes = fp8(s) ? s.num_stages * (s.head_dim * s.block_n + 16) + 8 : 0;
+  // FP8: a ring of transposed V tiles (128-key panels of head_dim rows), its barriers, and the
+  // transposers' end slot.
+  const int vt_tile_bytes = (s.block_n + 127) / 128 * s.head_dim * 128;
+  const int vt_ring_bytes = fp8(s) ? s.num_stages * (vt_tile_bytes + 16) + 8 : 0;
   return 1024 + q_stages * q_bytes + 2 * s.num_stages * kv_tile_bytes + 8 * (2 * q_stages + 4 * s.num_stages) +
          32 * q_stages + key_tile_info_bytes + vt_ring_bytes;
 }
@@ -72,8 +74,8 @@ std::optional<std::string> validate_tiles(const KernelSpec& s) {
                        "got {}", consumers(s), s.block_m, 4 * (1 + consumers(s)), s.num_warps);
   if (s.block_n < 64 || s.block_n > 256 || s.block_n % 16 != 0)
     return fmt::format("block_n must be a multiple of 16 from 64 to 256 for sm90_fwd, got {}", s.block_n);
-  if (fp8(s) && s.block_n % 128 != 0)
-    return fmt::format("FP8 sm90_fwd transposes V into 128-key panels: block_n must be 128 or 256, got {}", s.block_n);
+  if (fp8(s) && s.block_n % 32 != 0)
+    return fmt::format("FP8 sm90_fwd steps both GEMMs by 32 keys: block_n must be a multiple of 32, got {}", s.block_n);
   if (consumer_registers_needed(s) > consumer_register_budget(s))
     return fmt::format("head_dim {} with block_n {} needs about {} registers per consumer thread, over the {} that "
                        "{} consumer warpgroups get", s.head_dim, s.block_n, consumer_registers_needed(s),
@@ -100,9 +102,14 @@ void set_default_tiles(KernelSpec& s) {
   // User modifiers and block masks count as both. A block mask's tiles are 128 x 128 where the
   // head dim allows (FlexAttention's default block), so one tile is one block.
   const bool heavy_scores = s.has_softcap || s.mask == MaskKind::window || s.modifier != nullptr || s.block_sparse;
-  if (fp8(s)) {  // (128-key tiles: Vt's panel)
+  if (fp8(s)) {
     // (Three stages measured the same as two at head dims 64 and 128: the consumers set the pace.)
-    s.head_dim <= 64 && !heavy_scores ? set(192, 128, 2) : set(128, 128, 2);
+    if (s.head_dim <= 64 && !heavy_scores) {
+      set(192, 128, 2);
+    } else {
+      set(128, 128, 2);
+      if (validate_tiles(s)) set(128, 64, 2);  // (head dim 256 with a softcap or a window: registers)
+    }
     return;
   }
   if (s.head_dim <= 64) heavy_scores ? set(128, 128, 2) : set(192, 96, 2);

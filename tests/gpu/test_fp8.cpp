@@ -1,0 +1,89 @@
+// The FP8 (e4m3) forward on sm_90 (sm90_fwd with e4m3 q, k, v and descales per batch and KV head,
+// bf16 out) against float64 attention of the dequantised inputs: every tile shape it takes (the
+// V transpose and P's key order change with block_n, the consumer count with block_m), causal,
+// window, softcap and GQA. Inputs are quantised per (batch, KV head) with scale amax / 448, and the
+// heads' magnitudes differ, so a descale applied to the wrong head or batch fails.
+#include <catch2/catch.hpp>
+
+#include "support/fp8_case.hpp"
+
+using namespace flashjit;
+using namespace flashjit::test;
+
+namespace {
+
+// sm90_fwd's default FP8 spec for `d` and `mask` with its tile fields replaced.
+KernelSpec fp8_tile(int d, MaskKind mask, int block_m, int block_n, int stages) {
+  KernelSpec spec = default_spec(Family::sm90_fwd, device_properties(0).arch(), DType::e4m3, d, mask);
+  spec.block_m = block_m;
+  spec.block_n = block_n;
+  spec.num_warps = 4 * (1 + block_m / 64);
+  spec.num_stages = stages;
+  return spec;
+}
+
+}  // namespace
+
+TEST_CASE("fp8: every FP8 tile shape of sm90_fwd, full and causal, GQA, against float64", "[forward][sm90][fp8]") {
+  if (!hopper_or_skip("FP8 attention runs on sm_90")) return;
+  struct Tiles {
+    int d, block_m, block_n, stages;
+  };
+  // The defaults (d64 m192n128, d128 and d256 m128n128), and the key tiles that are not whole
+  // 128-key Vt panels, the widest the registers admit, three consumers and three stages.
+  uint64_t seed = 8100;
+  for (Tiles t : {Tiles{64, 192, 128, 2}, Tiles{64, 128, 256, 2}, Tiles{64, 128, 192, 2}, Tiles{64, 128, 64, 3},
+                  Tiles{64, 192, 96, 2}, Tiles{128, 128, 128, 2}, Tiles{128, 128, 192, 2}, Tiles{128, 128, 160, 2},
+                  Tiles{128, 128, 96, 3}, Tiles{128, 192, 64, 2}, Tiles{256, 128, 128, 2}, Tiles{256, 128, 96, 2},
+                  Tiles{256, 128, 64, 2}})
+    for (MaskKind mask : {MaskKind::none, MaskKind::causal}) {
+      AttentionShape shape = AttentionShape::make(2, 333, 590, 4, 2, t.d);
+      shape.causal = mask == MaskKind::causal;
+      const KernelSpec spec = fp8_tile(t.d, mask, t.block_m, t.block_n, t.stages);
+      REQUIRE_FALSE(spec.validate().has_value());
+      AttentionOptions options;
+      options.causal = shape.causal;
+      options.kernel = spec;
+      INFO(spec.name());
+      Fp8Case(shape, seed++).run_and_check(options);
+    }
+}
+
+namespace {
+
+// The heuristic's FP8 kernels at head dim `d` on a window (GQA 8), a softcap (two batches) and one causal
+// row against 700 keys (decode-like, bottom-right).
+void check_dispatched_masks(int d, uint64_t seed) {
+  AttentionShape window = AttentionShape::make(1, 300, 300, 8, 1, d);
+  window.window_left = 37;
+  window.window_right = 5;
+  AttentionShape softcap = AttentionShape::make(2, 129, 257, 4, 4, d);
+  softcap.softcap = 3.f;
+  AttentionShape causal = AttentionShape::make(1, 1, 700, 2, 1, d);
+  causal.causal = true;
+  for (const AttentionShape& shape : {window, softcap, causal}) {
+    AttentionOptions options;
+    options.backend = Backend::sm90;  // (the only FP8 family; at 256 automatic dispatch awaits this test)
+    options.causal = shape.causal;
+    options.window_left = shape.window_left;
+    options.window_right = shape.window_right;
+    options.softcap = shape.softcap;
+    INFO("d " << d << " window " << shape.window_left << "," << shape.window_right << " softcap " << shape.softcap
+              << " causal " << shape.causal);
+    Fp8Case(shape, seed++).run_and_check(options);
+  }
+}
+
+}  // namespace
+
+TEST_CASE("fp8: window, softcap, GQA 8 and one row by dispatch, head dim 128", "[forward][sm90][fp8][quick]") {
+  if (!hopper_or_skip("FP8 attention runs on sm_90")) return;
+  check_dispatched_masks(128, 8200);
+}
+
+TEST_CASE("fp8: window, softcap, GQA 8 and one row by dispatch, head dims 64 and 256 (64-key tiles there)",
+          "[forward][sm90][fp8]") {
+  if (!hopper_or_skip("FP8 attention runs on sm_90")) return;
+  check_dispatched_masks(64, 8300);
+  check_dispatched_masks(256, 8400);
+}
