@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "python"))  # (FLASHJIT_LIBRARY: the build's)
 from peers import ClockReader, interleaved_median_ms  # noqa: E402
 
 import flashjit  # noqa: E402

@@ -184,8 +184,11 @@ TEST_CASE("FP8 (e4m3): sm90_fwd's tiles of whole k32 steps, its name and JSON; r
         const KernelSpec s = default_spec(Family::sm90_fwd, sm90a, DType::e4m3, d, m, softcap);
         INFO(s.name());
         CHECK_FALSE(s.validate().has_value());
-        // 128-key tiles, but at head dim 256 a window's or a softcap's registers leave room for 64 keys.
-        CHECK(s.block_n == (d == 256 && (m == MaskKind::window || softcap) ? 64 : 128));
+        // 128-key tiles, 96 with three consumers at head dim 128, and at 256 a window's or a
+        // softcap's registers leave room for 64 keys.
+        const bool heavy = m == MaskKind::window || softcap;
+        CHECK(s.block_n == (d == 256 && heavy ? 64 : d == 128 && !heavy ? 96 : 128));
+        CHECK(s.block_m == ((d == 64 || d == 128) && !heavy ? 192 : 128));
         KernelSpec wide = s;
         wide.block_n = 128;
         if (d == 256 && (m == MaskKind::window || softcap)) {
@@ -194,7 +197,7 @@ TEST_CASE("FP8 (e4m3): sm90_fwd's tiles of whole k32 steps, its name and JSON; r
         }
       }
   const KernelSpec s = default_spec(Family::sm90_fwd, sm90a, DType::e4m3, 128, MaskKind::causal);
-  CHECK(s.name() == "sm90_fwd_e4m3_d128_m128n128w12s2_causal_sm90a");
+  CHECK(s.name() == "sm90_fwd_e4m3_d128_m192n96w16s2_causal_sm90a");
   CHECK(s.to_json().at("dtype") == "e4m3");
   CHECK(KernelSpec::from_json(s.to_json()) == s);
   CHECK(parse_dtype("e4m3") == DType::e4m3);
@@ -202,6 +205,8 @@ TEST_CASE("FP8 (e4m3): sm90_fwd's tiles of whole k32 steps, its name and JSON; r
   narrow.block_n = 112;
   REQUIRE(narrow.validate());
   CHECK_THAT(*narrow.validate(), Catch::Contains("block_n must be a multiple of 32"));
+  narrow.block_m = 128;
+  narrow.num_warps = 12;
   narrow.block_n = 192;  // (a Vt panel and a half)
   CHECK_FALSE(narrow.validate().has_value());
   for (Family f : {Family::fa2_fwd, Family::fa2_bwd, Family::sm90_bwd, Family::kvcache_fwd, Family::reference_fwd}) {

@@ -59,7 +59,10 @@ TEST_CASE("sm90_fwd's Config carries the wgmma instructions of its tile widths",
 }
 
 TEST_CASE("FP8 sm90_fwd: k32 e4m3 wgmma with both operands K-major, a bf16 output, the Vt ring's bytes", "[render]") {
-  const KernelSpec s = default_spec(Family::sm90_fwd, Arch::parse("sm_90a"), DType::e4m3, 128, MaskKind::causal);
+  KernelSpec s = default_spec(Family::sm90_fwd, Arch::parse("sm_90a"), DType::e4m3, 128, MaskKind::causal);
+  s.block_m = 128;
+  s.block_n = 128;
+  s.num_warps = 12;
   const std::string text = render(s).text;
   CHECK_THAT(text, Catch::Contains("using Element = flashjit::kernels::float8_e4m3_t;") &&
                        Catch::Contains("using OutputElement = flashjit::kernels::bfloat16_t;"));
@@ -71,6 +74,14 @@ TEST_CASE("FP8 sm90_fwd: k32 e4m3 wgmma with both operands K-major, a bf16 outpu
   const int expected = 1024 + 2 * 128 * 128 + 2 * 2 * 128 * 128 + 2 * 128 * 128 + 8 * (2 * 2 + 6 * 2) + 32 * 2 + 8;
   CHECK(dynamic_smem_bytes(s) == expected);
   CHECK_THAT(text, Catch::Contains("kSmemBytes = " + std::to_string(expected) + ";"));
+  // 96-key tiles (the default, with three consumers): Vt still takes a whole 128-key panel per stage.
+  KernelSpec narrow = s;
+  narrow.block_m = 192;
+  narrow.block_n = 96;
+  narrow.num_warps = 16;
+  REQUIRE_FALSE(narrow.validate().has_value());
+  CHECK(dynamic_smem_bytes(narrow) ==
+        1024 + 2 * 192 * 128 + 2 * 2 * 96 * 128 + 2 * 128 * 128 + 8 * (2 * 2 + 6 * 2) + 32 * 2 + 8);
 }
 
 TEST_CASE("sm90_fwd takes a second Q slot where shared memory holds it", "[render]") {

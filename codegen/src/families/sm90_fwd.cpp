@@ -103,9 +103,14 @@ void set_default_tiles(KernelSpec& s) {
   // head dim allows (FlexAttention's default block), so one tile is one block.
   const bool heavy_scores = s.has_softcap || s.mask == MaskKind::window || s.modifier != nullptr || s.block_sparse;
   if (fp8(s)) {
-    // (Three stages measured the same as two at head dims 64 and 128: the consumers set the pace.)
+    // Three consumer warpgroups where the registers allow: 96-key tiles at head dim 128 ran
+    // 1.08-1.22x the 128 x 128 tiles unmasked and 1.02-1.10x causal (2k-16k, H200). At 256 the best
+    // tile (96 or 64 keys) was 0-5% faster, mixed between runs: 128 x 128 stays. (Three stages
+    // measured the same as two: the consumers set the pace.)
     if (s.head_dim <= 64 && !heavy_scores) {
       set(192, 128, 2);
+    } else if (s.head_dim > 96 && s.head_dim <= 128 && !heavy_scores) {
+      set(192, 96, 2);
     } else {
       set(128, 128, 2);
       if (validate_tiles(s)) set(128, 64, 2);  // (head dim 256 with a softcap or a window: registers)
