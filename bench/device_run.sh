@@ -154,8 +154,8 @@ for r in json.load(open('$out/grid_tuned.json'))['rows']:
       done ;;
     pending)
       # What the tree compiles but has not yet run on a device (the README's "await a device run"),
-      # and what failed or did not finish on the last one (stop 56: FP8 with a softcap, [fp8]; the
-      # modifiers' backward tests, over 170 s):
+      # and what failed or did not finish on the last one (stop 56: [fp8]'s softcap cases, a test
+      # bug since fixed; the modifiers' backward tests, over 170 s):
       # sm90_bwd at head dims 96/192 and rounded up, its consumers' ordered dQ adds and its ordered
       # adds under a block mask (modifiers backward: sm90_bwd's deterministic mode*, the random
       # block masks, a repeated list entry), fa2_bwd with modifiers and block masks. Their GPU

@@ -18,17 +18,16 @@ namespace flashjit::test {
 
 inline constexpr float kE4m3Max = 448.f;
 
-// One tensor (rows, heads, head_dim) quantised per (batch, KV head): its e4m3 bits, its descales
-// (batch, heads_kv) and the dequantised values the reference reads.
+// One tensor (batch, seqlen, heads, head_dim) quantised per (batch, KV head): its e4m3 bits, its
+// descales (batch, heads_kv) and the dequantised values the reference reads.
 struct Quantised {
   std::vector<uint8_t> bits;
   std::vector<float> descale;
   std::vector<double> values;
 };
 
-inline Quantised quantise(const AttentionShape& s, int heads, const std::vector<float>& x) {
+inline Quantised quantise(const AttentionShape& s, int seqlen, int heads, const std::vector<float>& x) {
   const int d = s.head_dim, group = heads / s.heads_kv;
-  const int seqlen = heads == s.heads_q ? s.seqlen_q : s.seqlen_k;
   Quantised t;
   t.bits.resize(x.size());
   t.values.resize(x.size());
@@ -72,9 +71,9 @@ struct Fp8Case {
       xk[i] = normal(rng) * float(1 + (batch * s.heads_kv + head) % 3);
       xv[i] = 0.5f * normal(rng);
     }
-    q = quantise(s, s.heads_q, xq);
-    k = quantise(s, s.heads_kv, xk);
-    v = quantise(s, s.heads_kv, xv);
+    q = quantise(s, s.seqlen_q, s.heads_q, xq);
+    k = quantise(s, s.seqlen_k, s.heads_kv, xk);
+    v = quantise(s, s.seqlen_k, s.heads_kv, xv);
     reference_attention(s, q.values, k.values, v.values, want_out, want_lse, &want_magnitude);
   }
 
