@@ -119,7 +119,7 @@ std::vector<double> median_ms(const std::vector<std::function<void()>>& calls, i
 // CUDA-graph timing is the one to read.)
 int run_decode(const Options& o) {
   const DType dtype = parse_dtype(o.dtype);
-  const ScalarType scalar = dtype == DType::bf16 ? ScalarType::bfloat16 : ScalarType::float16;
+  const ScalarType scalar = detail::input_scalar_type(dtype);
   const int d = o.head_dims.front();
   if (o.page_size < 0) throw Error(ErrorCode::invalid_argument, "--page-size", "must be >= 0 (0: contiguous)");
   for (int s : o.seqlens)
@@ -246,7 +246,7 @@ int run_decode(const Options& o) {
 // training loop's steady state); checked_ms: with the header exchange and its wait on every call.
 int run_ring(const Options& o) {
   const DType dtype = parse_dtype(o.dtype);
-  const ScalarType scalar = dtype == DType::bf16 ? ScalarType::bfloat16 : ScalarType::float16;
+  const ScalarType scalar = detail::input_scalar_type(dtype);
   const ring::Layout layout = o.ring_layout == "zigzag" ? ring::Layout::zigzag : ring::Layout::contiguous;
   if (o.ring_layout != "zigzag" && o.ring_layout != "contiguous")
     throw Error(ErrorCode::invalid_argument, "--ring-layout", fmt::format("'{}' is not zigzag or contiguous", o.ring_layout));
@@ -404,7 +404,7 @@ int run_ring(const Options& o) {
 // started on an idle stream, so the loop measures the host (the kernels are cached and loaded).
 int run_host_cost(const Options& o) {
   const DType dtype = parse_dtype(o.dtype);
-  const ScalarType scalar = dtype == DType::bf16 ? ScalarType::bfloat16 : ScalarType::float16;
+  const ScalarType scalar = detail::input_scalar_type(dtype);
   const int d = o.head_dims.front();
   const DeviceProperties& device = device_properties(o.device);
   detail::make_context_current(o.device);
@@ -476,10 +476,7 @@ int run(const Options& o) {
   if (o.decode) return run_decode(o);
   if (!o.ring_sizes.empty()) return run_ring(o);
   // FP8: e4m3 q, k and v (no descales: 1), a bf16 out.
-  const ScalarType scalar = fp8                     ? ScalarType::float8_e4m3
-                            : dtype == DType::bf16 ? ScalarType::bfloat16
-                                                   : ScalarType::float16;
-  const ScalarType out_scalar = fp8 ? ScalarType::bfloat16 : scalar;
+  const ScalarType scalar = detail::input_scalar_type(dtype), out_scalar = detail::output_scalar_type(dtype);
   const size_t input_bytes = fp8 ? 1 : 2;
   Backend backend = Backend::automatic;
   if (o.backend == "reference") backend = Backend::reference;

@@ -158,7 +158,7 @@ detail::ForwardProblem problem_of(const TuneShape& s) {
   const bool fp8 = s.dtype == DType::e4m3;
   if (fp8 && (s.backward || s.kvcache))
     throw usage("dtype", fmt::format("{}: e4m3 (FP8) runs forward only (--pass fwd)", s.describe()));
-  const ScalarType t = fp8 ? ScalarType::float8_e4m3 : s.dtype == DType::bf16 ? ScalarType::bfloat16 : ScalarType::float16;
+  const ScalarType t = detail::input_scalar_type(s.dtype);
   for (int v : {s.batch, s.seqlen_q, s.seqlen_k, s.heads_q, s.heads_kv, s.head_dim})
     if (v < 1) throw usage("shape", fmt::format("{}: every extent must be positive", s.describe()));
   auto view = [&](int seqlen, int heads, ScalarType type) {
@@ -167,7 +167,7 @@ detail::ForwardProblem problem_of(const TuneShape& s) {
   };
   auto q = view(s.seqlen_q, s.heads_q, t);
   auto k = view(s.seqlen_k, s.heads_kv, t);
-  auto out = view(s.seqlen_q, s.heads_q, fp8 ? ScalarType::bfloat16 : t);  // (FP8: a bf16 out)
+  auto out = view(s.seqlen_q, s.heads_q, detail::output_scalar_type(s.dtype));  // (FP8: a bf16 out)
   AttentionOptions options;
   options.causal = s.causal;
   try {

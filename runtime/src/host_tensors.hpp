@@ -12,6 +12,7 @@
 
 #include "driver.hpp"
 #include "flashjit/codegen/kernel_spec.hpp"
+#include "flashjit/flashjit.hpp"
 
 namespace flashjit::detail {
 
@@ -29,6 +30,14 @@ class DeviceMemory {
  private:
   CUdeviceptr pointer_ = 0;
 };
+
+// The tensor type of a dtype's inputs, and of its output (FP8's is bf16).
+inline ScalarType input_scalar_type(DType dtype) {
+  return dtype == DType::e4m3 ? ScalarType::float8_e4m3 : dtype == DType::bf16 ? ScalarType::bfloat16 : ScalarType::float16;
+}
+inline ScalarType output_scalar_type(DType dtype) {
+  return dtype == DType::e4m3 ? ScalarType::bfloat16 : input_scalar_type(dtype);
+}
 
 inline uint16_t to_half_bits(float f, DType dtype) {
   if (dtype == DType::bf16) {

@@ -81,8 +81,7 @@ TuneResult tune(Runtime& runtime, const TuneShape& shape, const TuneOptions& o) 
   const bool fp8 = dtype == DType::e4m3;  // e4m3 q, k and v (no descales: 1), a bf16 out; forward only
   if (fp8 && (shape.backward || shape.kvcache))
     throw Error(ErrorCode::invalid_argument, "tune", "e4m3 (FP8) runs forward only: no backward or KV-cache pass to tune");
-  const ScalarType scalar = fp8 ? ScalarType::float8_e4m3 : dtype == DType::bf16 ? ScalarType::bfloat16 : ScalarType::float16;
-  const ScalarType out_scalar = fp8 ? ScalarType::bfloat16 : scalar;
+  const ScalarType scalar = input_scalar_type(dtype), out_scalar = output_scalar_type(dtype);
   const DType out_dtype = fp8 ? DType::bf16 : dtype;
   const size_t element_bytes = fp8 ? 1 : 2;
   auto report = [&](const char* stage, size_t done, size_t total) {
