@@ -631,6 +631,7 @@ __device__ void sm90_bwd_dkdv_atomic_dq_kernel(const AttentionSm90BwdParams& par
     asm volatile("ld.shared.v4.s32 {%0, %1, %2, %3}, [%4];\n"
                  : "=r"(m0), "=r"(head), "=r"(partial), "=r"(rank)
                  : "r"(base + Shape::kStepInfoOffset + 16 * stage));
+    rank = warp_uniform(rank);
     return {warp_uniform(m0), warp_uniform(head), warp_uniform(partial)};
   };
 
@@ -824,7 +825,7 @@ __device__ void sm90_bwd_dkdv_atomic_dq_kernel(const AttentionSm90BwdParams& par
       if (Shape::kRecordsSteps && dq_col0 == 0 && warp_in_group == 0 && lane == 0) {
         if constexpr (Shape::kRanksTurns)
           asm volatile("st.shared.v4.s32 [%0], {%1, %2, %3, %3};\n" ::"r"(buffer + Shape::kDqStepOffset), "r"(head),
-                       "r"(m0), "r"(warp_uniform(rank))
+                       "r"(m0), "r"(rank)
                        : "memory");
         else
           asm volatile("st.shared.v2.s32 [%0], {%1, %2};\n" ::"r"(buffer + Shape::kDqStepOffset), "r"(head), "r"(m0)
@@ -851,7 +852,7 @@ __device__ void sm90_bwd_dkdv_atomic_dq_kernel(const AttentionSm90BwdParams& par
     const int adder = tid - 128;
     DqTurn turn{};
     if constexpr (kConsumersTakeTurns)
-      turn = take_dq_turn(step, head, m0, warp_uniform(rank), adder, kDqTurnBarrier, Shape::kDqConsumerThreads);
+      turn = take_dq_turn(step, head, m0, rank, adder, kDqTurnBarrier, Shape::kDqConsumerThreads);
     float* accum = p.dq_accum + static_cast<long long>(head) * p.workspace_rows * f.head_dim;
     // Where the head dim is the kernel's, no column needs a bounds check: the atomics then share
     // one address register at constant offsets. Guarded, each sat in its own branch with its own

@@ -20,7 +20,10 @@ namespace {
 // and 224 up, the consumers' ordered adds) compiles without spills or serialised wgmma but has not
 // run on a device yet: backend=sm90 or a forced spec runs it, as the GPU tests do, and automatic
 // calls stay with fa2_bwd until a device run has passed. So does deterministic mode under a block
-// mask (the dq_visits ranks).
+// mask (the dq_visits ranks): its first device run (stop 57, H100) hung wherever a step added to dQ,
+// because the consumer that records a step's turn for the writer warps read it through a warp
+// shuffle inside its one-lane branch; the turn is now made warp-uniform where every lane reads it,
+// and the rerun is pending.
 std::optional<std::string> awaits_device_run(const PassProblem& problem) {
   if (problem.deterministic() && problem.forward.block_sparse)
     return std::string("its deterministic mode under a block mask (ordered by the key tiles' visits) awaits a device "

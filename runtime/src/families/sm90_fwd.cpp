@@ -41,23 +41,9 @@ TailSplit choose_tail_split(long long tiles, int ctas, int key_blocks, int reque
 
 namespace {
 
-// FP8 at head dim 256 with a window or a softcap runs 64-key tiles (128 keys leave no registers for
-// them), which have not run on a device yet: backend=sm90 or a forced spec runs them, as the GPU
-// tests do; automatic dispatch refuses them until a device run has passed.
-std::optional<std::string> awaits_device_run(const ForwardProblem& f) {
-  if (f.dtype == DType::e4m3 && family_kernel_head_dim(Family::sm90_fwd, f.head_dim) == 256 &&
-      (f.mask == MaskKind::window || f.has_softcap))
-    return std::string("FP8 at head dim 256 with a window or a softcap (64-key tiles) awaits a device run: "
-                       "backend=sm90 runs it");
-  return std::nullopt;
-}
-
 std::optional<std::string> unusable_reason(const PassProblem& problem, const Arch& arch) {
   if (auto reason = hopper_arch_reason(Family::sm90_fwd, arch)) return reason;
-  const ForwardProblem& f = problem.forward;
-  if (f.backend == Backend::automatic && !f.forced_kernel)
-    if (auto reason = awaits_device_run(f)) return reason;
-  return tma_unusable_reason(f);  // q, k and v are read through TMA maps
+  return tma_unusable_reason(problem.forward);  // q, k and v are read through TMA maps
 }
 
 // 64-row consumer warpgroups (two or three), key tiles in 16-key steps; validate() drops what the
