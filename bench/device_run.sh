@@ -3,7 +3,7 @@
 # carried along (the device has no -dev packages; binaries built here run there).
 #   bench/device_run.sh [build-dir] [what...]
 #   what: warm | tests | sanitize | sanitize-kvcache | python | host | sweep | grid | peers | fwdbwd |
-#   tune | profile | decode | decode-splits | ring | bwd-modes | pending
+#   tune | profile | decode | decode-splits | ring | fp8-vt | bwd-modes | pending
 #   (default: tests);
 #   FLASHJIT_BENCH_ARGS adds arguments to the flashjit-bench steps, PEERS_ARGS to the peers step,
 #   FWDBWD_ARGS to fwdbwd, RING_ARGS to ring's flashjit-bench runs (e.g. --backward).
@@ -173,7 +173,29 @@ for r in json.load(open('$out/grid_tuned.json'))['rows']:
         wait -n || status=1
       done
       for i in "${!ranked_tests[@]}"; do grep -vE '^[0-9.]+ s: ' "$out/pending_tests_$i.log" | tail -6; done
+      "$0" "$build" fp8-vt || status=1
       "$0" "$build" bwd-modes || status=1 ;;
+    fp8-vt)
+      # FP8 with V transposed before the forward (v_pretransposed, forced specs until this passes):
+      # its GPU tests, then each row's spec in that mode beside the heuristic's (V transposed in shared
+      # memory) in the same rounds, both layouts, then the mode's rows checked against the reference.
+      GPU_TEST_REPORT=$out/pipeline_costs.jsonl bounded "$build/tests/flashjit_gpu_tests" "fp8: V transposed beforehand*" \
+          2>&1 | tee "$out/fp8_vt_tests.log" | grep -vE '^[0-9.]+ s: ' | tail -6
+      [[ ${PIPESTATUS[0]} -eq 0 ]] || status=1
+      for layout in bshd bhsd; do
+        bounded "$build/tools/flashjit-bench" --dtype e4m3 --v-pretransposed --versus-heuristic --layout $layout \
+            --head-dims 64,128,256 --seqlens 2048,4096,8192,16384 --causal off,on --json > "$out/fp8_vt_$layout.json" || status=1
+      done
+      python3 -c "
+import json
+for layout in ('bshd', 'bhsd'):
+    for r in json.load(open('$out/fp8_vt_' + layout + '.json'))['rows']:
+        print(layout, r.get('head_dim'), r.get('seqlen'), 'causal' if r.get('causal') else 'full',
+              round(r['tflops']), 'vs', round(r['heuristic_tflops']), round(r['tflops'] / r['heuristic_tflops'], 3))
+" || status=1
+      bounded "$build/tools/flashjit-bench" --dtype e4m3 --v-pretransposed --check --head-dims 64,96,128,192,256 \
+          --seqlens 1024 --causal off,on --iters 2 2>&1 | tail -11
+      [[ ${PIPESTATUS[0]} -eq 0 ]] || status=1 ;;
     bwd-modes)
       # sm90_bwd beside fa2_bwd at the head dims automatic dispatch still leaves to fa2_bwd (kernel
       # head dims 96 and 192, and 32, 160 and 224 rounded up), and deterministic beside atomic from 64

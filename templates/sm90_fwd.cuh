@@ -56,7 +56,10 @@
 //   Vt ring (transpose_v_tiles; V's stage is then freed by them, Vt's by the consumers), with keys
 //   permuted within each 16 to match P's registers; P is rounded to e4m3 after an offset of 2^6
 //   (softmax_scores); q_descale k_descale scale the scores and v_descale O (per batch and KV head).
-//   O leaves from the registers (the Q slots' layout is for 8-bit values).
+//   O leaves from the registers (the Q slots' layout is for 8-bit values). Specs with
+//   v_pretransposed (kVPretransposed) take V^T from global memory instead, written before the
+//   forward by the module's transpose_v entry (sm90_fwd_transpose_v_kernel) with the same key order:
+//   the producer loads it by TMA into the Vt ring, and there is no V ring and no transposer.
 //   From templates/common/: the Q, K and V rings (pipeline.cuh), the persistent schedule and its
 //   published tiles (tile_scheduler.cuh), the band (mask.cuh), the online softmax (softmax.cuh).
 #pragma once
@@ -96,7 +99,12 @@ struct Sm90FwdShape {
   // keys fills only the first bytes of each row).
   static constexpr int kVtPanelBytes = kFp8 ? kHeadDim * 128 : 0;
   static constexpr int kVtTileBytes = kFp8 ? (kBlockN + 127) / 128 * kVtPanelBytes : 0;
-  static constexpr int kTransposeWarps = kFp8 ? 3 : 0;
+  // With v_pretransposed (kVPretransposed) V^T comes from global memory, written by the transpose_v
+  // entry before the forward: TMA fills the Vt ring, and there is no V ring and no transposer.
+  static constexpr bool kVPretransposed = Config::kVPretransposed != 0;
+  static_assert(!kVPretransposed || kFp8, "V is transposed beforehand for FP8 only");
+  static constexpr int kTransposeWarps = kFp8 && !kVPretransposed ? 3 : 0;
+  static constexpr int kVRingStages = kVPretransposed ? 0 : kStages;
   // Q slots: with two, the next work tile's Q loads while this one's runs (where shared memory
   // has room for a second; codegen decides).
   static constexpr int kQStages = Config::kQStages;
@@ -110,13 +118,14 @@ struct Sm90FwdShape {
   // FP8: the V slot that ends the transposers' loop (8 bytes).
   static constexpr int kSparseTileBytes = Mods::kBlockSparse ? 8 * kStages : 0;
   static constexpr int kEndSlotBytes = kFp8 ? 8 : 0;
-  static constexpr int kSmemBytes = 1024 + kQStages * kQBytes + 2 * kStages * kKVTileBytes + kStages * kVtTileBytes +
-                                    kBarrierBytes + 32 * kQStages + kSparseTileBytes + kEndSlotBytes;
+  static constexpr int kSmemBytes = 1024 + kQStages * kQBytes + (kStages + kVRingStages) * kKVTileBytes +
+                                    kStages * kVtTileBytes + kBarrierBytes + 32 * kQStages + kSparseTileBytes +
+                                    kEndSlotBytes;
   // Offsets from the 1024-aligned base: the Q slots, the K, V and (FP8) Vt rings, the barriers, and
   // the transposers' end slot.
   static constexpr int kKOffset = kQStages * kQBytes;
   static constexpr int kVOffset = kKOffset + kStages * kKVTileBytes;
-  static constexpr int kVtOffset = kVOffset + kStages * kKVTileBytes;
+  static constexpr int kVtOffset = kVOffset + kVRingStages * kKVTileBytes;
   static constexpr int kBarrierOffset = kVtOffset + kStages * kVtTileBytes;
   static constexpr int kEndSlotOffset = kBarrierOffset + kBarrierBytes + 32 * kQStages + kSparseTileBytes;
   // The V ring (its barriers after the Q slots' and K's full ones) and FP8's Vt ring (after all others).
@@ -248,6 +257,63 @@ __device__ void transpose_v_tiles(int transposer) {
   }
 }
 
+// v_pretransposed (FP8): V^T in global memory for the forward's Vt ring (AttentionSm90FwdParams::vt).
+// A CTA takes 64 keys of one sequence and KV head: their V rows into shared memory (16 bytes a
+// thread; bytes past the head dim and keys past the sequence read as zeros), then the kHeadDim rows
+// of V^T out, 4 columns a thread, the keys permuted within each 16 as transpose_v_tiles permutes
+// them. Columns stop at the sequence's length rounded up to 16 (beyond: the next sequence's room, or
+// TMA's zero fill).
+template <class Config>
+__device__ void sm90_fwd_transpose_v_kernel(const AttentionSm90FwdParams& params) {
+  using Shape = Sm90FwdShape<Config>;
+  if constexpr (Shape::kVPretransposed) {
+    constexpr int kHeadDim = Shape::kHeadDim, kKeys = 64, kChunks = kHeadDim / 16;
+    __shared__ __align__(16) unsigned char rows[kKeys][kHeadDim + 16];  // (+16: a row's bytes shift banks)
+    const AttentionFwdParams& p = params.fwd;
+    const bool varlen = p.cu_seqlens_k != nullptr;
+    const int key0 = blockIdx.x * kKeys, kv_head = blockIdx.y;
+    // (Batches past the grid's limit of 65535 take turns.)
+    for (int batch = blockIdx.z; batch < p.batch; batch += gridDim.z) {
+      const SequenceExtent seq = sequence_extent<true>(p, batch);
+      const int columns = (seq.seqlen_k + 15) / 16 * 16 - key0;  // this CTA's, a multiple of 16
+      if (columns <= 0) continue;
+      const unsigned char* v = static_cast<const unsigned char*>(p.v) + seq.v_batch_offset +
+                               static_cast<long long>(kv_head) * p.v_head_stride;
+      for (int i = threadIdx.x; i < kKeys * kChunks; i += blockDim.x) {
+        const int key = i / kChunks, byte0 = i % kChunks * 16;
+        uint4 chunk = make_uint4(0u, 0u, 0u, 0u);
+        if (key0 + key < seq.seqlen_k) {
+          const unsigned char* row = v + static_cast<long long>(seq.k_start + key0 + key) * p.v_row_stride;
+          if (byte0 + 16 <= p.head_dim) {
+            chunk = *reinterpret_cast<const uint4*>(row + byte0);
+          } else {
+            unsigned char bytes[16];
+#pragma unroll
+            for (int b = 0; b < 16; ++b) bytes[b] = byte0 + b < p.head_dim ? row[byte0 + b] : 0;
+            chunk = *reinterpret_cast<const uint4*>(bytes);
+          }
+        }
+        *reinterpret_cast<uint4*>(&rows[key][byte0]) = chunk;
+      }
+      __syncthreads();
+      // Sequence b's columns start at (cu_seqlens_k[b] + 16 b) rounded down to 16 when varlen: each
+      // sequence has room for its last 16 keys, and every start is 16-aligned.
+      unsigned char* vt = params.vt + static_cast<long long>(kv_head) * params.vt_head_stride + key0 +
+                          (varlen ? (seq.k_start + 16ll * batch) & ~15ll : batch * params.vt_batch_stride);
+      for (int i = threadIdx.x; i < kHeadDim * (kKeys / 4); i += blockDim.x) {
+        const int d = i / (kKeys / 4), column = i % (kKeys / 4) * 4;
+        if (column >= columns) continue;
+        // Columns 4 t .. 4 t + 3 of a group of 16 hold its keys 2 t, 2 t + 1, 2 t + 8 and 2 t + 9.
+        const int key = column / 16 * 16 + column % 16 / 2;
+        const unsigned packed = unsigned(rows[key][d]) | unsigned(rows[key + 1][d]) << 8 |
+                                unsigned(rows[key + 8][d]) << 16 | unsigned(rows[key + 9][d]) << 24;
+        *reinterpret_cast<unsigned*>(vt + static_cast<long long>(d) * params.vt_row_stride + column) = packed;
+      }
+      __syncthreads();  // (before the next batch's rows overwrite these)
+    }
+  }
+}
+
 template <class Config>
 __device__ void sm90_fwd_kernel(const AttentionSm90FwdParams& params) {
   using Shape = Sm90FwdShape<Config>;
@@ -316,15 +382,16 @@ __device__ void sm90_fwd_kernel(const AttentionSm90FwdParams& params) {
     // The producer thread fills a stage; lane 0 of each consumer warp frees it.
     q_ring.init(1, 4 * kConsumers);
     // (FP8: V stages are freed by the transposers, Vt stages by the consumers.)
+    // (V transposed beforehand: no V ring, and the producer fills the Vt ring.)
     const int v_readers = kFp8 ? Shape::kTransposeWarps : 4 * kConsumers;
     for (int s = 0; s < kStages; ++s) {  // K and V together, in the order of the kernel before the rings
       mbarrier_init(k_ring.full_barrier(s), 1);
-      mbarrier_init(v_ring.full_barrier(s), 1);
+      if (!Shape::kVPretransposed) mbarrier_init(v_ring.full_barrier(s), 1);
       mbarrier_init(k_ring.empty_barrier(s), 4 * kConsumers);
-      mbarrier_init(v_ring.empty_barrier(s), v_readers);
+      if (!Shape::kVPretransposed) mbarrier_init(v_ring.empty_barrier(s), v_readers);
     }
     if constexpr (kFp8) {
-      vt_ring.init(Shape::kTransposeWarps, 4 * kConsumers);
+      vt_ring.init(Shape::kVPretransposed ? 1 : Shape::kTransposeWarps, 4 * kConsumers);
       asm volatile("st.shared.s32 [%0], -1;\n" ::"r"(end_v_slot) : "memory");
     }
     fence_barrier_init();
@@ -333,7 +400,7 @@ __device__ void sm90_fwd_kernel(const AttentionSm90FwdParams& params) {
 
   if (group == 0) {  // producer
     registers_decrease<Shape::kProducerRegisters>();
-    if constexpr (kFp8) {
+    if constexpr (kFp8 && !Shape::kVPretransposed) {
       if (warp != 0) {
         transpose_v_tiles<Shape>(warp - 1);
         return;
@@ -359,7 +426,7 @@ __device__ void sm90_fwd_kernel(const AttentionSm90FwdParams& params) {
       publish_tile(published_tile(q_slot), index < num_work_items ? index : -1, work);
       if (index >= num_work_items) {
         mbarrier_arrive(bar_q_full(q_slot));
-        if constexpr (kFp8) {
+        if constexpr (kFp8 && !Shape::kVPretransposed) {
           // The transposers' end: the next V slot's full barrier completes with no load, once the
           // slot is free, after its number is published.
           v_ring.wait_empty(kv_count);
@@ -414,6 +481,17 @@ __device__ void sm90_fwd_kernel(const AttentionSm90FwdParams& params) {
           tma_load_4d(smem_ring + stage * Shape::kKVTileBytes + panel * Shape::kKVPanelBytes, map,
                       ring.full_barrier(stage), panel * Shape::kPanelValues, seq.k_start + n0, kv_head, tma_batch);
       };
+      // V^T from global memory (v_pretransposed) into the Vt ring: 128-key boxes of kHeadDim rows at
+      // the tile's columns (the sequence's own, when varlen: see sm90_fwd_transpose_v_kernel).
+      auto load_vt = [&](int i, const SparseTile& tile) {
+        const int slot = kv_count + i, stage = vt_ring.stage(slot);
+        vt_ring.wait_empty(slot);
+        mbarrier_arrive_expect_tx(vt_ring.full_barrier(stage), Shape::kVtTileBytes);
+        const int column0 = (varlen ? (seq.k_start + 16 * work.batch) & ~15 : 0) + tile.start;
+        for (int panel = 0; panel < Shape::kVtTileBytes / Shape::kVtPanelBytes; ++panel)
+          tma_load_4d(sVt + stage * Shape::kVtTileBytes + panel * Shape::kVtPanelBytes, params.vt_map,
+                      vt_ring.full_barrier(stage), column0 + 128 * panel, 0, kv_head, tma_batch);
+      };
       // The next tile is claimed before this one's last K and V loads, which wait for free slots: the
       // atomic's round trip overlaps those waits instead of delaying the next tile's Q and first K.
       // (The counter's value is first read after the loop, so the thread does not wait for it there;
@@ -431,7 +509,10 @@ __device__ void sm90_fwd_kernel(const AttentionSm90FwdParams& params) {
           load(sK, params.k_map, k_ring, i, k_tile, true);
           if constexpr (Mods::kBlockSparse) last_k_tile = k_tile;
         }
-        if (i > 0) load(sV, params.v_map, v_ring, i - 1, Mods::kBlockSparse ? v_tile : tile_at(i - 1), false);
+        if (i > 0) {
+          if constexpr (Shape::kVPretransposed) load_vt(i - 1, tile_at(i - 1));
+          else load(sV, params.v_map, v_ring, i - 1, Mods::kBlockSparse ? v_tile : tile_at(i - 1), false);
+        }
       }
       if (keys.count() == 0) claimed = claim_next_item();
       next_index = gridDim.x + claimed;

@@ -41,6 +41,7 @@ struct Options {
   int iters = 20;
   bool check = false;
   bool sweep = false;
+  bool v_pretransposed = false;
   bool backward = false;
   bool deterministic = false;
   bool json_output = false;
@@ -472,6 +473,8 @@ int run(const Options& o) {
   if (fp8 && (o.host_cost || o.decode || !o.ring_sizes.empty() || o.backward))
     throw Error(ErrorCode::invalid_argument, "--dtype",
                 "e4m3 (FP8) times the forward rows only: no --backward, --decode, --ring or --host-cost");
+  if (o.v_pretransposed && !fp8)
+    throw Error(ErrorCode::invalid_argument, "--v-pretransposed", "V transposed beforehand is an FP8 mode: add --dtype e4m3");
   if (o.host_cost) return run_host_cost(o);
   if (o.decode) return run_decode(o);
   if (!o.ring_sizes.empty()) return run_ring(o);
@@ -622,6 +625,13 @@ int run(const Options& o) {
           view_of(q), view_of(k), view_of(v), out_view, view_of(*dout), &lse_view, view_of(*dq), view_of(*dk), view_of(*dv), nullptr, options);
       return detail::select_backward_kernel(backward, device, tuning);
     };
+    // FP8 with V transposed beforehand: the row's spec (the sweep's winner, or dispatch's) in that mode;
+    // beside --versus-heuristic, the heuristic's spec without it, in the same rounds.
+    if (o.v_pretransposed) {
+      KernelSpec spec = options.kernel ? *options.kernel : dispatched(&runtime.tuning());
+      spec.v_pretransposed = true;
+      options.kernel = spec;
+    }
     const double flops = 4.0 * r.batch * r.heads * double(r.seqlen) * r.seqlen * r.head_dim /
                          (r.causal ? 2 : 1) * (o.backward ? 2.5 : 1.0);
     if (o.versus_heuristic) {
@@ -742,6 +752,8 @@ int main(int argc, char** argv) {
   app.add_option("--peak-tflops", o.peak_tflops, "The device's dense bf16 rate for the % of peak column (default: measured H200 764)");
   app.add_flag("--check", o.check, "Compare each row with the reference kernel");
   app.add_flag("--sweep", o.sweep, "Time every spill-free candidate of the row's family per row and keep the fastest");
+  app.add_flag("--v-pretransposed", o.v_pretransposed,
+               "FP8 rows: the spec with V transposed before the forward (a pass writes V^T; TMA loads it)");
   app.add_flag("--backward", o.backward, "Time the backward pass (dq, dk, dv) instead of the forward");
   app.add_flag("--deterministic", o.deterministic, "With --backward: the bitwise-reproducible dQ path");
   app.add_flag("--versus-heuristic", o.versus_heuristic,

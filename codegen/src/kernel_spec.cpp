@@ -144,6 +144,8 @@ std::optional<std::string> KernelSpec::validate() const {
     return fmt::format("{} does not order its dQ adds (sm90_bwd's deterministic mode does)", rules.name);
   if (tail_splits && !rules.takes_tail_splits)
     return fmt::format("{} does not split tails (the persistent sm90_fwd does)", rules.name);
+  if (v_pretransposed && (family != Family::sm90_fwd || dtype != DType::e4m3))
+    return std::string("v_pretransposed (V transposed before the forward) is an FP8 sm90_fwd mode");
   if (dtype == DType::e4m3) {
     if (!rules.takes_fp8) return fmt::format("{} has no FP8 kernels (e4m3 runs forward on sm90_fwd)", rules.name);
     if (modifier != nullptr || block_sparse || continues)
@@ -157,10 +159,11 @@ std::string KernelSpec::name() const {
   const std::string modifier_part = modifier != nullptr ? "_mod" + modifier->hash().substr(0, 12) : "";
   const char* split_part =
       tail_splits == default_tail_splits(family, mask, block_sparse) ? "" : tail_splits ? "_split" : "_nosplit";
-  return fmt::format("{}_{}_d{}_m{}n{}w{}s{}{}{}{}{}{}{}{}_sm{}{}", to_string(family), to_string(dtype),
+  return fmt::format("{}_{}_d{}_m{}n{}w{}s{}{}{}{}{}{}{}{}{}_sm{}{}", to_string(family), to_string(dtype),
                      head_dim, block_m, block_n, num_warps, num_stages, mask_part,
                      has_softcap ? "_softcap" : "", modifier_part, block_sparse ? "_sparse" : "",
-                     continues ? "_cont" : "", ordered_dq ? "_ordered" : "", split_part, arch.sm,
+                     continues ? "_cont" : "", ordered_dq ? "_ordered" : "", split_part,
+                     v_pretransposed ? "_vt" : "", arch.sm,
                      arch.arch_specific ? "a" : "");
 }
 
@@ -176,6 +179,7 @@ json KernelSpec::to_json() const {
   if (continues) j["continues"] = true;
   if (ordered_dq) j["ordered_dq"] = true;
   if (tail_splits != default_tail_splits(family, mask, block_sparse)) j["tail_splits"] = tail_splits;
+  if (v_pretransposed) j["v_pretransposed"] = true;
   return j;
 }
 
@@ -183,7 +187,7 @@ KernelSpec KernelSpec::from_json(const json& j) {
   static const std::vector<std::string> kFields{"family",  "arch",      "dtype",      "head_dim",
                                                 "block_m", "block_n",   "num_warps",  "num_stages",
                                                 "mask",    "softcap",   "modifier",   "block_sparse",
-                                                "continues", "ordered_dq", "tail_splits"};
+                                                "continues", "ordered_dq", "tail_splits", "v_pretransposed"};
   auto fail = [](const std::string& message) {
     return Error(ErrorCode::invalid_argument, "spec JSON", message);
   };
@@ -243,6 +247,11 @@ KernelSpec KernelSpec::from_json(const json& j) {
     if (!it->is_boolean()) throw fail(fmt::format("field 'tail_splits' must be true or false, got {}", it->dump()));
     s.tail_splits = it->get<bool>();
   }
+  if (auto it = j.find("v_pretransposed"); it != j.end()) {
+    if (!it->is_boolean())
+      throw fail(fmt::format("field 'v_pretransposed' must be true or false, got {}", it->dump()));
+    s.v_pretransposed = it->get<bool>();
+  }
   return s;
 }
 
@@ -251,7 +260,7 @@ bool KernelSpec::operator==(const KernelSpec& o) const {
          block_m == o.block_m && block_n == o.block_n && num_warps == o.num_warps &&
          num_stages == o.num_stages && mask == o.mask && has_softcap == o.has_softcap &&
          block_sparse == o.block_sparse && continues == o.continues && ordered_dq == o.ordered_dq &&
-         tail_splits == o.tail_splits &&
+         tail_splits == o.tail_splits && v_pretransposed == o.v_pretransposed &&
          (modifier == o.modifier || (modifier != nullptr && o.modifier != nullptr && *modifier == *o.modifier));
 }
 
@@ -262,7 +271,7 @@ size_t KernelSpecHash::operator()(const KernelSpec& s) const noexcept {
                      uint64_t(s.head_dim), uint64_t(s.block_m), uint64_t(s.block_n),
                      uint64_t(s.num_warps), uint64_t(s.num_stages), uint64_t(s.mask),
                      uint64_t(s.has_softcap), uint64_t(s.block_sparse), uint64_t(s.continues),
-                     uint64_t(s.ordered_dq), uint64_t(s.tail_splits)})
+                     uint64_t(s.ordered_dq), uint64_t(s.tail_splits), uint64_t(s.v_pretransposed)})
     packed = packed * 0x100000001b3ull ^ v;
   if (s.modifier != nullptr) packed = packed * 0x100000001b3ull ^ std::hash<std::string>{}(s.modifier->hash());
   return std::hash<uint64_t>{}(packed);

@@ -121,6 +121,14 @@ struct AttentionSm90FwdParams {
   // FP8 (e4m3) specs: dequantisation factors (FlashAttention-3's q/k/v_descale), float32 per (batch,
   // KV head): the scores are (Q K^T) q_descale k_descale and O is (P V) v_descale. Null: 1.
   Fp8Descale q_descale, k_descale, v_descale;
+  // FP8 specs with v_pretransposed: V^T, written by the transpose_v entry before the forward and
+  // read through vt_map (a (batch, heads_kv, head_dim, columns) tensor, columns contiguous and
+  // 128-key boxes of head_dim rows). Within each 16 keys column 4 t + i holds key 2 t + (i & 1) +
+  // 8 (i >> 1), as in the shared-memory transpose. Columns: keys, rounded up to 16; varlen packs the
+  // sequences with 16 columns of room each (sequence b starts at column cu_seqlens_k[b] + 16 b).
+  TmaDescriptor vt_map;
+  unsigned char* vt;
+  long long vt_row_stride, vt_head_stride, vt_batch_stride;
 };
 
 // Backward attention (fa2_bwd). `fwd` holds the forward's inputs and options: q, k, v, o, the

@@ -49,6 +49,31 @@ TEST_CASE("fp8: every FP8 tile shape of sm90_fwd, full and causal, GQA, against 
     }
 }
 
+// V transposed before the forward (v_pretransposed: the transpose_v entry writes V^T, TMA loads it
+// into the Vt ring): the defaults, a partly filled 128-key panel and three stages, full and causal,
+// key counts that end inside a group of 16 and inside a 64-key chunk of the pass.
+TEST_CASE("fp8: V transposed beforehand, every head dim, full and causal, against float64", "[forward][sm90][fp8]") {
+  if (!hopper_or_skip("FP8 attention runs on sm_90")) return;
+  struct Tiles {
+    int d, block_m, block_n, stages;
+  };
+  uint64_t seed = 8600;
+  for (Tiles t : {Tiles{64, 192, 128, 2}, Tiles{96, 128, 128, 2}, Tiles{128, 192, 96, 2}, Tiles{128, 128, 128, 3},
+                  Tiles{192, 128, 128, 2}, Tiles{256, 128, 128, 2}, Tiles{256, 128, 96, 2}})
+    for (MaskKind mask : {MaskKind::none, MaskKind::causal}) {
+      AttentionShape shape = AttentionShape::make(2, 333, 590, 4, 2, t.d);
+      shape.causal = mask == MaskKind::causal;
+      KernelSpec spec = fp8_tile(t.d, mask, t.block_m, t.block_n, t.stages);
+      spec.v_pretransposed = true;
+      REQUIRE_FALSE(spec.validate().has_value());
+      AttentionOptions options;
+      options.causal = shape.causal;
+      options.kernel = spec;
+      INFO(spec.name());
+      Fp8Case(shape, seed++).run_and_check(options);
+    }
+}
+
 namespace {
 
 // The heuristic's FP8 kernels at head dim `d` on a window (GQA 8), a softcap (two batches) and one causal

@@ -110,6 +110,15 @@ std::vector<KernelSpec> sweep_specs(const Arch& arch) {
       partial_panel.num_warps = 12;
       partial_panel.block_n = d <= 128 ? 192 : 96;
       specs.push_back(partial_panel);
+      // V transposed beforehand (the transpose_v entry, TMA into the Vt ring): unmasked (causal at
+      // 256, where the unmasked 128 x 128 tile spills 24 bytes, the descale product) and the partly
+      // filled panel.
+      const MaskKind plain_mask = d == 256 ? MaskKind::causal : MaskKind::none;
+      const KernelSpec plain = default_spec(Family::sm90_fwd, arch, DType::e4m3, d, plain_mask);
+      for (KernelSpec pretransposed : {plain, partial_panel}) {
+        pretransposed.v_pretransposed = true;
+        specs.push_back(pretransposed);
+      }
     }
   // Ring attention's continuing forward and backward, unmasked and causal (the calls a ring makes),
   // and with a window and a softcap together (the most code).

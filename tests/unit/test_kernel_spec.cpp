@@ -4,6 +4,7 @@
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
 
+#include <algorithm>
 #include <fstream>
 #include <unordered_set>
 
@@ -173,6 +174,37 @@ TEST_CASE("ordered dQ adds: sm90_bwd's at every tile, their own name, hash and J
   fa2.ordered_dq = true;
   REQUIRE(fa2.validate());
   CHECK_THAT(*fa2.validate(), Catch::Contains("fa2_bwd does not order its dQ adds"));
+}
+
+TEST_CASE("v_pretransposed: FP8 sm90_fwd's V transposed beforehand, its name, hash, JSON and layout", "[spec]") {
+  const Arch hopper = Arch::parse("sm_90a");
+  KernelSpec s = default_spec(Family::sm90_fwd, hopper, DType::e4m3, 128, MaskKind::causal);
+  const KernelSpec plain = s;
+  s.v_pretransposed = true;
+  CHECK_FALSE(s.validate().has_value());
+  CHECK(s.name() == "sm90_fwd_e4m3_d128_m192n96w16s2_causal_vt_sm90a");
+  CHECK(s != plain);
+  CHECK(KernelSpecHash{}(s) != KernelSpecHash{}(plain));
+  const json j = s.to_json();
+  CHECK(j.at("v_pretransposed") == true);
+  CHECK(KernelSpec::from_json(j) == s);
+  CHECK(plain.to_json().count("v_pretransposed") == 0);
+  json bad = j;
+  bad["v_pretransposed"] = 1;
+  CHECK_THROWS_WITH(KernelSpec::from_json(bad), Catch::Contains("'v_pretransposed' must be true or false"));
+  // No V ring (one K/V tile less of shared memory per stage), and the entry that writes V^T.
+  const KernelLayout layout = kernel_layout(s), plain_layout = kernel_layout(plain);
+  CHECK(layout.constant("kVPretransposed") == 1);
+  CHECK(plain_layout.constant("kSmemBytes") - layout.constant("kSmemBytes") == 2 * 96 * 128);
+  CHECK(layout.entries.size() == plain_layout.entries.size());
+  CHECK(std::any_of(layout.entries.begin(), layout.entries.end(), [](const auto& e) { return e.name == "transpose_v"; }));
+  for (KernelSpec other : {default_spec(Family::sm90_fwd, hopper, DType::bf16, 128),
+                           default_spec(Family::fa2_fwd, Arch::parse("sm_80"), DType::bf16, 128)}) {
+    other.v_pretransposed = true;
+    REQUIRE(other.validate());
+    CHECK_THAT(*other.validate(),
+               Catch::Contains("v_pretransposed (V transposed before the forward) is an FP8 sm90_fwd mode"));
+  }
 }
 
 TEST_CASE("FP8 (e4m3): sm90_fwd's tiles of whole k32 steps, its name and JSON; refused elsewhere with the reason",

@@ -19,10 +19,11 @@ int smem_bytes_with(const KernelSpec& s, int q_stages) {
   const int q_bytes = panels(s) * s.block_m * 128, kv_tile_bytes = panels(s) * s.block_n * 128;
   const int key_tile_info_bytes = s.block_sparse ? 8 * s.num_stages : 0;  // each K stage's tile under a block mask
   // FP8: a ring of transposed V tiles (128-key panels of head_dim rows), its barriers, and the
-  // transposers' end slot.
+  // transposers' end slot. With V transposed beforehand TMA fills the Vt ring and there is no V ring.
   const int vt_tile_bytes = (s.block_n + 127) / 128 * s.head_dim * 128;
   const int vt_ring_bytes = fp8(s) ? s.num_stages * (vt_tile_bytes + 16) + 8 : 0;
-  return 1024 + q_stages * q_bytes + 2 * s.num_stages * kv_tile_bytes + 8 * (2 * q_stages + 4 * s.num_stages) +
+  const int kv_rings = s.v_pretransposed ? 1 : 2;
+  return 1024 + q_stages * q_bytes + kv_rings * s.num_stages * kv_tile_bytes + 8 * (2 * q_stages + 4 * s.num_stages) +
          32 * q_stages + key_tile_info_bytes + vt_ring_bytes;
 }
 // Two Q slots (the next work tile's Q loads during this one) where shared memory has room.
@@ -45,6 +46,8 @@ int smem_bytes(const KernelSpec& s) { return smem_bytes_with(s, q_stages(s)); }
 int consumer_registers_needed(const KernelSpec& s);
 // FP8's producer warpgroup also transposes V (three warps), which spilled in 24 registers at head
 // dim 128: where the consumers' need leaves room, the split gives it 40 (two consumers) or 56 (three).
+// (With V transposed beforehand there are no transposers, but the producer's Vt loads spilled 24
+// bytes in 24 registers at head dim 256: the split stays.)
 bool fp8_producer_gets_more(const KernelSpec& s) {
   return fp8(s) && consumer_registers_needed(s) <= (consumers(s) == 2 ? 232 : 152);
 }
@@ -130,6 +133,7 @@ int threads(const KernelSpec& s) { return 32 * s.num_warps; }
 std::vector<KernelConstant> constants(const KernelSpec& s) {
   return {{"kQStages", q_stages(s)},
           {"kTailSplits", s.tail_splits ? 1 : 0},
+          {"kVPretransposed", s.v_pretransposed ? 1 : 0},
           {"kSmemBytes", smem_bytes(s)},
           {"kProducerRegisters", producer_registers(s)},
           {"kConsumerRegisters", consumer_register_budget(s)},
@@ -155,7 +159,8 @@ const FamilyRules kSm90FwdRules{
     "sm90_fwd",
     "sm90_fwd.cuh",
     /*computes_gradients=*/false,
-    {{"forward", "flashjit::AttentionSm90FwdParams", "flashjit::kernels::sm90_fwd_kernel", true, "kSmemBytes"}},
+    {{"forward", "flashjit::AttentionSm90FwdParams", "flashjit::kernels::sm90_fwd_kernel", true, "kSmemBytes"},
+     {"transpose_v", "flashjit::AttentionSm90FwdParams", "flashjit::kernels::sm90_fwd_transpose_v_kernel", true}},
     /*min_sm=*/90,
     /*needs_arch_specific=*/true,
     /*head_dims=*/{64, 96, 128, 192, 256},

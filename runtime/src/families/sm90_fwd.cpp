@@ -5,6 +5,7 @@
 #include "sm90_fwd.hpp"
 
 #include <algorithm>
+#include <optional>
 
 #include <fmt/format.h>
 
@@ -47,7 +48,8 @@ std::optional<std::string> unusable_reason(const PassProblem& problem, const Arc
 }
 
 // 64-row consumer warpgroups (two or three), key tiles in 16-key steps; validate() drops what the
-// registers or shared memory cannot hold.
+// registers or shared memory cannot hold. (FP8 with V transposed beforehand, v_pretransposed, joins
+// them once its GPU tests have passed on a device: until then a forced spec runs it.)
 std::vector<KernelSpec> tuning_candidates(const KernelSpec& base) {
   std::vector<KernelSpec> candidates;
   for (int block_m : {128, 192})
@@ -137,9 +139,44 @@ Workspace workspace_layout(const KernelLayout& layout, const AttentionSm90FwdPar
   return w;
 }
 
+// v_pretransposed (FP8): V^T's extent (AttentionSm90FwdParams::vt): the kernel's head dim rows of
+// `columns` keys per (batch, KV head), columns rounded up to 16; varlen packs the sequences in one
+// batch entry with 16 columns of room each.
+struct TransposedV {
+  long long columns;
+  int batches;
+  size_t bytes;
+};
+TransposedV transposed_v_extent(const ForwardProblem& problem, const KernelSpec& spec) {
+  TransposedV t;
+  t.columns = problem.is_varlen ? (problem.total_k + 16ll * problem.batch + 15) / 16 * 16
+                                : (problem.seqlen_k + 15ll) / 16 * 16;
+  t.batches = problem.is_varlen ? 1 : problem.batch;
+  t.bytes = static_cast<size_t>(t.columns) * spec.head_dim * problem.heads_kv * t.batches;
+  return t;
+}
+
 void run(const FamilyCall& call) {
   const ForwardProblem& problem = call.forward();
   AttentionSm90FwdParams params = hopper_params(call.spec, problem, call.device);
+  // V transposed beforehand (FP8 specs with v_pretransposed): its pass runs first, into scratch
+  // memory that lives (stream-ordered) until the forward has read it.
+  std::optional<StreamWorkspace> transposed_v;
+  if (call.spec.v_pretransposed && problem.batch > 0 && problem.seqlen_k > 0 && problem.heads_kv > 0) {
+    const TransposedV t = transposed_v_extent(problem, call.spec);
+    transposed_v.emplace(problem.device, call.stream, t.bytes);
+    params.vt = reinterpret_cast<unsigned char*>(transposed_v->get());
+    params.vt_row_stride = t.columns;
+    params.vt_head_stride = t.columns * call.spec.head_dim;
+    params.vt_batch_stride = params.vt_head_stride * problem.heads_kv;
+    params.vt_map = make_attention_tma_map(params.vt, DType::e4m3, static_cast<int>(t.columns), call.spec.head_dim,
+                                           problem.heads_kv, t.batches, params.vt_row_stride, params.vt_head_stride,
+                                           params.vt_batch_stride, call.spec.head_dim);
+    call.launch("transpose_v",
+                Grid{static_cast<unsigned>(blocks(problem.seqlen_k, 64)), static_cast<unsigned>(problem.heads_kv),
+                     static_cast<unsigned>(std::min(problem.batch, 65535))},
+                params);
+  }
   // One CTA per SM the caller leaves to it, or per work item when there are fewer.
   const long long items = static_cast<long long>(params.num_m_blocks) * problem.heads_q * problem.batch +
                           static_cast<long long>(params.num_split_tiles) * (params.splits - 1);

@@ -14,6 +14,7 @@ struct Config {
   static constexpr int kArch = 90;
   static constexpr int kQStages = 2;
   static constexpr int kTailSplits = 1;
+  static constexpr int kVPretransposed = 0;
   static constexpr int kSmemBytes = 148640;
   static constexpr int kProducerRegisters = 24;
   static constexpr int kConsumerRegisters = 240;
@@ -43,4 +44,9 @@ struct Config {
 extern "C" __global__ void __launch_bounds__(384, 1)
 flashjit_sm90_fwd_forward(const __grid_constant__ flashjit::AttentionSm90FwdParams params) {
   flashjit::kernels::sm90_fwd_kernel<flashjit_generated::Config>(params);
+}
+
+extern "C" __global__ void __launch_bounds__(384, 1)
+flashjit_sm90_fwd_transpose_v(const __grid_constant__ flashjit::AttentionSm90FwdParams params) {
+  flashjit::kernels::sm90_fwd_transpose_v_kernel<flashjit_generated::Config>(params);
 }

@@ -75,6 +75,10 @@ struct KernelSpec {
   // that splits has them where its mask is none and no block mask (default_tail_splits); a masked
   // call asks for them with num_splits > 1. Without them sm90_fwd is a quarter less code to compile.
   bool tail_splits = false;
+  // FP8 sm90_fwd: V comes transposed from global memory (a pass before the forward writes V^T with
+  // the keys permuted as P's registers hold them, and TMA loads it), instead of being transposed in
+  // shared memory by the producer warpgroup's three spare warps.
+  bool v_pretransposed = false;
 
   bool has_mask_modifier() const { return modifier != nullptr && modifier->has_mask(); }
   bool has_score_modifier() const { return modifier != nullptr && modifier->has_score(); }
@@ -83,11 +87,12 @@ struct KernelSpec {
   std::optional<std::string> validate() const;
   // Readable, unique and stable across versions: fa2_fwd_bf16_d128_m128n64w4s2_causal_sm80 (a
   // modifier adds _mod<its hash>, a block mask _sparse, a continuation _cont, ordered dQ adds
-  // _ordered, tail splits other than the default _split or _nosplit).
+  // _ordered, tail splits other than the default _split or _nosplit, V transposed beforehand _vt).
   std::string name() const;
 
   nlohmann::json to_json() const;
-  // Strict: every field required (but "modifier", "block_sparse", "continues", "ordered_dq" and "tail_splits", absent
+  // Strict: every field required (but "modifier", "block_sparse", "continues", "ordered_dq", "tail_splits" and
+  // "v_pretransposed", absent
   // in plain specs: tail_splits is then its default), unknown fields and bad values rejected with
   // Error(invalid_argument).
   static KernelSpec from_json(const nlohmann::json& j);
