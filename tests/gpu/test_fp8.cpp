@@ -12,66 +12,53 @@ using namespace flashjit::test;
 
 namespace {
 
-// sm90_fwd's default FP8 spec for `d` and `mask` with its tile fields replaced.
-KernelSpec fp8_tile(int d, MaskKind mask, int block_m, int block_n, int stages) {
-  KernelSpec spec = default_spec(Family::sm90_fwd, device_properties(0).arch(), DType::e4m3, d, mask);
-  spec.block_m = block_m;
-  spec.block_n = block_n;
-  spec.num_warps = 4 * (1 + block_m / 64);
-  spec.num_stages = stages;
-  return spec;
+// sm90_fwd's FP8 tiles: head dim, query rows (two or three consumers), keys and stages.
+struct Tiles {
+  int d, block_m, block_n, stages;
+};
+
+// Each tile's spec (the default FP8 spec for its head dim and mask with its tile fields replaced,
+// and V transposed beforehand or in shared memory), full and causal, against float64 on 333 query
+// rows and 590 keys (which end inside a group of 16 keys and inside a 64-key chunk), GQA 2.
+void check_tiles(std::initializer_list<Tiles> tiles, bool v_pretransposed, uint64_t seed) {
+  for (Tiles t : tiles)
+    for (MaskKind mask : {MaskKind::none, MaskKind::causal}) {
+      AttentionShape shape = AttentionShape::make(2, 333, 590, 4, 2, t.d);
+      shape.causal = mask == MaskKind::causal;
+      KernelSpec spec = default_spec(Family::sm90_fwd, device_properties(0).arch(), DType::e4m3, t.d, mask);
+      spec.block_m = t.block_m;
+      spec.block_n = t.block_n;
+      spec.num_warps = 4 * (1 + t.block_m / 64);
+      spec.num_stages = t.stages;
+      spec.v_pretransposed = v_pretransposed;
+      REQUIRE_FALSE(spec.validate().has_value());
+      AttentionOptions options;
+      options.causal = shape.causal;
+      options.kernel = spec;
+      INFO(spec.name());
+      Fp8Case(shape, seed++).run_and_check(options);
+    }
 }
 
 }  // namespace
 
 TEST_CASE("fp8: every FP8 tile shape of sm90_fwd, full and causal, GQA, against float64", "[forward][sm90][fp8]") {
   if (!hopper_or_skip("FP8 attention runs on sm_90")) return;
-  struct Tiles {
-    int d, block_m, block_n, stages;
-  };
   // The defaults (d64 m192n128, d128 m192n96, d256 m128n128), and the key tiles that are not whole
   // 128-key Vt panels, the widest the registers admit, three consumers and three stages.
-  uint64_t seed = 8100;
-  for (Tiles t : {Tiles{64, 192, 128, 2}, Tiles{64, 128, 256, 2}, Tiles{64, 128, 192, 2}, Tiles{64, 128, 64, 3},
-                  Tiles{64, 192, 96, 2}, Tiles{128, 192, 96, 2}, Tiles{128, 128, 128, 2}, Tiles{128, 128, 192, 2},
-                  Tiles{128, 128, 160, 2}, Tiles{128, 128, 96, 3}, Tiles{128, 192, 64, 2}, Tiles{256, 128, 128, 2},
-                  Tiles{256, 128, 96, 2}, Tiles{256, 128, 64, 2}})
-    for (MaskKind mask : {MaskKind::none, MaskKind::causal}) {
-      AttentionShape shape = AttentionShape::make(2, 333, 590, 4, 2, t.d);
-      shape.causal = mask == MaskKind::causal;
-      const KernelSpec spec = fp8_tile(t.d, mask, t.block_m, t.block_n, t.stages);
-      REQUIRE_FALSE(spec.validate().has_value());
-      AttentionOptions options;
-      options.causal = shape.causal;
-      options.kernel = spec;
-      INFO(spec.name());
-      Fp8Case(shape, seed++).run_and_check(options);
-    }
+  check_tiles({{64, 192, 128, 2}, {64, 128, 256, 2}, {64, 128, 192, 2}, {64, 128, 64, 3}, {64, 192, 96, 2},
+               {128, 192, 96, 2}, {128, 128, 128, 2}, {128, 128, 192, 2}, {128, 128, 160, 2}, {128, 128, 96, 3},
+               {128, 192, 64, 2}, {256, 128, 128, 2}, {256, 128, 96, 2}, {256, 128, 64, 2}},
+              /*v_pretransposed=*/false, 8100);
 }
 
 // V transposed before the forward (v_pretransposed: the transpose_v entry writes V^T, TMA loads it
-// into the Vt ring): the defaults, a partly filled 128-key panel and three stages, full and causal,
-// key counts that end inside a group of 16 and inside a 64-key chunk of the pass.
+// into the Vt ring): the defaults of every head dim, a partly filled 128-key panel, three stages.
 TEST_CASE("fp8: V transposed beforehand, every head dim, full and causal, against float64", "[forward][sm90][fp8]") {
   if (!hopper_or_skip("FP8 attention runs on sm_90")) return;
-  struct Tiles {
-    int d, block_m, block_n, stages;
-  };
-  uint64_t seed = 8600;
-  for (Tiles t : {Tiles{64, 192, 128, 2}, Tiles{96, 128, 128, 2}, Tiles{128, 192, 96, 2}, Tiles{128, 128, 128, 3},
-                  Tiles{192, 128, 128, 2}, Tiles{256, 128, 128, 2}, Tiles{256, 128, 96, 2}})
-    for (MaskKind mask : {MaskKind::none, MaskKind::causal}) {
-      AttentionShape shape = AttentionShape::make(2, 333, 590, 4, 2, t.d);
-      shape.causal = mask == MaskKind::causal;
-      KernelSpec spec = fp8_tile(t.d, mask, t.block_m, t.block_n, t.stages);
-      spec.v_pretransposed = true;
-      REQUIRE_FALSE(spec.validate().has_value());
-      AttentionOptions options;
-      options.causal = shape.causal;
-      options.kernel = spec;
-      INFO(spec.name());
-      Fp8Case(shape, seed++).run_and_check(options);
-    }
+  check_tiles({{64, 192, 128, 2}, {96, 128, 128, 2}, {128, 192, 96, 2}, {128, 128, 128, 3}, {192, 128, 128, 2},
+               {256, 128, 128, 2}, {256, 128, 96, 2}},
+              /*v_pretransposed=*/true, 8600);
 }
 
 namespace {
