@@ -23,8 +23,8 @@ int smem_bytes_with(const KernelSpec& s, int q_stages) {
   const int vt_tile_bytes = (s.block_n + 127) / 128 * s.head_dim * 128;
   const int vt_ring_bytes = fp8(s) ? s.num_stages * (vt_tile_bytes + 16) + 8 : 0;
   const int kv_rings = s.v_pretransposed ? 1 : 2;
-  return 1024 + q_stages * q_bytes + kv_rings * s.num_stages * kv_tile_bytes + 8 * (2 * q_stages + 4 * s.num_stages) +
-         32 * q_stages + key_tile_info_bytes + vt_ring_bytes;
+  return 1024 + q_stages * q_bytes + kv_rings * s.num_stages * kv_tile_bytes +
+         8 * (2 * q_stages + 4 * s.num_stages) + 32 * q_stages + key_tile_info_bytes + vt_ring_bytes;
 }
 // Two Q slots (the next work tile's Q loads during this one) where shared memory has room.
 int q_stages(const KernelSpec& s) { return smem_bytes_with(s, 2) <= max_smem_per_block(s.arch) ? 2 : 1; }
@@ -46,8 +46,7 @@ int smem_bytes(const KernelSpec& s) { return smem_bytes_with(s, q_stages(s)); }
 int consumer_registers_needed(const KernelSpec& s);
 // FP8's producer warpgroup also transposes V (three warps), which spilled in 24 registers at head
 // dim 128: where the consumers' need leaves room, the split gives it 40 (two consumers) or 56 (three).
-// (With V transposed beforehand there are no transposers, but the producer's Vt loads spilled 24
-// bytes in 24 registers at head dim 256: the split stays.)
+// (With V transposed beforehand there are no transposers; the split stays as it is, untimed.)
 bool fp8_producer_gets_more(const KernelSpec& s) {
   return fp8(s) && consumer_registers_needed(s) <= (consumers(s) == 2 ? 232 : 152);
 }

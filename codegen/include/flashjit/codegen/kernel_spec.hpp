@@ -91,10 +91,9 @@ struct KernelSpec {
   std::string name() const;
 
   nlohmann::json to_json() const;
-  // Strict: every field required (but "modifier", "block_sparse", "continues", "ordered_dq", "tail_splits" and
-  // "v_pretransposed", absent
-  // in plain specs: tail_splits is then its default), unknown fields and bad values rejected with
-  // Error(invalid_argument).
+  // Strict: every field required (but "modifier", "block_sparse", "continues", "ordered_dq",
+  // "tail_splits" and "v_pretransposed", absent in plain specs: tail_splits is then its default),
+  // unknown fields and bad values rejected with Error(invalid_argument).
   static KernelSpec from_json(const nlohmann::json& j);
 
   bool operator==(const KernelSpec& o) const;
