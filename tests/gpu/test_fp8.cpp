@@ -61,6 +61,29 @@ TEST_CASE("fp8: V transposed beforehand, every head dim, full and causal, agains
               /*v_pretransposed=*/true, 8600);
 }
 
+// Varlen, both V modes: sequences whose key counts end inside a group of 16, one shorter than 16,
+// and one past a 64-key chunk of the transpose pass, packed back to back (so V^T's columns for
+// sequence b start 16 b past its first key, rounded down to 16); full and causal, GQA 2.
+TEST_CASE("fp8: varlen, V transposed in shared memory and beforehand, against float64", "[forward][sm90][fp8]") {
+  if (!hopper_or_skip("FP8 attention runs on sm_90")) return;
+  uint64_t seed = 8700;
+  for (int d : {64, 128, 256})
+    for (bool v_pretransposed : {false, true})
+      for (MaskKind mask : {MaskKind::none, MaskKind::causal}) {
+        AttentionShape shape = AttentionShape::make(3, 0, 0, 4, 2, d);
+        shape.seqlens_q = {37, 300, 129};
+        shape.seqlens_k = {53, 333, 9};
+        shape.causal = mask == MaskKind::causal;
+        KernelSpec spec = default_spec(Family::sm90_fwd, device_properties(0).arch(), DType::e4m3, d, mask);
+        spec.v_pretransposed = v_pretransposed;
+        AttentionOptions options;
+        options.causal = shape.causal;
+        options.kernel = spec;
+        INFO(spec.name() << " varlen");
+        Fp8Case(shape, seed++).run_and_check(options);
+      }
+}
+
 namespace {
 
 // The heuristic's FP8 kernels at head dim `d` on a window (GQA 8), a softcap (two batches) and one causal
