@@ -179,7 +179,7 @@ for r in json.load(open('$out/grid_tuned.json'))['rows']:
       # FP8 with V transposed before the forward (v_pretransposed, forced specs until this passes):
       # its GPU tests, then each row's spec in that mode beside the heuristic's (V transposed in shared
       # memory) in the same rounds, both layouts, then the mode's rows checked against the reference.
-      GPU_TEST_REPORT=$out/pipeline_costs.jsonl bounded "$build/tests/flashjit_gpu_tests" "fp8: V transposed beforehand*" \
+      GPU_TEST_REPORT=$out/pipeline_costs.jsonl bounded "$build/tests/flashjit_gpu_tests" "fp8: V transposed beforehand*,fp8: varlen*" \
           2>&1 | tee "$out/fp8_vt_tests.log" | grep -vE '^[0-9.]+ s: ' | tail -6
       [[ ${PIPESTATUS[0]} -eq 0 ]] || status=1
       for layout in bshd bhsd; do
