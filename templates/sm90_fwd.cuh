@@ -257,6 +257,13 @@ __device__ void transpose_v_tiles(int transposer) {
   }
 }
 
+// v_pretransposed, varlen: the first of sequence `batch`'s columns of V^T. Each sequence before it has
+// 16 columns of room past its keys, and the start is rounded down to 16, so every sequence's
+// permuted groups of 16 keys stay its own. (The host sizes V^T by the same rule.)
+__device__ __forceinline__ int transposed_v_first_column(const SequenceExtent& seq, int batch) {
+  return (seq.k_start + 16 * batch) & ~15;
+}
+
 // v_pretransposed (FP8): V^T in global memory for the forward's Vt ring (AttentionSm90FwdParams::vt).
 // A CTA takes 64 keys of one sequence and KV head: their V rows into shared memory (16 bytes a
 // thread; bytes past the head dim and keys past the sequence read as zeros), then the kHeadDim rows
@@ -296,10 +303,8 @@ __device__ void sm90_fwd_transpose_v_kernel(const AttentionSm90FwdParams& params
         *reinterpret_cast<uint4*>(&rows[key][byte0]) = chunk;
       }
       __syncthreads();
-      // Sequence b's columns start at (cu_seqlens_k[b] + 16 b) rounded down to 16 when varlen: each
-      // sequence has room for its last 16 keys, and every start is 16-aligned.
       unsigned char* vt = params.vt + static_cast<long long>(kv_head) * params.vt_head_stride + key0 +
-                          (varlen ? (seq.k_start + 16ll * batch) & ~15ll : batch * params.vt_batch_stride);
+                          (varlen ? transposed_v_first_column(seq, batch) : batch * params.vt_batch_stride);
       for (int i = threadIdx.x; i < kHeadDim * (kKeys / 4); i += blockDim.x) {
         const int d = i / (kKeys / 4), column = i % (kKeys / 4) * 4;
         if (column >= columns) continue;
@@ -482,12 +487,12 @@ __device__ void sm90_fwd_kernel(const AttentionSm90FwdParams& params) {
                       ring.full_barrier(stage), panel * Shape::kPanelValues, seq.k_start + n0, kv_head, tma_batch);
       };
       // V^T from global memory (v_pretransposed) into the Vt ring: 128-key boxes of kHeadDim rows at
-      // the tile's columns (the sequence's own, when varlen: see sm90_fwd_transpose_v_kernel).
+      // the tile's columns (the sequence's own, when varlen: transposed_v_first_column).
       auto load_vt = [&](int i, const SparseTile& tile) {
         const int slot = kv_count + i, stage = vt_ring.stage(slot);
         vt_ring.wait_empty(slot);
         mbarrier_arrive_expect_tx(vt_ring.full_barrier(stage), Shape::kVtTileBytes);
-        const int column0 = (varlen ? (seq.k_start + 16 * work.batch) & ~15 : 0) + tile.start;
+        const int column0 = (varlen ? transposed_v_first_column(seq, work.batch) : 0) + tile.start;
         for (int panel = 0; panel < Shape::kVtTileBytes / Shape::kVtPanelBytes; ++panel)
           tma_load_4d(sVt + stage * Shape::kVtTileBytes + panel * Shape::kVtPanelBytes, params.vt_map,
                       vt_ring.full_barrier(stage), column0 + 128 * panel, 0, kv_head, tma_batch);

@@ -141,7 +141,7 @@ Workspace workspace_layout(const KernelLayout& layout, const AttentionSm90FwdPar
 
 // v_pretransposed (FP8): V^T's extent (AttentionSm90FwdParams::vt): the kernel's head dim rows of
 // `columns` keys per (batch, KV head), columns rounded up to 16; varlen packs the sequences in one
-// batch entry with 16 columns of room each.
+// batch entry with 16 columns of room each (the template's transposed_v_first_column).
 struct TransposedV {
   long long columns;
   int batches;
