@@ -3,8 +3,10 @@
 # carried along (the device has no -dev packages; binaries built here run there).
 #   bench/device_run.sh [build-dir] [what...]
 #   what: warm | tests | sanitize | sanitize-kvcache | python | host | sweep | grid | peers | fwdbwd |
-#   tune | profile | decode | decode-splits | ring | fp8-vt | bwd-modes | pending
+#   tune | profile | decode | decode-splits | ring | fp8-vt | bwd-modes | pending | ab
 #   (default: tests);
+#   ab: a branch against this build: AB_BUILD is the branch's slim build (tools/flashjit-bench,
+#   tools/flashjit-warm, tests/flashjit_gpu_tests), AB_TESTS a Catch spec for its GPU tests.
 #   FLASHJIT_BENCH_ARGS adds arguments to the flashjit-bench steps, PEERS_ARGS to the peers step,
 #   FWDBWD_ARGS to fwdbwd, RING_ARGS to ring's flashjit-bench runs (e.g. --backward).
 #   STEP_TIMEOUT (seconds, default 480) bounds each program, so a hang costs one step, not the call;
@@ -226,6 +228,31 @@ for layout in ("bshd", "bhsd"):
             if key in new: print(f"  d{key[0]} S{key[1]} {'causal' if key[2] else 'full'}: {base[key]:.0f} -> {new[key]:.0f} TFLOP/s, {new[key] / base[key]:.3f}x")
 PY
       ;;
+    ab)
+      # A change to the kernels on a branch, before it lands: its GPU tests (AB_TESTS, default the
+      # quick tier and the sm90 forward's), then its forward against this build's over the grid in
+      # both layouts (bench/ab.sh, alternating rounds; AB_ARGS adds flashjit-bench arguments, e.g.
+      # --backward), then both builds' cold compile of the default forward kernels, one at a time
+      # (CUDA_CACHE_DISABLE: the driver's own cache would answer a repeat).
+      ab_build=${AB_BUILD:?"ab: set AB_BUILD to the branch's build folder"}
+      GPU_TEST_REPORT=$out/ab_pipeline_costs.jsonl bounded "$ab_build/tests/flashjit_gpu_tests" \
+          "${AB_TESTS:-[quick],[sm90],[edges]}" 2>&1 | tee "$out/ab_tests.log" | grep -vE '^[0-9.]+ s: ' | tail -8
+      [[ ${PIPESTATUS[0]} -eq 0 ]] || status=1
+      for layout in bshd bhsd; do
+        bounded bench/ab.sh "$build/tools/flashjit-bench" "$ab_build/tools/flashjit-bench" ${AB_ROUNDS:-3} -- \
+            --layout $layout ${AB_ARGS:-} > "$out/ab_$layout.txt" 2>&1 || status=1
+        tail -n 40 "$out/ab_$layout.txt"
+      done
+      for side in "$build" "$ab_build"; do
+        name=$(basename "$side")
+        CUDA_CACHE_DISABLE=1 bounded "$side/tools/flashjit-warm" --arch sm_90a --preset default --passes fwd -j1 --json \
+            --cache-dir "$(mktemp -d)" > "$out/compile_$name.json" || status=1
+        python3 -c "
+import json, sys
+kernels = json.load(open(sys.argv[1]))['kernels']
+print(sys.argv[2], 'cold compile, default forward kernels:', round(sum(k['compile_ms'] for k in kernels) / 1000, 1), 's over',
+      len(kernels), '; max', round(max(k['compile_ms'] for k in kernels)), 'ms')" "$out/compile_$name.json" "$name" || status=1
+      done ;;
     *) echo "unknown step $step"; status=2 ;;
   esac
 done
