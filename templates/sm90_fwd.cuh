@@ -43,7 +43,8 @@
 //   tail; the host decides, see choose_tail_split). An item ends with the drain, writes its
 //   unnormalised O and row statistics to global memory and counts itself in per warp; the warp that
 //   completes its rows' count merges all the items in item order and stores O and the LSE. Only
-//   specs with tail_splits (Config::kTailSplits) have that code: a quarter of the kernel's.
+//   specs with tail_splits (Config::kTailSplits) have that code, inlined once: every work item's O,
+//   a tile without keys included, leaves through the one store after the drain.
 //   Continuing specs (Config::kContinues; ring attention's steps): each row's O and LSE merge by the
 //   logsumexp rule into a running fp32 state (AttentionFwdParams::state_o and lse) from the
 //   registers, which are written back, or where the row ends, as the output; O is never staged for
@@ -359,7 +360,8 @@ __device__ void sm90_fwd_kernel(const AttentionSm90FwdParams& params) {
   auto bar_v_empty = [&](int stage) { return pv_ring.empty_barrier(stage); };  // (the consumers')
   // The work tile each Q slot holds (PublishedTile), published by the producer with the Q tile.
   auto published_tile = [&](int slot) { return barriers + Shape::kBarrierBytes + 32 * slot; };
-  // With a block mask, the work tile's KeyTileRange follows it in the slot (bytes 24-31).
+  // The work tile's KeyTileRange follows it in the slot (bytes 24-31): the consumers read their
+  // key blocks rather than derive them (the mask's key range, a split item's share: divisions).
   constexpr unsigned kPublishedKeysOffset = 24;
   // With a block mask: the key tile each K stage holds (written before its load's expect_tx, so its
   // k_full wait makes it visible; read before the stage is freed).
@@ -443,15 +445,14 @@ __device__ void sm90_fwd_kernel(const AttentionSm90FwdParams& params) {
       const int m0 = work.m_block * kBlockM;
       const int kv_head = work.head / (p.num_heads_q / p.num_heads_kv), tma_batch = varlen ? 0 : work.batch;
       const KeyTileRange keys = key_tile_range<kBlockM, kBlockN, kMask, Mods>(p, seq, work, params.splits);
+      // (Under a block mask the consumers would otherwise read its counts from global memory on
+      // their critical path at every work tile.)
+      asm volatile("st.shared.v2.s32 [%0], {%1, %2};\n" ::"r"(published_tile(q_slot) + kPublishedKeysOffset),
+                   "r"(keys.n_block_min), "r"(keys.n_block_max)
+                   : "memory");
       SparseRow sparse{};
-      if constexpr (Mods::kBlockSparse) {
-        // The consumers take the tile's steps from here rather than read the block mask's counts
-        // from global memory themselves, on their critical path at every work tile.
+      if constexpr (Mods::kBlockSparse)
         sparse = sparse_row(p.block_mask, work.batch, work.head, m0 / p.block_mask.row_block_size);
-        asm volatile("st.shared.v2.s32 [%0], {%1, %2};\n" ::"r"(published_tile(q_slot) + kPublishedKeysOffset),
-                     "r"(keys.n_block_min), "r"(keys.n_block_max)
-                     : "memory");
-      }
       mbarrier_arrive_expect_tx(bar_q_full(q_slot), Shape::kQBytes);
       for (int panel = 0; panel < Shape::kPanels; ++panel)
         tma_load_4d(sQ + q_slot * Shape::kQBytes + panel * Shape::kQPanelBytes, params.q_map, bar_q_full(q_slot),
@@ -877,8 +878,18 @@ __device__ void sm90_fwd_kernel(const AttentionSm90FwdParams& params) {
   // has drained: at the step that starts the next tile, the merge's registers would spill.)
   auto store_item_output = [&](const Sm90WorkTile& work, RowStatistics<Warp>& st, float (&o)[Shape::kHeadDim / 2],
                                unsigned box, unsigned panel_bytes) {
-    if (!kTailSplits || work.split < 0) store_output(work, st, o, box, panel_bytes);
-    else if (merge_split_items(work, st, o)) store_output(work, st, o, 0, 0);
+    if constexpr (Shape::kHeadDim <= 128) {
+      // One inlined store for both (each is a tenth of the kernel's code, and of its compile time).
+      bool stores = true;
+      if (kTailSplits && work.split >= 0) {
+        stores = merge_split_items(work, st, o);
+        box = 0;
+      }
+      if (stores) store_output(work, st, o, box, panel_bytes);
+    } else {  // (above 128 one store after either spilled: the merged O's registers beside the other's)
+      if (!kTailSplits || work.split < 0) store_output(work, st, o, box, panel_bytes);
+      else if (merge_split_items(work, st, o)) store_output(work, st, o, 0, 0);
+    }
   };
   // After a staged O: once TMA has read it (the issuing thread waits), each warp frees the space
   // (its arrival on the Q slot's or V stage's empty barrier).
@@ -933,15 +944,11 @@ __device__ void sm90_fwd_kernel(const AttentionSm90FwdParams& params) {
     t.head = published.work.head;
     t.qk_descale = qk_descale_of(t.batch, t.head);
     t.seq = sequence_extent<true>(p, published.work.batch);
-    if constexpr (Mods::kBlockSparse) {
-      if (lane == 0)
-        asm volatile("ld.shared.v2.s32 {%0, %1}, [%2];\n"
-                     : "=r"(t.keys.n_block_min), "=r"(t.keys.n_block_max)
-                     : "r"(published_tile(t.q_slot) + kPublishedKeysOffset)
-                     : "memory");
-    } else {
-      t.keys = key_tile_range<kBlockM, kBlockN, kMask, Mods>(p, t.seq, published.work, params.splits);
-    }
+    if (lane == 0)
+      asm volatile("ld.shared.v2.s32 {%0, %1}, [%2];\n"
+                   : "=r"(t.keys.n_block_min), "=r"(t.keys.n_block_max)
+                   : "r"(published_tile(t.q_slot) + kPublishedKeysOffset)
+                   : "memory");
     t.keys.n_block_min = warp_uniform(t.keys.n_block_min);
     t.keys.n_block_max = warp_uniform(t.keys.n_block_max);
     t.has_rows = warp_uniform(t.m0 + consumer * 64 < t.seq.seqlen_q) != 0;
@@ -965,17 +972,7 @@ __device__ void sm90_fwd_kernel(const AttentionSm90FwdParams& params) {
   while (more) {
     RowStatistics<Warp> st;
     st.reset();
-    if (front.keys.count() == 0) {  // no visible key: O is zero and the LSE +inf
-#pragma unroll
-      for (int i = 0; i < Shape::kHeadDim / 2; ++i) o_flat[i] = 0.f;
-      if (!o_via_tma) release(bar_q_empty(front.q_slot));
-      store_item_output(finished_tile(front.index, front.q_slot), st, o_flat, q_slot_box(front.q_slot),
-                        Shape::kQPanelBytes);
-      if (o_via_tma) release_staged_output(bar_q_empty(front.q_slot));
-      more = fetch_tile(front);
-      continue;
-    }
-    if (!front.has_rows) {
+    if (front.keys.count() != 0 && !front.has_rows) {
       // No rows of this consumer's: no GEMM, no store, so the others have the tensor core to
       // themselves. It still takes the ping-pong token once per key block, as the others do,
       // and frees each K and V stage once loaded (waiting for the load keeps its arrivals in the
@@ -994,146 +991,153 @@ __device__ void sm90_fwd_kernel(const AttentionSm90FwdParams& params) {
       more = fetch_tile(front);
       continue;
     }
-
-    // The tile's first (last in key order) block: S, then its softmax; no P V is pending.
-    int stage = kv_count % kStages, n_block = front.keys.n_block_max - 1;
-    // The tile whose O accumulates (the back tile) and its Q slot; a Q slot whose staged O TMA may
-    // still be reading (o_via_tma), or -1.
-    int back_index = front.index, back_slot = front.q_slot, staged_slot = -1;
-    auto free_staged_slot = [&] {
-      if (staged_slot >= 0) release_staged_output(bar_q_empty(staged_slot));
-      staged_slot = -1;
-    };
-    bool accumulate = false;  // whether O holds this tile's sum so far
-    unsigned a[kPvSteps][4];
-    {
-      float s[1][Warp::kSFrags][4];
-      float(&s_flat)[kBlockN / 2] = reinterpret_cast<float(&)[kBlockN / 2]>(s);
-      k_ring.wait_full(kv_count, stage);
-      wait_turn();
-      fence_operands(s_flat);
-      wgmma_fence();
-      issue_qk(s_flat, front.q_slot, stage);
-      wgmma_commit();
-      const SparseTile tile = read_key_tile(stage, n_block);
-      pass_turn();
-      wgmma_wait<0>();
-      fence_operands(s_flat);
-      release(bar_k_empty(stage));
-      if (!o_via_tma && front.keys.count() == 1) release(bar_q_empty(front.q_slot));  // Q's last use (see the loop)
-      scores_to_probabilities(st, s, front.seq, front.m0, tile, front.batch, front.head, front.qk_descale);
-      pack_probabilities(a, s);
-    }
-    // With one Q slot, O's rescale to a step's running max waits for the next step and runs between
-    // its QK^T and P V issues, while the tensor core computes QK^T (FlashAttention-3's order; +2-6%
-    // at head dim 256). With two, the cross-tile steps run faster with it right after the P V
-    // (measured: 0-10% slower at head dims 64 and 128 the other way).
-    constexpr bool kRescaleUnderQk = kQStages == 1;
-    OutputRescale<Warp> pending{};  // the rescale waiting for the next step (kRescaleUnderQk)
-    pending.any_moved = false;
-    // Steps: S of the next key block (the next work tile's first when this one is done) beside P V
-    // of this one.
-    bool fetched = false;
-    for (;;) {
-      const bool tile_done = warp_uniform(n_block == front.keys.n_block_min);
-      if (tile_done) {
-        // With one Q slot the next tile's Q loads only once this tile's last QK^T is done: waiting
-        // for it here would stall this tile's last P V, so the pipeline drains first.
-        if (kQStages == 1) break;
-        // The next tile may need the slot of the O staged a step ago (a one-block tile between).
-        free_staged_slot();
-        more = fetch_tile(front);
-        fetched = true;
-        // (A tile without this consumer's rows is skipped after the drain. A split item, whose O is
-        // merged, ends with the drain too.)
-        if (!more || front.keys.count() == 0 || !front.has_rows ||
-            (kTailSplits && back_index >= sm90_whole_tiles(params)))
-          break;
-        n_block = front.keys.n_block_max;
+    int back_index = front.index, back_slot = front.q_slot;
+    bool fetched = false, stored_via_v_stage = false;
+    if (front.keys.count() == 0) {  // no visible key: O is zero and the LSE +inf
+#pragma unroll
+      for (int i = 0; i < Shape::kHeadDim / 2; ++i) o_flat[i] = 0.f;
+      mbarrier_arrive_if(!o_via_tma && fresh_thread_index() % 32 == 0, bar_q_empty(front.q_slot));
+    } else {
+      // The tile's first (last in key order) block: S, then its softmax; no P V is pending.
+      int stage = kv_count % kStages, n_block = front.keys.n_block_max - 1;
+      int staged_slot = -1;
+      auto free_staged_slot = [&] {
+        if (staged_slot >= 0) release_staged_output(bar_q_empty(staged_slot));
+        staged_slot = -1;
+      };
+      bool accumulate = false;  // whether O holds this tile's sum so far
+      unsigned a[kPvSteps][4];
+      {
+        float s[1][Warp::kSFrags][4];
+        float(&s_flat)[kBlockN / 2] = reinterpret_cast<float(&)[kBlockN / 2]>(s);
+        k_ring.wait_full(kv_count, stage);
+        wait_turn();
+        fence_operands(s_flat);
+        wgmma_fence();
+        issue_qk(s_flat, front.q_slot, stage);
+        wgmma_commit();
+        const SparseTile tile = read_key_tile(stage, n_block);
+        pass_turn();
+        wgmma_wait<0>();
+        fence_operands(s_flat);
+        release(bar_k_empty(stage));
+        if (!o_via_tma && front.keys.count() == 1) release(bar_q_empty(front.q_slot));  // Q's last use (see the loop)
+        scores_to_probabilities(st, s, front.seq, front.m0, tile, front.batch, front.head, front.qk_descale);
+        pack_probabilities(a, s);
       }
-      const int next = (kv_count + 1) % kStages, next_block = n_block - 1;
-      float s[1][Warp::kSFrags][4];
-      float(&s_flat)[kBlockN / 2] = reinterpret_cast<float(&)[kBlockN / 2]>(s);
-      k_ring.wait_full(kv_count + 1, next);
+      // With one Q slot, O's rescale to a step's running max waits for the next step and runs between
+      // its QK^T and P V issues, while the tensor core computes QK^T (FlashAttention-3's order; +2-6%
+      // at head dim 256). With two, the cross-tile steps run faster with it right after the P V
+      // (measured: 0-10% slower at head dims 64 and 128 the other way).
+      constexpr bool kRescaleUnderQk = kQStages == 1;
+      OutputRescale<Warp> pending{};  // the rescale waiting for the next step (kRescaleUnderQk)
+      pending.any_moved = false;
+      // Steps: S of the next key block (the next work tile's first when this one is done) beside P V
+      // of this one.
+      for (;;) {
+        const bool tile_done = warp_uniform(n_block == front.keys.n_block_min);
+        if (tile_done) {
+          // With one Q slot the next tile's Q loads only once this tile's last QK^T is done: waiting
+          // for it here would stall this tile's last P V, so the pipeline drains first.
+          if (kQStages == 1) break;
+          // The next tile may need the slot of the O staged a step ago (a one-block tile between).
+          free_staged_slot();
+          more = fetch_tile(front);
+          fetched = true;
+          // (A tile without this consumer's rows is skipped after the drain. A split item, whose O is
+          // merged, ends with the drain too.)
+          if (!more || front.keys.count() == 0 || !front.has_rows ||
+              (kTailSplits && back_index >= sm90_whole_tiles(params)))
+            break;
+          n_block = front.keys.n_block_max;
+        }
+        const int next = (kv_count + 1) % kStages, next_block = n_block - 1;
+        float s[1][Warp::kSFrags][4];
+        float(&s_flat)[kBlockN / 2] = reinterpret_cast<float(&)[kBlockN / 2]>(s);
+        k_ring.wait_full(kv_count + 1, next);
+        pv_ring.wait_full(kv_count, stage);
+        wait_turn();
+        fence_operands(s_flat);
+        fence_operands(o_flat);
+        fence_operands(a);
+        wgmma_fence();
+        issue_qk(s_flat, front.q_slot, next);
+        wgmma_commit();
+        if constexpr (kRescaleUnderQk) {
+          rescale_output<Warp>(o_flat, pending);
+          fence_operands(o_flat);
+          wgmma_fence();
+        }
+        issue_pv(o_flat, a, stage, accumulate);
+        wgmma_commit();
+        pass_turn();
+        const SparseTile next_tile = read_key_tile(next, next_block);  // (under the GEMMs)
+        wgmma_wait<1>();  // S of the next block is ready; P V still runs
+        fence_operands(s_flat);
+        release(bar_k_empty(next));
+        // After a tile's last QK^T its Q is no longer read: the producer may refill the slot, unless O
+        // is to be staged there. A staged O has had this step's GEMM issue to leave: free its slot.
+        if (!o_via_tma && next_block == front.keys.n_block_min) release(bar_q_empty(front.q_slot));
+        free_staged_slot();
+        RowStatistics<Warp> st_next = st;
+        if (tile_done) st_next.reset();
+        OutputRescale<Warp> rescale =
+            scores_to_probabilities(st_next, s, front.seq, front.m0, next_tile, front.batch, front.head,
+                                    front.qk_descale);
+        rescale.any_moved = rescale.any_moved && !tile_done;  // a new tile's first P V overwrites O
+        wgmma_wait<0>();
+        fence_operands(o_flat);
+        fence_operands(a);
+        release(bar_v_empty(stage));
+        if constexpr (kRescaleUnderQk)
+          pending = rescale;
+        else
+          rescale_output<Warp>(o_flat, rescale);
+        pack_probabilities(a, s);
+        if (tile_done) {  // the previous tile's O is complete (stored once P is packed: fewer live registers)
+          store_output(finished_tile(back_index, back_slot), st, o_flat, q_slot_box(back_slot), Shape::kQPanelBytes);
+          if (o_via_tma) staged_slot = back_slot;
+          back_index = front.index;
+          back_slot = front.q_slot;
+        }
+        accumulate = !tile_done;  // the next P V starts the new tile's O
+        st = st_next;
+        stage = next;
+        ++kv_count;
+        n_block = next_block;
+      }
+      // P V of the tile's last block alone (the next tile has no key block, there is none, or it
+      // waits for the one Q slot), then its output and the next tile.
       pv_ring.wait_full(kv_count, stage);
-      wait_turn();
-      fence_operands(s_flat);
+      if constexpr (kRescaleUnderQk) rescale_output<Warp>(o_flat, pending);
       fence_operands(o_flat);
       fence_operands(a);
       wgmma_fence();
-      issue_qk(s_flat, front.q_slot, next);
-      wgmma_commit();
-      if constexpr (kRescaleUnderQk) {
-        rescale_output<Warp>(o_flat, pending);
-        fence_operands(o_flat);
-        wgmma_fence();
-      }
       issue_pv(o_flat, a, stage, accumulate);
       wgmma_commit();
-      pass_turn();
-      const SparseTile next_tile = read_key_tile(next, next_block);  // (under the GEMMs)
-      wgmma_wait<1>();  // S of the next block is ready; P V still runs
-      fence_operands(s_flat);
-      release(bar_k_empty(next));
-      // After a tile's last QK^T its Q is no longer read: the producer may refill the slot, unless O
-      // is to be staged there. A staged O has had this step's GEMM issue to leave: free its slot.
-      if (!o_via_tma && next_block == front.keys.n_block_min) release(bar_q_empty(front.q_slot));
-      free_staged_slot();
-      RowStatistics<Warp> st_next = st;
-      if (tile_done) st_next.reset();
-      OutputRescale<Warp> rescale =
-          scores_to_probabilities(st_next, s, front.seq, front.m0, next_tile, front.batch, front.head, front.qk_descale);
-      rescale.any_moved = rescale.any_moved && !tile_done;  // a new tile's first P V overwrites O
       wgmma_wait<0>();
       fence_operands(o_flat);
       fence_operands(a);
-      release(bar_v_empty(stage));
-      if constexpr (kRescaleUnderQk)
-        pending = rescale;
-      else
-        rescale_output<Warp>(o_flat, rescale);
-      pack_probabilities(a, s);
-      if (tile_done) {  // the previous tile's O is complete (stored once P is packed: fewer live registers)
-        store_output(finished_tile(back_index, back_slot), st, o_flat, q_slot_box(back_slot), Shape::kQPanelBytes);
-        if (o_via_tma) staged_slot = back_slot;
-        back_index = front.index;
-        back_slot = front.q_slot;
-      }
-      accumulate = !tile_done;  // the next P V starts the new tile's O
-      st = st_next;
-      stage = next;
+      // One Q slot: the last consumer stages its O in this V tile's first 64 rows once every
+      // consumer's P V has read the tile; the others free the stage and store from registers. (All
+      // of them sync: with arrive-only, a consumer a tile ahead could complete the barrier alone.)
+      // Only where the last consumer has rows: then every consumer has; and not for a split item,
+      // whose O is merged in global memory. (V staging means one Q slot, whose drain comes before the
+      // next fetch: `front` is still the finished tile.)
+      const bool v_staging = o_via_v_stage && front.split < 0 &&
+                             warp_uniform(front.m0 + (kConsumers - 1) * 64 < front.seq.seqlen_q) != 0;
+      const bool stages_in_v = v_staging && consumer == kConsumers - 1;
+      if (v_staging) named_barrier_sync(v_tile_read, 128 * kConsumers);
+      if (!stages_in_v) release(bar_v_empty(stage));
       ++kv_count;
-      n_block = next_block;
+      if (stages_in_v) {  // (never a split item: see v_staging)
+        store_output(sm90_work_item<kTailSplits>(params, back_index), st, o_flat, sV + stage * Shape::kKVTileBytes,
+                     Shape::kKVPanelBytes);
+        release_staged_output(bar_v_empty(stage));
+        stored_via_v_stage = true;
+      }
     }
-    // P V of the tile's last block alone (the next tile has no key block, there is none, or it
-    // waits for the one Q slot), then its output and the next tile.
-    pv_ring.wait_full(kv_count, stage);
-    if constexpr (kRescaleUnderQk) rescale_output<Warp>(o_flat, pending);
-    fence_operands(o_flat);
-    fence_operands(a);
-    wgmma_fence();
-    issue_pv(o_flat, a, stage, accumulate);
-    wgmma_commit();
-    wgmma_wait<0>();
-    fence_operands(o_flat);
-    fence_operands(a);
-    // One Q slot: the last consumer stages its O in this V tile's first 64 rows once every
-    // consumer's P V has read the tile; the others free the stage and store from registers. (All
-    // of them sync: with arrive-only, a consumer a tile ahead could complete the barrier alone.)
-    // Only where the last consumer has rows: then every consumer has; and not for a split item,
-    // whose O is merged in global memory. (V staging means one Q slot, whose drain comes before the
-    // next fetch: `front` is still the finished tile.)
-    const bool v_staging = o_via_v_stage && front.split < 0 &&
-                           warp_uniform(front.m0 + (kConsumers - 1) * 64 < front.seq.seqlen_q) != 0;
-    const bool stages_in_v = v_staging && consumer == kConsumers - 1;
-    if (v_staging) named_barrier_sync(v_tile_read, 128 * kConsumers);
-    if (!stages_in_v) release(bar_v_empty(stage));
-    ++kv_count;
-    if (stages_in_v) {
-      store_item_output(sm90_work_item<kTailSplits>(params, back_index), st, o_flat,
-                        sV + stage * Shape::kKVTileBytes, Shape::kKVPanelBytes);
-      release_staged_output(bar_v_empty(stage));
-    } else {
+    if (!stored_via_v_stage) {
       store_item_output(finished_tile(back_index, back_slot), st, o_flat, q_slot_box(back_slot), Shape::kQPanelBytes);
       if (o_via_tma) release_staged_output(bar_q_empty(back_slot));  // (the next tile may be waiting for this slot)
     }

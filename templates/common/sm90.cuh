@@ -24,6 +24,12 @@ __device__ __forceinline__ void fence_barrier_init() {
 __device__ __forceinline__ void mbarrier_arrive(unsigned bar) {
   asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
 }
+// The same where `pred` holds, predicated rather than branched on: a per-lane branch leaves ptxas
+// unable to prove the warp converged after the branch it sits in (wgmma serialized, C7520).
+__device__ __forceinline__ void mbarrier_arrive_if(bool pred, unsigned bar) {
+  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %0, 0;\n@p mbarrier.arrive.shared::cta.b64 _, [%1];\n}\n"
+               ::"r"(int(pred)), "r"(bar) : "memory");
+}
 // One arrival that also announces `bytes` of TMA traffic the phase must wait for.
 __device__ __forceinline__ void mbarrier_arrive_expect_tx(unsigned bar, unsigned bytes) {
   asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");

@@ -42,16 +42,18 @@ __device__ __forceinline__ PublishedTile read_published_tile(unsigned address) {
 }
 // Work tile `index`: sections of `section_pairs` (batch, head) pairs, query blocks from the last
 // (longest when causal) to the first, pairs fastest within a block.
+// (Unsigned: every count and index here is non-negative, and an unsigned division is half the
+// instructions of a signed one.)
 template <class Params>
 __device__ __forceinline__ Sm90WorkTile sm90_work_tile(const Params& params, int index) {
-  const int pairs = params.fwd.num_heads_q * params.fwd.batch;
-  const int section_tiles = params.section_pairs * params.num_m_blocks;
-  const int section = index / section_tiles, within = index - section * section_tiles;
-  const int section_begin = section * params.section_pairs;
-  const int pairs_here = min(params.section_pairs, pairs - section_begin);
-  const int pair = section_begin + within % pairs_here;
-  return {params.num_m_blocks - 1 - within / pairs_here, pair % params.fwd.num_heads_q,
-          pair / params.fwd.num_heads_q, -1};
+  const unsigned heads = params.fwd.num_heads_q, pairs = heads * params.fwd.batch;
+  const unsigned section_pairs = params.section_pairs, section_tiles = section_pairs * params.num_m_blocks;
+  const unsigned section = static_cast<unsigned>(index) / section_tiles, within = index - section * section_tiles;
+  const unsigned section_begin = section * section_pairs;
+  const unsigned pairs_here = min(section_pairs, pairs - section_begin);
+  const unsigned pair = section_begin + within % pairs_here;
+  return {params.num_m_blocks - 1 - static_cast<int>(within / pairs_here), static_cast<int>(pair % heads),
+          static_cast<int>(pair / heads), -1};
 }
 // Work item `index`: the tiles in order, the last num_split_tiles of them replaced by `splits` items
 // each (a tile's items one after another). A kernel compiled without tail splits (kTailSplits false:
@@ -66,11 +68,12 @@ __device__ __forceinline__ int sm90_work_items(const Params& params) {
 }
 template <bool kTailSplits, class Params>
 __device__ __forceinline__ Sm90WorkTile sm90_work_item(const Params& params, int index) {
-  const int whole_tiles = sm90_whole_tiles(params);
-  if (!kTailSplits || index < whole_tiles) return sm90_work_tile(params, index);
-  const int split = index - whole_tiles;
-  Sm90WorkTile work = sm90_work_tile(params, whole_tiles + split / params.splits);
-  work.split = split;
+  // One decode of the tile either way (two inlined decodes made a tenth of a split spec's code).
+  const int whole_tiles = sm90_whole_tiles(params), split = index - whole_tiles;
+  const bool is_split = kTailSplits && split >= 0;
+  const int tile = is_split ? whole_tiles + static_cast<int>(static_cast<unsigned>(split) / params.splits) : index;
+  Sm90WorkTile work = sm90_work_tile(params, tile);
+  work.split = is_split ? split : -1;
   return work;
 }
 
