@@ -13,17 +13,20 @@ LoadedKernel::~LoadedKernel() {
   if (library != nullptr && driver_available()) driver().cuLibraryUnload(library);
 }
 
-void check_shared_memory(const CompiledKernel& kernel, int dynamic_smem_bytes,
-                         const DeviceProperties& device) {
-  int static_bytes = 0;
-  for (const auto& e : kernel.entries) static_bytes = std::max(static_bytes, e.static_smem_bytes);
-  const int total = static_bytes + dynamic_smem_bytes;
-  if (total > device.max_smem_per_block_optin)
-    throw Error(ErrorCode::out_of_resources, "launch",
-                fmt::format("kernel {} needs {} bytes of shared memory per block ({} static + {} "
-                            "dynamic), but device {} ({}) allows {}",
-                            kernel.spec.name(), total, static_bytes, dynamic_smem_bytes,
-                            device.ordinal, device.name, device.max_smem_per_block_optin));
+void check_shared_memory(const CompiledKernel& kernel, const KernelLayout& layout, const DeviceProperties& device) {
+  // Per entry: a module's entries differ (sm90_fwd's V transpose has static shared memory, its
+  // forward dynamic; the sum of the two is no launch's).
+  for (const KernelEntry& entry : layout.entries) {
+    const EntryStats* stats = kernel.stats(entry.symbol);
+    const int static_bytes = stats != nullptr ? stats->static_smem_bytes : 0;
+    const int total = static_bytes + entry.dynamic_smem_bytes;
+    if (total > device.max_smem_per_block_optin)
+      throw Error(ErrorCode::out_of_resources, "launch",
+                  fmt::format("kernel {} (entry {}) needs {} bytes of shared memory per block ({} static + {} "
+                              "dynamic), but device {} ({}) allows {}",
+                              kernel.spec.name(), entry.name, total, static_bytes, entry.dynamic_smem_bytes,
+                              device.ordinal, device.name, device.max_smem_per_block_optin));
+  }
 }
 
 int cluster_launch_smem_bytes(const KernelEntry& entry, const DeviceProperties& device) {
@@ -101,15 +104,15 @@ const LoadedKernel& ModuleCache::get(const KernelSpec& spec, const DevicePropert
   }
   const uint64_t bit = uint64_t{1} << (device.ordinal & 63);
   if ((kernel->configured_devices.load(std::memory_order_acquire) & bit) == 0) {
-    const int dynamic_smem = kernel->layout.max_dynamic_smem_bytes();
-    check_shared_memory(*kernel->compiled, dynamic_smem, device);
+    check_shared_memory(*kernel->compiled, kernel->layout, device);
     CUdevice cu_device;
     FLASHJIT_CU(cuDeviceGet, &cu_device, device.ordinal);
     for (size_t i = 0; i < kernel->entries.size(); ++i) {
-      // Entries launched in clusters may ask for more (cluster_launch_smem_bytes).
-      const int smem_limit = kernel->layout.entries[i].max_cluster_ctas > 1
-                                 ? std::max(dynamic_smem, cluster_launch_smem_bytes(kernel->layout.entries[i], device))
-                                 : dynamic_smem;
+      // What the entry is launched with; entries launched in clusters may ask for more
+      // (cluster_launch_smem_bytes).
+      const KernelEntry& entry = kernel->layout.entries[i];
+      const int smem_limit =
+          entry.max_cluster_ctas > 1 ? cluster_launch_smem_bytes(entry, device) : entry.dynamic_smem_bytes;
       FLASHJIT_CU(cuKernelSetAttribute, CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem_limit,
                   kernel->entries[i], cu_device);
       // Left to itself the driver sizes shared memory for one resident CTA and gives the rest to

@@ -55,10 +55,10 @@ struct LoadedKernel {
   ~LoadedKernel();
 };
 
-// Throws Error(out_of_resources) when static + dynamic shared memory exceeds what `device` allows a
-// block (ptxas' static figure comes from the compiled kernel's stats).
-void check_shared_memory(const CompiledKernel& kernel, int dynamic_smem_bytes,
-                         const DeviceProperties& device);
+// Throws Error(out_of_resources) when an entry's static shared memory and the dynamic shared memory
+// it is launched with exceed what `device` allows a block (ptxas' static figure comes from the
+// compiled kernel's stats).
+void check_shared_memory(const CompiledKernel& kernel, const KernelLayout& layout, const DeviceProperties& device);
 
 class ModuleCache {
  public:

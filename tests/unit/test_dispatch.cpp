@@ -240,19 +240,32 @@ TEST_CASE("a kernel needing more shared memory than the device has is refused", 
   CompiledKernel kernel;
   kernel.spec = default_spec(Family::reference_fwd, Arch::parse("sm_80"), DType::bf16, 256);
   EntryStats stats;
-  stats.name = "flashjit_reference_fwd";
+  stats.name = "flashjit_reference_fwd_forward";
   stats.static_smem_bytes = 4096;
   kernel.entries = {stats};
+  KernelLayout layout;
+  layout.entries = {KernelEntry{"forward", stats.name, 40 * 1024}};
   const DeviceProperties small = device("Tiny GPU", 8, 0, 1, 48 * 1024);
-  CHECK_NOTHROW(detail::check_shared_memory(kernel, 40 * 1024, small));
+  CHECK_NOTHROW(detail::check_shared_memory(kernel, layout, small));
+  layout.entries[0].dynamic_smem_bytes = 48 * 1024;
   try {
-    detail::check_shared_memory(kernel, 48 * 1024, small);
+    detail::check_shared_memory(kernel, layout, small);
     FAIL("accepted 52 KB on a 48 KB device");
   } catch (const Error& e) {
     CHECK(e.code() == ErrorCode::out_of_resources);
-    CHECK_THAT(e.what(), Catch::Contains("needs 53248 bytes of shared memory per block (4096 static + "
+    CHECK_THAT(e.what(), Catch::Contains("(entry forward) needs 53248 bytes of shared memory per block (4096 static + "
                                          "49152 dynamic)") && Catch::Contains("allows 49152"));
   }
+  // Entries are launched alone: one's static bytes and another's dynamic bytes do not add up (the
+  // FP8 forward's V transpose holds a static tile, the forward itself only dynamic memory).
+  EntryStats transpose;
+  transpose.name = "flashjit_reference_fwd_transpose";
+  transpose.static_smem_bytes = 17 * 1024;
+  kernel.entries = {stats, transpose};
+  stats.static_smem_bytes = 0;
+  kernel.entries[0] = stats;
+  layout.entries = {KernelEntry{"forward", stats.name, 40 * 1024}, KernelEntry{"transpose", transpose.name, 0}};
+  CHECK_NOTHROW(detail::check_shared_memory(kernel, layout, small));
 }
 
 TEST_CASE("backward dispatch: fa2_bwd defaults fit every arch, forced specs are checked", "[dispatch]") {
@@ -327,13 +340,16 @@ TEST_CASE("backward dispatch: sm90_bwd on sm_90 at head dims 33-64, 97-128 and 2
       for (bool deterministic : {false, true})  // (--passes bwd and bwd-deterministic)
         CHECK(heuristic_backward_spec(d->arch(), DType::bf16, head_dim, MaskKind::causal, false, deterministic) ==
               detail::select_backward_kernel(backward(head_dim, causal, deterministic), *d));
-  // sm90_bwd's kernels of head dims 96 and 192, and rounding 32, 160 and 224 up, await a device
-  // run: automatic dispatch leaves them to fa2_bwd, backend=sm90 runs them (below).
-  for (int head_dim : {32, 96, 160, 192, 224})
-    CHECK(detail::select_backward_kernel(backward(head_dim), kH200).family == Family::fa2_bwd);
+  // sm90_bwd takes every head dim on sm_90, rounded up to its kernels' (64, 96, 128, 192, 256).
+  for (auto [head_dim, kernel_head_dim] : {std::pair{32, 64}, {96, 96}, {160, 192}, {192, 192}, {224, 256}}) {
+    const KernelSpec s = detail::select_backward_kernel(backward(head_dim), kH200);
+    CHECK(s.family == Family::sm90_bwd);
+    CHECK(s.head_dim == kernel_head_dim);
+  }
   CHECK(detail::select_backward_kernel(backward(128), kA100).family == Family::fa2_bwd);
-  // Deterministic mode: sm90_bwd's ordered dQ where its writer warps add dQ (head dims 64 and 128,
-  // the heuristic's two stages), fa2_bwd's fixed-order dQ elsewhere.
+  // Deterministic mode: sm90_bwd's ordered dQ where its writer warps add dQ (head dims 64, 96 and
+  // 128, whole rows; the heuristic's two stages) and where its consumers do (above 128); fa2_bwd's
+  // fixed-order dQ at the other head dims up to 128.
   for (int head_dim : {64, 128}) {
     const KernelSpec ordered = detail::select_backward_kernel(backward(head_dim, {}, /*deterministic=*/true), kH200);
     CHECK(ordered.family == Family::sm90_bwd);
@@ -341,8 +357,13 @@ TEST_CASE("backward dispatch: sm90_bwd on sm_90 at head dims 33-64, 97-128 and 2
     CHECK(kernel_layout(ordered).constant("kDqWriters") == 1);
     CHECK_FALSE(detail::select_backward_kernel(backward(head_dim), kH200).ordered_dq);  // atomic: the plain kernel
   }
-  for (int head_dim : {40, 112, 256})
+  for (int head_dim : {40, 112})
     CHECK(detail::select_backward_kernel(backward(head_dim, {}, true), kH200).family == Family::fa2_bwd);
+  for (int head_dim : {96, 160, 256}) {
+    const KernelSpec ordered = detail::select_backward_kernel(backward(head_dim, {}, true), kH200);
+    CHECK(ordered.family == Family::sm90_bwd);
+    CHECK(ordered.ordered_dq);
+  }
   detail::BackwardProblem odd_dout = backward(128);
   odd_dout.params.do_row_stride = 12;
   CHECK(detail::select_backward_kernel(odd_dout, kH200).family == Family::fa2_bwd);
@@ -382,7 +403,7 @@ TEST_CASE("backward dispatch: sm90_bwd on sm_90 at head dims 33-64, 97-128 and 2
                     Catch::Contains("dout: a stride of 12 elements is not a multiple of 16 bytes"));
 }
 
-TEST_CASE("backward dispatch: user modifiers and block masks on fa2_bwd, and on sm90_bwd where its device run passed", "[dispatch]") {
+TEST_CASE("backward dispatch: user modifiers and block masks on fa2_bwd and sm90_bwd", "[dispatch]") {
   auto softcap = std::make_shared<AttentionModifier>();
   softcap->score = "return 30.f * tanhf(score / 30.f);";
   const AttentionMod mod{softcap, {}};
@@ -409,12 +430,13 @@ TEST_CASE("backward dispatch: user modifiers and block masks on fa2_bwd, and on 
     CHECK_FALSE(s.validate().has_value());
   }
   CHECK(detail::select_backward_kernel(backward(128, Backend::fa2), kA100).block_n == 64);  // (128 keys spilled)
-  // sm_90: sm90_bwd; in deterministic mode under a block mask fa2_bwd, automatically or by name, and
-  // sm90_bwd (its adds ordered by the visits) by name only, until its device run passes.
+  // sm_90: sm90_bwd, in deterministic mode under a block mask too (its adds ordered by the visits);
+  // fa2_bwd by name.
   CHECK(detail::select_backward_kernel(backward(128, Backend::automatic), kH200).family == Family::sm90_bwd);
   const KernelSpec automatic_sparse = detail::select_backward_kernel(backward(128, Backend::automatic, true, true), kH200);
-  CHECK(automatic_sparse.family == Family::fa2_bwd);
+  CHECK(automatic_sparse.family == Family::sm90_bwd);
   CHECK(automatic_sparse.block_sparse);
+  CHECK(automatic_sparse.ordered_dq);
   const KernelSpec sparse = detail::select_backward_kernel(backward(128, Backend::fa2, true, true), kH200);
   CHECK(sparse.family == Family::fa2_bwd);
   CHECK(sparse.block_sparse);

@@ -9,8 +9,7 @@ namespace {
 // Every problem the layers above accept: user modifiers and block masks too, in both dQ modes (their
 // GPU tests passed on an H100 at stop 57: the mask examples, ALiBi and softcap with derived
 // gradients at head dims 64/128/256, a wrong gradient caught). On sm_90 automatic dispatch prefers
-// sm90_bwd, and takes this family where sm90_bwd awaits a device run (deterministic mode under a
-// block mask).
+// sm90_bwd where it runs.
 std::optional<std::string> unusable_reason(const PassProblem&, const Arch&) { return std::nullopt; }
 
 // Under a block mask, its lists fitted to the entries' tiles: dkdv walks the transposed lists (key

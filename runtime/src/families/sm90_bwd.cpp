@@ -1,11 +1,14 @@
 // sm90_bwd at run time: fa2_bwd's entry sequence with atomic dQ (preprocess -> dkdv_atomic_dq ->
 // convert_dq), with TMA maps of q, k, v and dout; in deterministic mode (its spec has ordered_dq)
-// the dQ adds go in a fixed order of key tiles (DqAccumulation::ordered). It shares fa2_bwd's tuning entries, so that the tuner times both
-// and one entry holds the winner. Its kernel head dims are the forward's (64, 96, 128, 192, 256),
+// the dQ adds go in a fixed order of key tiles (DqAccumulation::ordered). It shares fa2_bwd's
+// tuning entries, so that the tuner times both and one entry holds the winner. Its kernel head dims are the forward's (64, 96, 128, 192, 256),
 // others rounded up; it runs where TMA can read the four tensors, and in deterministic mode at head
 // dims 64, 96 and 128 (its dQ writer warps order the adds, where a step's dQ rows are whole) and
 // 129-256 (the consumers order them); under a block mask the dq_visits entry first marks which key
-// tiles visit each query block, and each tile waits for those before it.
+// tiles visit each query block, and each tile waits for those before it. All of it passed the GPU
+// tests (float64 references, bitwise reruns) and compute-sanitizer; beside fa2_bwd it ran 1.3-2.8x
+// faster at head dims 96-224 and level or faster at 32 (bench/results/bwd_modes_h100.json), so
+// automatic dispatch takes it wherever it runs.
 #include <fmt/format.h>
 
 #include "../family.hpp"
@@ -14,34 +17,9 @@
 namespace flashjit::detail {
 namespace {
 
-// What automatic dispatch gives sm90_bwd is what has run on an H200, checked against float64 and
-// timed against fa2_bwd: head dims 33-64, 97-128 and 225-256, and deterministic mode at 64 and 128
-// (the writer warps' ordered adds). The rest (the kernels of head dims 96 and 192, rounding 32, 160
-// and 224 up, the consumers' ordered adds) compiles without spills or serialised wgmma but has not
-// run on a device yet: backend=sm90 or a forced spec runs it, as the GPU tests do, and automatic
-// calls stay with fa2_bwd until a device run has passed. So does deterministic mode under a block
-// mask (the dq_visits ranks): its first device run (stop 57, H100) hung wherever a step added to dQ,
-// because the consumer that records a step's turn for the writer warps read it through a warp
-// shuffle inside its one-lane branch; the turn is now made warp-uniform where every lane reads it,
-// and the rerun is pending.
-std::optional<std::string> awaits_device_run(const PassProblem& problem) {
-  if (problem.deterministic() && problem.forward.block_sparse)
-    return std::string("its deterministic mode under a block mask (ordered by the key tiles' visits) awaits a device "
-                       "run: backend=sm90 runs it");
-  const int d = problem.forward.head_dim;
-  const bool measured = problem.deterministic() ? d == 64 || d == 128
-                                                : (d > 32 && d <= 64) || (d > 96 && d <= 128) || d > 224;
-  if (measured) return std::nullopt;
-  return fmt::format("automatic dispatch runs sm90_bwd at head dims 33-64, 97-128 and 225-256, in deterministic mode "
-                     "at 64 and 128; head dim {}{} runs on it with backend=sm90 (its kernels there await a device run)",
-                     d, problem.deterministic() ? " in deterministic mode" : "");
-}
-
 std::optional<std::string> unusable_reason(const PassProblem& problem, const Arch& arch) {
   if (auto reason = hopper_arch_reason(Family::sm90_bwd, arch)) return reason;
   const ForwardProblem& f = problem.forward;
-  if (f.backend == Backend::automatic && !f.forced_kernel)
-    if (auto reason = awaits_device_run(problem)) return reason;
   if (problem.deterministic() && f.head_dim <= 128 && f.head_dim != 64 && f.head_dim != 96 && f.head_dim != 128)
     return fmt::format("its deterministic mode runs at head dims 64, 96, 128 and 129-256 (below 128 the dQ writer "
                        "warps order the adds, of whole rows only); fa2_bwd's fixed-order dQ runs head dim {}",

@@ -48,20 +48,24 @@ std::optional<std::string> unusable_reason(const PassProblem& problem, const Arc
 }
 
 // 64-row consumer warpgroups (two or three), key tiles in 16-key steps; validate() drops what the
-// registers or shared memory cannot hold. (FP8 with V transposed beforehand, v_pretransposed, joins
-// them once its GPU tests have passed on a device: until then a forced spec runs it.)
+// registers or shared memory cannot hold. FP8 tiles come in both V modes: transposed in shared
+// memory by the producer's spare warps, and transposed beforehand (v_pretransposed).
 std::vector<KernelSpec> tuning_candidates(const KernelSpec& base) {
   std::vector<KernelSpec> candidates;
+  const bool fp8 = base.dtype == DType::e4m3;
   for (int block_m : {128, 192})
     for (int block_n = 64; block_n <= 256; block_n += 16)
-      for (int stages : {2, 3}) {
-        KernelSpec s = base;
-        s.block_m = block_m;
-        s.block_n = block_n;
-        s.num_warps = 4 * (1 + block_m / 64);
-        s.num_stages = stages;
-        if (!s.validate()) candidates.push_back(s);
-      }
+      for (int stages : {2, 3})
+        for (bool v_pretransposed : {false, true}) {
+          if (v_pretransposed && !fp8) continue;
+          KernelSpec s = base;
+          s.block_m = block_m;
+          s.block_n = block_n;
+          s.num_warps = 4 * (1 + block_m / 64);
+          s.num_stages = stages;
+          s.v_pretransposed = v_pretransposed;
+          if (!s.validate()) candidates.push_back(s);
+        }
   return candidates;
 }
 

@@ -66,7 +66,7 @@ struct KernelLayout {
   const KernelEntry& entry(std::string_view name) const;
   size_t entry_index(std::string_view name) const;
   int constant(std::string_view name) const;
-  int max_dynamic_smem_bytes() const;  // the most any entry uses (the smem attribute)
+  int max_dynamic_smem_bytes() const;  // the most any entry uses
   std::string_view family;
 };
 
