@@ -155,28 +155,29 @@ for r in json.load(open('$out/grid_tuned.json'))['rows']:
             --causal off,on --iters 7 ${RING_ARGS:-} --json > "$out/ring_$layout.json" || status=1
       done ;;
     pending)
-      # What the tree compiles but has not yet passed on a device (the README's "await a device
-      # run" / "rerun pending"). Stop 57 (H100) cleared [fp8] (softcap included), the Python FP8
-      # tests, fa2_bwd with modifiers and block masks (both dQ modes) and the sanitizers on the
-      # backward's odd-row case; sm90_bwd's ordered adds under a block mask hung (a shuffle in a
-      # one-lane branch, fixed since). Left: those three tests, run side by side (each compiles its
-      # own kernels; a wait that never ends costs STEP_TIMEOUT once, not three times), then the
-      # timings that decide automatic dispatch for sm90_bwd's head dims 96/192 and rounded up and
-      # the consumers' ordered adds (bwd-modes). Passing, the gates in
-      # runtime/src/families/sm90_bwd.cpp come off. A comma in a name is escaped (Catch reads it as "or").
-      ranked_tests=("modifiers backward: sm90_bwd's deterministic mode under block masks"
-                    "modifiers backward: deterministic sm90_bwd finishes on a list that repeats a block"
-                    "modifiers backward: random block masks at densities 0\\, 5%\\, 50% and 100%")
-      for i in "${!ranked_tests[@]}"; do
-        ( GPU_TEST_REPORT=$out/pipeline_costs_$i.jsonl bounded "$build/tests/flashjit_gpu_tests" "${ranked_tests[$i]}" \
-              --durations yes > "$out/pending_tests_$i.log" 2>&1 ) &
+      # What the tree has not yet measured on a device (the README's "still to come"). Stop 58 (H100)
+      # cleared sm90_bwd's gates (bench/results/bwd_modes_h100.json), FP8 with V transposed
+      # beforehand (fp8-vt) and the compile-time change (ab). Left: the FP8 tiles in both V modes
+      # (the tuner's candidates since then) timed by the tuner over the grid's FP8 rows, for the
+      # defaults and the bundled database (on an H200), then the tuned rows beside the heuristic's in
+      # both layouts; and the host's cold compile of the default forward kernels.
+      bounded "$build/tools/flashjit-tune" --grid --dtype e4m3 --causal off,on --output "$out/tuning_fp8.json" 2>&1 |
+          tee "$out/tune_fp8.log" | tail -20
+      [[ ${PIPESTATUS[0]} -eq 0 ]] || status=1
+      rm -f "$out/tuning_fp8.json.lock"
+      for layout in bshd bhsd; do
+        bounded "$build/tools/flashjit-bench" --dtype e4m3 --tuning-db "$out/tuning_fp8.json" --versus-heuristic \
+            --layout $layout --json > "$out/fp8_tuned_$layout.json" || status=1
       done
-      for i in "${!ranked_tests[@]}"; do
-        wait -n || status=1
-      done
-      for i in "${!ranked_tests[@]}"; do grep -vE '^[0-9.]+ s: ' "$out/pending_tests_$i.log" | tail -6; done
-      "$0" "$build" fp8-vt || status=1
-      "$0" "$build" bwd-modes || status=1 ;;
+      python3 -c "
+import json
+for layout in ('bshd', 'bhsd'):
+    for r in json.load(open('$out/fp8_tuned_' + layout + '.json'))['rows']:
+        print(layout, r['head_dim'], r['seqlen'], 'causal' if r['causal'] else 'full', round(r['heuristic_tflops']), '->',
+              round(r['tflops']), round(r['heuristic_ms'] / r['median_ms'], 3), r['spec'])
+" || status=1
+      CUDA_CACHE_DISABLE=1 bounded "$build/tools/flashjit-warm" --arch sm_90a --preset default --passes fwd -j1 --json \
+          --cache-dir "$(mktemp -d)" > "$out/compile_default_fwd.json" || status=1 ;;
     fp8-vt)
       # FP8 with V transposed before the forward (v_pretransposed, forced specs until this passes):
       # its GPU tests, then each row's spec in that mode beside the heuristic's (V transposed in shared
@@ -195,31 +196,41 @@ for layout in ('bshd', 'bhsd'):
         print(layout, r.get('head_dim'), r.get('seqlen'), 'causal' if r.get('causal') else 'full',
               round(r['tflops']), 'vs', round(r['heuristic_tflops']), round(r['tflops'] / r['heuristic_tflops'], 3))
 " || status=1
-      bounded "$build/tools/flashjit-bench" --dtype e4m3 --v-pretransposed --check --head-dims 64,96,128,192,256 \
-          --seqlens 1024 --causal off,on --iters 2 2>&1 | tail -11
-      [[ ${PIPESTATUS[0]} -eq 0 ]] || status=1 ;;
+      for d in 64 96 128 192 256; do  # (16 heads each: 2048 is no multiple of 96 or 192)
+        bounded "$build/tools/flashjit-bench" --dtype e4m3 --v-pretransposed --check --head-dims $d --hidden $((16 * d)) \
+            --seqlens 1024 --causal off,on --iters 2 2>&1 | tail -2
+        [[ ${PIPESTATUS[0]} -eq 0 ]] || status=1
+      done ;;
     bwd-modes)
-      # sm90_bwd beside fa2_bwd at the head dims automatic dispatch still leaves to fa2_bwd (kernel
-      # head dims 96 and 192, and 32, 160 and 224 rounded up), and deterministic beside atomic from 64
-      # to 256 (the writer warps order the adds up to 128, the consumers above); both layouts. Rows in
-      # $out/bwd_*.json, ratios printed.
-      bench() { bounded "$build/tools/flashjit-bench" --backward --iters 15 "$@" --json; }
+      # sm90_bwd beside fa2_bwd at head dims 32, 96, 160, 192 and 224, and deterministic beside atomic
+      # from 64 to 256 (the writer warps order the adds up to 128, the consumers above); both layouts,
+      # 16 heads of each head dim (hidden = 16 x head dim: 2048 is no multiple of 96 or 160). Rows in
+      # $out/bwd_*.json, ratios printed (bench/results/bwd_modes_h100.json is a run of this).
+      bench() { bounded "$build/tools/flashjit-bench" --backward --iters 10 "$@" --json; }
       for layout in bshd bhsd; do
-        for backend in fa2 sm90; do
-          bench --backend $backend --layout $layout --head-dims 32,96,160,192,224 --seqlens 2048,8192 --causal off,on \
-              > "$out/bwd_${backend}_$layout.json" || status=1
+        for d in 32 96 160 192 224; do
+          for backend in fa2 sm90; do
+            bench --backend $backend --layout $layout --head-dims $d --hidden $((16 * d)) --seqlens 2048,8192 \
+                --causal off,on > "$out/bwd_${backend}_${layout}_d$d.json" || status=1
+          done
         done
-        bench --backend sm90 --layout $layout --head-dims 64,96,128,192,256 --seqlens 1024,4096,16384 --causal off,on \
-            > "$out/bwd_atomic_$layout.json" || status=1
-        bench --backend sm90 --deterministic --layout $layout --head-dims 64,96,128,192,256 --seqlens 1024,4096,16384 \
-            --causal off,on > "$out/bwd_deterministic_$layout.json" || status=1
+        for d in 64 96 128 192 256; do
+          bench --backend sm90 --layout $layout --head-dims $d --hidden $((16 * d)) --seqlens 1024,4096,16384 \
+              --causal off,on > "$out/bwd_atomic_${layout}_d$d.json" || status=1
+          bench --backend sm90 --deterministic --layout $layout --head-dims $d --hidden $((16 * d)) \
+              --seqlens 1024,4096,16384 --causal off,on > "$out/bwd_deterministic_${layout}_d$d.json" || status=1
+        done
       done
       python3 - "$out" <<'PY'
-import json, sys
+import glob, json, sys
 out = sys.argv[1]
-def rows(name):
-    try: return {(r["head_dim"], r["seqlen"], r["causal"]): r["tflops"] for r in json.load(open(f"{out}/{name}.json"))["rows"]}
-    except (OSError, ValueError, KeyError): return {}
+def rows(prefix):
+    r = {}
+    for name in glob.glob(f"{out}/{prefix}_d*.json"):
+        try:
+            for x in json.load(open(name))["rows"]: r[(x["head_dim"], x["seqlen"], x["causal"])] = x["tflops"]
+        except (OSError, ValueError, KeyError): pass
+    return r
 for layout in ("bshd", "bhsd"):
     for a, b, what in (("fa2", "sm90", "sm90_bwd / fa2_bwd"), ("atomic", "deterministic", "deterministic / atomic")):
         base, new = rows(f"bwd_{a}_{layout}"), rows(f"bwd_{b}_{layout}")
