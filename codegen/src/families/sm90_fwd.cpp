@@ -109,6 +109,9 @@ void set_default_tiles(KernelSpec& s) {
     // 1.08-1.22x the 128 x 128 tiles unmasked and 1.02-1.10x causal (2k-16k, H200). At 256 the best
     // tile (96 or 64 keys) was 0-5% faster, mixed between runs: 128 x 128 stays. (Three stages
     // measured the same as two: the consumers set the pace.)
+    // At 256 V comes transposed beforehand (v_pretransposed): 1.09-1.45x the same tile with V
+    // transposed in shared memory, full and causal, 2k-16k, both layouts (H100, stop 58), where
+    // shared memory was the second limit; at 64 and 128 the two modes were within -11% to +6%.
     if (s.head_dim <= 64 && !heavy_scores) {
       set(192, 128, 2);
     } else if (s.head_dim > 96 && s.head_dim <= 128 && !heavy_scores) {
@@ -116,6 +119,7 @@ void set_default_tiles(KernelSpec& s) {
     } else {
       set(128, 128, 2);
       if (validate_tiles(s)) set(128, 64, 2);  // (head dim 256 with a softcap or a window: registers)
+      s.v_pretransposed = s.head_dim > 192 && !heavy_scores;
     }
     return;
   }
