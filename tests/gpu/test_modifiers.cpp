@@ -436,8 +436,8 @@ TEST_CASE("modifiers backward: ALiBi and tanh softcap with derived gradients, ro
 }
 
 TEST_CASE("modifiers backward: random block masks at densities 0, 5%, 50% and 100%", "[modifiers][quick]") {
-  // sm90_bwd (automatic, on sm_90; by name in deterministic mode, its adds ordered by the key tiles'
-  // visits), and fa2_bwd by name in both dQ modes.
+  // sm90_bwd (automatic on sm_90; here by name in deterministic mode, its adds ordered by the key
+  // tiles' visits), and fa2_bwd by name in both dQ modes.
   const bool hopper = device_properties(0).arch().name() == "sm_90a";
   const int seqlen_q = 700, seqlen_k = 900, heads = 4, batch = 1;
   const int q_blocks = (seqlen_q + 127) / 128, kv_blocks = (seqlen_k + 127) / 128;

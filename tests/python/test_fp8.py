@@ -126,12 +126,9 @@ def test_fp8_matches_float64_on_dequantised_inputs(shape, mask):
     window = (37, 5) if mask == "window" else (-1, -1)
     softcap = 3.0 if mask == "softcap" else 0.0
     scale = d ** -0.5
-    # Head dim 256 with a window or a softcap runs 64-key tiles (registers), which automatic dispatch
-    # leaves to a device run of these tests: backend="sm90" runs them.
-    backend = "sm90" if d == 256 and mask in ("window", "softcap") else "auto"
     out = torch.full((b, sq, hq, d), float("nan"), dtype=torch.bfloat16, device="cuda")  # (poison: replaced)
     out, lse = flashjit.flash_attn_func(q8, k8, v8, causal=causal, window_size=window, softcap=softcap,
-                                        q_descale=qs, k_descale=ks, v_descale=vs, return_lse=True, backend=backend)
+                                        q_descale=qs, k_descale=ks, v_descale=vs, return_lse=True)
     inputs = (dequantized(q8, qs, hk), dequantized(k8, ks, hk), dequantized(v8, vs, hk), scale, causal, window,
               softcap)
     ref, ref_lse = reference(*inputs)
