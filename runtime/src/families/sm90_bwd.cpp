@@ -1,8 +1,8 @@
 // sm90_bwd at run time: fa2_bwd's entry sequence with atomic dQ (preprocess -> dkdv_atomic_dq ->
 // convert_dq), with TMA maps of q, k, v and dout; in deterministic mode (its spec has ordered_dq)
 // the dQ adds go in a fixed order of key tiles (DqAccumulation::ordered). It shares fa2_bwd's
-// tuning entries, so that the tuner times both and one entry holds the winner. Its kernel head dims are the forward's (64, 96, 128, 192, 256),
-// others rounded up; it runs where TMA can read the four tensors, and in deterministic mode at head
+// tuning entries, so that the tuner times both and one entry holds the winner. Its kernel head dims
+// are the forward's (64, 96, 128, 192, 256), others rounded up; it runs where TMA can read the four tensors, and in deterministic mode at head
 // dims 64, 96 and 128 (its dQ writer warps order the adds, where a step's dQ rows are whole) and
 // 129-256 (the consumers order them); under a block mask the dq_visits entry first marks which key
 // tiles visit each query block, and each tile waits for those before it. All of it passed the GPU
