@@ -15,13 +15,13 @@
 //                      dQ = dS K, then dK += dS^T Q                (wgmma; dS^T and K from smem, dS^T
 //                                                                   from registers)
 //                    (with a softcap or score modifier, whose dS^T needs the score, P^T and dS^T
-//                    wait for both GEMMs), and hand their dQ shares, through shared memory, to the
-//                    producer group's three spare warps, which add them to the accumulator with 16-byte atomics (where the
-//                    buffer fits: head dims 64 and 128 at two stages; elsewhere the consumers add
-//                    dQ with their own 8-byte atomics). The buffer passes between them on two
-//                    mbarriers (full, free), every writing or reading thread arriving itself (on
-//                    named barriers, compute-sanitizer's racecheck reported hazards it does not
-//                    report here). Deterministic mode (specs with ordered_dq, where the writers add)
+//                    wait for both GEMMs), and hand their dQ shares, through shared memory, to a
+//                    spare warp of the producer group, which adds them to the accumulator by TMA
+//                    reductions (where the buffer fits: head dims 64, 96 and 128; at 192 and 256
+//                    the consumers add dQ with their own 8-byte atomics). The buffer passes between
+//                    them on two mbarriers (full: every consumer thread arrives itself, named
+//                    barriers made compute-sanitizer's racecheck report hazards; free: the writer
+//                    once TMA has read it). Deterministic mode (specs with ordered_dq)
 //                    orders each query block's adds by key tile on a counter (p.dq_order), so reruns
 //                    sum dQ in one order; under a block mask the order is the key tiles' own, each
 //                    waiting for the tiles below it that visit the block (the dq_visits entry marks
@@ -51,7 +51,7 @@
 // Shared memory (1024-byte aligned, every tile in 64-value panels with the 128-byte swizzle TMA
 // writes): K, V (kBlockN rows); kStages slots of Q and dO (kBlockM rows); two dS^T buffers (keys x
 // queries, queries contiguous: the dQ GEMM's MN-major A operand), and split by head dim two of P^T;
-// kStages slots of LSE (base 2) and delta; the dQ rows for the writer warps; the barriers.
+// the dQ panels for the writer warp; kStages slots of LSE (base 2) and delta; the barriers.
 #pragma once
 
 #include "common/bwd.cuh"
@@ -100,32 +100,33 @@ struct Sm90BwdShape {
   static constexpr int kDqCols = kDqAlternates ? kHeadDim : kPanels * 64 / kConsumers;
   static constexpr bool kDqPastHeadDim = !kDqAlternates && kConsumers * kDqCols > kHeadDim;
 
+  // dQ writers (codegen decides, where the buffer fits): the consumers store a step's dQ to shared
+  // memory, 32-column panels of block_m rows with the 128-byte swizzle, and one producer-group warp
+  // adds it to the accumulator by TMA reductions, off the consumers' path. The swizzle spreads a
+  // warp's 256-byte store over every bank twice, the minimum. Where the producer records steps, the
+  // step's query head and m0 (and in deterministic mode under a block mask its turn, its rank) ride
+  // in a slot after the panels, for the writer.
+  static constexpr bool kDqWriters = Config::kDqWriters != 0;
+  static constexpr int kDqBufferPanels = (kDqAlternates ? kHeadDim : kConsumers * kDqCols) / 32;
+  static constexpr int kDqPanelBytes = kBlockM * 128;
+
   static constexpr int kKOffset = 0;
   static constexpr int kVOffset = kKOffset + kKvTileBytes;
   static constexpr int kQOffset = kVOffset + kKvTileBytes;
   static constexpr int kDoOffset = kQOffset + kStages * kStepTileBytes;
   static constexpr int kDsOffset = kDoOffset + kStages * kStepTileBytes;
   static constexpr int kPOffset = kDsOffset + 2 * kDsBytes;  // P^T, double-buffered like dS^T (head dim 256)
-  static constexpr int kLseOffset = kPOffset + (kSplitHeadDim ? 2 * kDsBytes : 0);
+  static constexpr int kDqOffset = kPOffset + (kSplitHeadDim ? 2 * kDsBytes : 0);  // 1024-byte aligned
+  static constexpr int kDqStepOffset = kDqOffset + (kDqWriters ? kDqBufferPanels * kDqPanelBytes : 0);
+  static constexpr int kLseOffset = kDqStepOffset + (kDqWriters ? 16 : 0);
   static constexpr int kDeltaOffset = kLseOffset + kStages * kBlockM * 4;
-  // dQ writers (codegen decides, where the buffer fits): the consumers store a step's dQ to shared
-  // memory and the producer group's three spare warps add it to the accumulator with 16-byte
-  // atomics, off the consumers' path. Rows are padded by 32 bytes: a quad's 32-byte store then
-  // shares its banks with one other row of the warp's eight, the minimum for 256 bytes.
-  static constexpr bool kDqWriters = Config::kDqWriters != 0;
-  static constexpr int kDqRowBytes = kHeadDim * 4 + 32;
-  // Where the producer records steps, the step's query head and m0 ride in row 0's padding, for
-  // the writers (and in deterministic mode under a block mask the step's turn, its rank).
-  static constexpr int kDqStepOffset = kHeadDim * 4;
   // Deterministic mode under a block mask: each step's turn at its query block is a rank among the
   // visiting key tiles, which the producer warp counts as it records the step.
   static constexpr bool kRanksTurns = Mods::kBlockSparse && OrderedDqOf<Config>::value;
   // Where it records them, each stage's query step (m0, query head, partial: QueryStep; the rank
   // where it counts them), written with the stage's loads.
   static constexpr int kStepInfoOffset = kDeltaOffset + kStages * kBlockM * 4;
-  static constexpr int kDqOffset = kStepInfoOffset + (kRecordsSteps ? 16 * kStages : 0);
-  static constexpr int kBarrierOffset = kDqOffset + (kDqWriters ? kBlockM * kDqRowBytes : 0);
-  static constexpr int kDqWriterThreads = 96;  // warps 1-3
+  static constexpr int kBarrierOffset = kStepInfoOffset + (kRecordsSteps ? 16 * kStages : 0);
   static constexpr int kDqConsumerThreads = kDqAlternates ? 128 : 128 * kConsumers;  // a step's dQ
   // kv_full, then full and empty per stage, then the dQ buffer's full and free.
   static constexpr int kSmemBytes = 1024 + kBarrierOffset + 8 * (1 + 2 * kStages) + (kDqWriters ? 16 : 0);
@@ -337,10 +338,11 @@ __device__ void sm90_bwd_dkdv_atomic_dq_kernel(const AttentionSm90BwdParams& par
   const PipelineRing<kStages, 8, 8 + 8 * kStages> ring{bar_kv_full};
   auto bar_full = [&](int stage) { return ring.full_barrier(stage); };
   auto bar_empty = [&](int stage) { return ring.empty_barrier(stage); };
-  // The dQ buffer: written (every consumer thread of the step arrives), free again (every writer).
+  // The dQ buffer: written (every consumer thread of the step arrives), free again (the writer, once
+  // TMA has read it).
   const unsigned bar_dq_full = bar_kv_full + 8 + 16 * kStages, bar_dq_free = bar_dq_full + 8;
   // Named barriers: 1 and 2 the consumers' dS^T exchange, 3 the adders' of a step's dQ taking their
-  // turn in deterministic mode (the writer warps, or without them the consumers).
+  // turn in deterministic mode (the writer warp, or without it the consumers).
   constexpr int kDqTurnBarrier = 3;
 
   const int tid = threadIdx.x, lane = tid % 32;
@@ -424,29 +426,26 @@ __device__ void sm90_bwd_dkdv_atomic_dq_kernel(const AttentionSm90BwdParams& par
     ring.init(32, 128 * Shape::kConsumers);
     if constexpr (Shape::kDqWriters) {
       mbarrier_init(bar_dq_full, Shape::kDqConsumerThreads);
-      mbarrier_init(bar_dq_free, Shape::kDqWriterThreads);
+      mbarrier_init(bar_dq_free, 1);
     }
     fence_barrier_init();
   }
   __syncthreads();
 
-  // Where the head dim is the kernel's, no dQ column needs a bounds check, and a step's dQ rows are
-  // one contiguous block of the accumulator.
+  // Where the head dim is the kernel's, the consumers' own dQ atomics need no column check.
   const bool full_width = f.head_dim == kHeadDim;
-  const bool dq_writers = Shape::kDqWriters && full_width;
 
   if (group == 0) {  // producer: warp 0; lane 0 issues the TMA loads, every lane copies LSE and delta
     registers_decrease<Shape::kProducerRegisters>();
     if (warp != 0) {
-      if (dq_writers && num_steps > 0) {
-        // dQ writers: each step, add the consumers' dQ rows to the accumulator, 16 bytes per atomic.
-        // Rows past the sequence (zeros) are skipped: past the last one is the end of the buffer.
-        const int writer = tid - 32;
-        constexpr int kChunksPerRow = kHeadDim / 4;
+      if (Shape::kDqWriters && warp == 1 && num_steps > 0) {
+        // The dQ writer warp: each step, lane 0 adds the consumers' dQ panels to the accumulator by
+        // TMA reductions (the map clips columns past the head dim and rows past the last; rows past
+        // a sequence hold zeros) and frees the buffer once they have read it.
         const unsigned buffer = base + Shape::kDqOffset;
         for (int step = 0; step < num_steps; ++step) {
           // The step's head and m0: computed, or where the producer records steps, as the consumers
-          // left them in row 0's padding (a block mask's steps are not computable here).
+          // left them in the buffer's slot (a block mask's steps are not computable here).
           int head = 0, m0 = 0, rank = 0, unused;
           if constexpr (!Shape::kRecordsSteps) {
             head = step_head(step);
@@ -456,23 +455,31 @@ __device__ void sm90_bwd_dkdv_atomic_dq_kernel(const AttentionSm90BwdParams& par
           if constexpr (Shape::kRanksTurns)
             asm volatile("ld.shared.v4.s32 {%0, %1, %2, %3}, [%4];\n"
                          : "=r"(head), "=r"(m0), "=r"(rank), "=r"(unused)
-                         : "r"(buffer + Shape::kDqStepOffset));
+                         : "r"(base + Shape::kDqStepOffset));
           else if constexpr (Shape::kRecordsSteps)
-            asm volatile("ld.shared.v2.s32 {%0, %1}, [%2];\n" : "=r"(head), "=r"(m0) : "r"(buffer + Shape::kDqStepOffset));
-          const int chunks = min(kBlockM, seq.seqlen_q - m0) * kChunksPerRow;
-          float* accum = p.dq_accum +
-                         (static_cast<long long>(head) * p.workspace_rows + workspace_row(f, seq, batch, m0)) * kHeadDim;
+            asm volatile("ld.shared.v2.s32 {%0, %1}, [%2];\n" : "=r"(head), "=r"(m0) : "r"(base + Shape::kDqStepOffset));
           DqTurn turn{};
-          if constexpr (kOrdered)
-            turn = take_dq_turn(step, head, m0, rank, writer, kDqTurnBarrier, Shape::kDqWriterThreads);
-          for (int chunk = writer; chunk < chunks; chunk += Shape::kDqWriterThreads) {
-            const float4 v = load_shared_quad(buffer + (chunk / kChunksPerRow) * Shape::kDqRowBytes +
-                                              (chunk % kChunksPerRow) * 16);
-            atomic_add_quad(accum + 4 * chunk, v);
+          if constexpr (kOrdered) turn = take_dq_turn(step, head, m0, rank, lane, kDqTurnBarrier, 32);
+          if (lane == 0) {
+            if constexpr (kOrdered) fence_proxy_async_global();  // the turn's acquire before the adds
+            const int row = workspace_row(f, seq, batch, m0);
+#pragma unroll
+            for (int panel = 0; panel < Shape::kDqBufferPanels; ++panel)
+              if (panel * 32 < f.head_dim)
+                tma_reduce_add_3d(params.dq_accum_map, buffer + panel * Shape::kDqPanelBytes, panel * 32, row, head);
+            bulk_commit_group();
+            if constexpr (kOrdered) {
+              bulk_wait_group<0>();  // the adds done before the turn passes on
+              fence_proxy_async_global();
+            } else {
+              bulk_wait_group_read<0>();
+            }
           }
-          if constexpr (kOrdered) end_dq_turn(turn, writer, kDqTurnBarrier, Shape::kDqWriterThreads);
-          mbarrier_arrive(bar_dq_free);
+          if constexpr (kOrdered) end_dq_turn(turn, lane, kDqTurnBarrier, 32);
+          __syncwarp();
+          if (lane == 0) mbarrier_arrive(bar_dq_free);
         }
+        if (lane == 0) bulk_wait_group<0>();
       }
       return;
     }
@@ -496,15 +503,7 @@ __device__ void sm90_bwd_dkdv_atomic_dq_kernel(const AttentionSm90BwdParams& par
                                                  p.dq_visit_words,
                                n_block, lane);
       ring.wait_empty(step);
-      // LSE (in base 2) and delta; queries past the sequence get 0 (the consumers mask them).
-      const float* gLse = f.lse + batch * f.lse_batch_stride + head * f.lse_head_stride + (varlen ? seq.q_start : 0) + m0;
-      const float* gDelta = p.delta + static_cast<long long>(head) * p.workspace_rows + workspace_row(f, seq, batch, m0);
-      for (int i = lane; i < kBlockM; i += 32) {
-        const bool valid = m0 + i < seq.seqlen_q;
-        sLse[stage * kBlockM + i] = valid ? gLse[i] * kLog2e : 0.f;
-        sDelta[stage * kBlockM + i] = valid ? gDelta[i] : 0.f;
-      }
-      if (lane != 0) mbarrier_arrive(bar_full(stage));  // this lane's stores are in
+      // Q and dO first (their TMA copies are the long wait), then every lane's LSE and delta.
       if (lane == 0) {
         if constexpr (Shape::kRanksTurns)
           asm volatile("st.shared.v4.s32 [%0], {%1, %2, %3, %4};\n" ::"r"(base + Shape::kStepInfoOffset + 16 * stage),
@@ -514,7 +513,7 @@ __device__ void sm90_bwd_dkdv_atomic_dq_kernel(const AttentionSm90BwdParams& par
           asm volatile("st.shared.v4.s32 [%0], {%1, %2, %3, %3};\n" ::"r"(base + Shape::kStepInfoOffset + 16 * stage),
                        "r"(m0), "r"(head), "r"(at.partial)
                        : "memory");
-        mbarrier_arrive_expect_tx(bar_full(stage), 2 * Shape::kStepLoadedBytes);
+        mbarrier_expect_tx(bar_full(stage), 2 * Shape::kStepLoadedBytes);
         for (int panel = 0; panel < Shape::kLoadedPanels; ++panel) {
           tma_load_4d(sQ(stage) + panel * Shape::kStepPanelBytes, params.q_map, bar_full(stage), panel * 64,
                       seq.q_start + m0, head, tma_batch);
@@ -522,6 +521,15 @@ __device__ void sm90_bwd_dkdv_atomic_dq_kernel(const AttentionSm90BwdParams& par
                       seq.q_start + m0, head, tma_batch);
         }
       }
+      // LSE (in base 2) and delta; queries past the sequence get 0 (the consumers mask them).
+      const float* gLse = f.lse + batch * f.lse_batch_stride + head * f.lse_head_stride + (varlen ? seq.q_start : 0) + m0;
+      const float* gDelta = p.delta + static_cast<long long>(head) * p.workspace_rows + workspace_row(f, seq, batch, m0);
+      for (int i = lane; i < kBlockM; i += 32) {
+        const bool valid = m0 + i < seq.seqlen_q;
+        sLse[stage * kBlockM + i] = valid ? gLse[i] * kLog2e : 0.f;
+        sDelta[stage * kBlockM + i] = valid ? gDelta[i] : 0.f;
+      }
+      mbarrier_arrive(bar_full(stage));  // this lane's stores are in (lane 0's step record too)
     };
     if constexpr (Shape::kBlockSparse) {
       // Each query head's row of the transposed lists, in turn (its fully visible blocks first).
@@ -819,34 +827,38 @@ __device__ void sm90_bwd_dkdv_atomic_dq_kernel(const AttentionSm90BwdParams& par
     wgmma_wait<1>();  // dV and dQ
     fence_operands(dq);
 
-    if (dq_writers) {  // to the writer warps, through shared memory (rows past the sequence too: zeros)
+    if constexpr (Shape::kDqWriters) {  // to the writer warp, through shared memory (rows past the sequence too: zeros)
       mbarrier_wait(bar_dq_free, (step & 1) ^ 1);  // a fresh barrier passes parity 1
-      const unsigned buffer = base + Shape::kDqOffset;
       if (Shape::kRecordsSteps && dq_col0 == 0 && warp_in_group == 0 && lane == 0) {
         if constexpr (Shape::kRanksTurns)
-          asm volatile("st.shared.v4.s32 [%0], {%1, %2, %3, %3};\n" ::"r"(buffer + Shape::kDqStepOffset), "r"(head),
+          asm volatile("st.shared.v4.s32 [%0], {%1, %2, %3, %3};\n" ::"r"(base + Shape::kDqStepOffset), "r"(head),
                        "r"(m0), "r"(rank)
                        : "memory");
         else
-          asm volatile("st.shared.v2.s32 [%0], {%1, %2};\n" ::"r"(buffer + Shape::kDqStepOffset), "r"(head), "r"(m0)
+          asm volatile("st.shared.v2.s32 [%0], {%1, %2};\n" ::"r"(base + Shape::kDqStepOffset), "r"(head), "r"(m0)
                        : "memory");
       }
+      // Pair (j, h) is row warp_in_group * 16 + lane / 4 + 8 h, columns dq_col0 + 8 j + 2 (lane % 4) and
+      // the next: 32-column panel dq_col0 / 32 + j / 4, 16-byte chunk 2 (j % 4) + (lane % 4) / 2 of
+      // the row, swizzled by the row's place in its 8-row atom (lane / 4). As for dS^T, the swizzle
+      // is an XOR with a constant per j of a 1024-byte-aligned panel's address.
+      const unsigned pair_base = base + Shape::kDqOffset + (dq_col0 / 32) * Shape::kDqPanelBytes +
+                                 (warp_in_group * 16 + lane / 4) * 128 + ((((lane % 4) / 2) ^ (lane / 4)) << 4) +
+                                 (lane % 2) * 8;
 #pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const int row = warp_in_group * 16 + lane / 4 + h * 8;
-        const int col0 = dq_col0 + (lane % 4) * 2;
-        const unsigned row_address = buffer + row * Shape::kDqRowBytes + col0 * 4;
+      for (int h = 0; h < 2; ++h)
 #pragma unroll
         for (int j = 0; j < Shape::kDqCols / 8; ++j)
-          if (dq_group_inside(j)) store_shared_pair(row_address + j * 32, dq[4 * j + 2 * h], dq[4 * j + 2 * h + 1]);
-      }
+          if (dq_group_inside(j))
+            store_shared_pair(((pair_base + (j / 4) * Shape::kDqPanelBytes) ^ ((2 * (j % 4)) << 4)) + h * 8 * 128,
+                              dq[4 * j + 2 * h], dq[4 * j + 2 * h + 1]);
+      fence_proxy_async_shared();  // the writer's TMA (the async proxy) reads them
       mbarrier_arrive(bar_dq_full);
       release_stage();
       continue;
     }
 
-    // Without writer warps (head dims 192 and 256), deterministic mode's turn is the consumers'. (With
-    // them, dispatch runs deterministic mode only where the writers add: the kernel's own head dim.)
+    // Without the writer warp (head dims 192 and 256), deterministic mode's turn is the consumers'.
     constexpr bool kConsumersTakeTurns = kOrdered && !Shape::kDqWriters;
     static_assert(!kConsumersTakeTurns || !Shape::kDqAlternates, "both consumers add each step's dQ");
     const int adder = tid - 128;

@@ -40,6 +40,21 @@ TmaDescriptor make_attention_tma_map(const void* data, DType dtype, int head_dim
   return descriptor;
 }
 
+TmaDescriptor make_dq_accum_tma_map(float* accum, int head_dim, int rows, int heads, int box_rows) {
+  const cuuint64_t dims[3] = {cuuint64_t(head_dim), cuuint64_t(rows), cuuint64_t(heads)};
+  const cuuint64_t row_bytes = cuuint64_t(head_dim) * sizeof(float);
+  const cuuint64_t strides[2] = {row_bytes, row_bytes * dims[1]};
+  const cuuint32_t box[3] = {32, cuuint32_t(box_rows), 1};
+  const cuuint32_t element_strides[3] = {1, 1, 1};
+  CUtensorMap map;
+  FLASHJIT_CU(cuTensorMapEncodeTiled, &map, CU_TENSOR_MAP_DATA_TYPE_FLOAT32, 3, accum, dims, strides, box,
+              element_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+              CU_TENSOR_MAP_L2_PROMOTION_NONE, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  TmaDescriptor descriptor;
+  std::memcpy(&descriptor, &map, sizeof map);
+  return descriptor;
+}
+
 TmaDescriptor make_kv_cache_tma_map(const void* data, DType dtype, int head_dim, int page_size, int heads, int pages,
                                     long long row_stride, long long head_stride, long long page_stride, int box_rows) {
   constexpr cuuint64_t kElementBytes = 2;

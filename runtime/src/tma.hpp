@@ -28,6 +28,12 @@ TmaDescriptor make_attention_tma_map(const void* data, DType dtype, int head_dim
 TmaDescriptor make_kv_cache_tma_map(const void* data, DType dtype, int head_dim, int page_size, int heads, int pages,
                                     long long row_stride, long long head_stride, long long page_stride, int box_rows);
 
+// A 3-D map of the backward's fp32 dQ accumulator (heads, rows, head_dim), contiguous: dims innermost
+// first (head_dim, rows, heads), boxes of 32 floats (128 bytes) x box_rows rows with 128-byte swizzle,
+// which sm90_bwd adds its steps' dQ through (TMA reductions; columns and rows past the extents are
+// clipped). rows and heads are at least 1.
+TmaDescriptor make_dq_accum_tma_map(float* accum, int head_dim, int rows, int heads, int box_rows);
+
 // The extents the maps describe: varlen tensors are one batch entry of packed rows.
 struct TmaExtents {
   int rows_q, rows_k, batches;

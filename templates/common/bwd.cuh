@@ -25,12 +25,6 @@ __device__ __forceinline__ void atomic_add_pair(float* address, float a, float b
   }
 }
 
-// Four floats added to global memory by one 16-byte vector reduction (sm_90; `address` 16-byte aligned).
-__device__ __forceinline__ void atomic_add_quad(float* address, float4 v) {
-  asm volatile("red.global.add.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"l"(address), "f"(v.x), "f"(v.y), "f"(v.z),
-               "f"(v.w)
-               : "memory");
-}
 
 // A counter that orders CTAs' adds (sm90_bwd's deterministic dQ): wait until it reads `value`, with
 // acquire semantics at GPU scope (what the CTA that stored it added before is then visible first),
@@ -69,11 +63,6 @@ __device__ __forceinline__ float2 load_shared_pair(unsigned address) {
   return r;
 }
 __device__ __forceinline__ float2 load_shared_pair(const float* pointer) { return load_shared_pair(shared_address(pointer)); }
-__device__ __forceinline__ float4 load_shared_quad(unsigned address) {
-  float4 r;
-  asm volatile("ld.shared.v4.f32 {%0, %1, %2, %3}, [%4];\n" : "=f"(r.x), "=f"(r.y), "=f"(r.z), "=f"(r.w) : "r"(address));
-  return r;
-}
 __device__ __forceinline__ void store_shared_pair(unsigned address, float a, float b) {
   asm volatile("st.shared.v2.f32 [%0], {%1, %2};\n" ::"r"(address), "f"(a), "f"(b) : "memory");
 }

@@ -187,6 +187,7 @@ struct AttentionSm90BwdParams {
   TmaDescriptor k_map;
   TmaDescriptor v_map;
   TmaDescriptor do_map;
+  TmaDescriptor dq_accum_map;  // the fp32 dQ accumulator (head_dim, workspace rows, query heads), for TMA adds
   AttentionBwdParams bwd;
 };
 

@@ -34,6 +34,10 @@ __device__ __forceinline__ void mbarrier_arrive_if(bool pred, unsigned bar) {
 __device__ __forceinline__ void mbarrier_arrive_expect_tx(unsigned bar, unsigned bytes) {
   asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
 }
+// Announces `bytes` of TMA traffic the current phase must wait for, without arriving.
+__device__ __forceinline__ void mbarrier_expect_tx(unsigned bar, unsigned bytes) {
+  asm volatile("mbarrier.expect_tx.relaxed.cta.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
+}
 // Blocks until the barrier's phase with parity `phase` has completed.
 __device__ __forceinline__ void mbarrier_wait(unsigned bar, unsigned phase) {
   unsigned done = 0;
@@ -79,6 +83,16 @@ __device__ __forceinline__ void tma_store_4d(const TmaDescriptor& map, unsigned 
       "cp.async.bulk.tensor.4d.global.shared::cta.bulk_group [%0, {%2, %3, %4, %5}], [%1];\n" ::"l"(
           reinterpret_cast<unsigned long long>(&map)),
       "r"(smem), "r"(c0), "r"(c1), "r"(c2), "r"(c3)
+      : "memory");
+}
+// A 3-D tile of fp32 from shared memory added element by element into global memory (the TMA
+// unit's reduction in L2; the map clips what lies past the tensor's extents), in this thread's
+// current bulk async-group.
+__device__ __forceinline__ void tma_reduce_add_3d(const TmaDescriptor& map, unsigned smem, int c0, int c1, int c2) {
+  asm volatile(
+      "cp.reduce.async.bulk.tensor.3d.global.shared::cta.add.tile.bulk_group [%0, {%2, %3, %4}], [%1];\n" ::"l"(
+          reinterpret_cast<unsigned long long>(&map)),
+      "r"(smem), "r"(c0), "r"(c1), "r"(c2)
       : "memory");
 }
 __device__ __forceinline__ void bulk_commit_group() { asm volatile("cp.async.bulk.commit_group;\n" ::: "memory"); }
@@ -130,6 +144,8 @@ __device__ __forceinline__ unsigned byte_permute(unsigned a, unsigned b, unsigne
 // Orders this thread's generic-proxy shared-memory writes before later async-proxy reads (wgmma
 // operands, TMA stores) of the same bytes.
 __device__ __forceinline__ void fence_proxy_async_shared() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
+// Orders this thread's global accesses through the generic proxy with its bulk (TMA) ones.
+__device__ __forceinline__ void fence_proxy_async_global() { asm volatile("fence.proxy.async.global;\n" ::: "memory"); }
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
 __device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
 template <int kPending>

@@ -22,13 +22,11 @@ struct Run {
   std::optional<KernelSpec> kernel;
 };
 
-// The backends a case runs on: fa2_bwd always; sm90_bwd on sm_90 at every head dim, in deterministic
-// mode at 64, 96 and 128 (its dQ writer warps order the adds) and above 128 (its consumers do).
+// The backends a case runs on: fa2_bwd always; sm90_bwd on sm_90 at every head dim, deterministic
+// mode included (up to 128 its dQ writer warp orders the adds, above its consumers do).
 std::vector<Backend> backward_backends(const Run& r) {
-  const int d = r.shape.head_dim;
   const bool hopper = device_properties(0).arch().name() == "sm_90a";
-  const bool sm90_head_dim = !r.deterministic || d == 64 || d == 96 || d >= 128;
-  if (hopper && !r.kernel && sm90_head_dim) return {Backend::fa2, Backend::sm90};
+  if (hopper && !r.kernel) return {Backend::fa2, Backend::sm90};
   return {Backend::fa2};
 }
 
@@ -216,7 +214,7 @@ TEST_CASE("fa2_bwd: forced tile shapes", "[backward]") {
     }
 }
 
-// Both families' deterministic modes (sm90_bwd's on sm_90 at head dims 64, 96, 128 and 129-256):
+// Both families' deterministic modes (sm90_bwd's on sm_90 at every head dim):
 // correct, and reruns bitwise identical, over GQA, masks whose key tiles visit different query
 // blocks (causal with seqlen_q > seqlen_k and the other way round, a window) and varlen.
 TEST_CASE("backward: deterministic mode is bitwise reproducible and correct", "[backward]") {
@@ -236,7 +234,10 @@ TEST_CASE("backward: deterministic mode is bitwise reproducible and correct", "[
                   // sm90_bwd's add orders (DqAddOrder): 777 keys rotate the walks of 7 key tiles,
                   // 900 those of 8 over 4 query heads' steps, 4300 keys (34 tiles) take launch
                   // order; varlen mixes them per sequence.
-                  Shape{500, 900, 4, 128, MaskKind::none}, Shape{700, 4300, 2, 64, MaskKind::none}})
+                  Shape{500, 900, 4, 128, MaskKind::none}, Shape{700, 4300, 2, 64, MaskKind::none},
+                  // Rounded up below 128: the writer warp's TMA adds clip the columns past the head dim.
+                  Shape{700, 650, 2, 80, MaskKind::causal}, Shape{650, 700, 1, 40, MaskKind::none},
+                  Shape{600, 600, 4, 112, MaskKind::window}})
     for (bool varlen : {false, true}) {
       Run r;
       r.shape = AttentionShape::make(2, s.seqlen_q, s.seqlen_k, 8, 8 / s.group, s.head_dim);

@@ -70,7 +70,7 @@ std::vector<KernelSpec> sweep_specs(const Arch& arch) {
         if (family == Family::sm90_bwd)
           specs.push_back(default_spec(family, arch, DType::bf16, d, MaskKind::causal, false, alibi));
       }
-  // sm90_bwd's deterministic mode (ordered dQ adds): the writer warps' at 64, 96 and 128, the
+  // sm90_bwd's deterministic mode (ordered dQ adds): the writer warp's at 64, 96 and 128, the
   // consumers' at 192 and 256; with each mask (each has its own add order) and a softcap, and the
   // document mask through a block mask (turns counted from the visits: the producer warp counts).
   for (int d : {64, 96, 128, 192, 256})

@@ -346,18 +346,16 @@ TEST_CASE("backward dispatch: sm90_bwd at every head dim on sm_90 (deterministic
     CHECK(s.head_dim == kernel_head_dim);
   }
   CHECK(detail::select_backward_kernel(backward(128), kA100).family == Family::fa2_bwd);
-  // Deterministic mode: sm90_bwd's ordered dQ where its writer warps add dQ (head dims 64, 96 and
-  // 128, whole rows; the heuristic's two stages) and where its consumers do (above 128); fa2_bwd's
-  // fixed-order dQ at the other head dims up to 128.
-  for (int head_dim : {64, 128}) {
+  // Deterministic mode: sm90_bwd's ordered dQ at every head dim, where its writer warp adds dQ (up to
+  // 128, rounded up too: its TMA adds clip the columns past the head dim) and where its consumers do
+  // (above 128).
+  for (int head_dim : {40, 64, 112, 128}) {
     const KernelSpec ordered = detail::select_backward_kernel(backward(head_dim, {}, /*deterministic=*/true), kH200);
     CHECK(ordered.family == Family::sm90_bwd);
     CHECK(ordered.ordered_dq);
     CHECK(kernel_layout(ordered).constant("kDqWriters") == 1);
     CHECK_FALSE(detail::select_backward_kernel(backward(head_dim), kH200).ordered_dq);  // atomic: the plain kernel
   }
-  for (int head_dim : {40, 112})
-    CHECK(detail::select_backward_kernel(backward(head_dim, {}, true), kH200).family == Family::fa2_bwd);
   for (int head_dim : {96, 160, 256}) {
     const KernelSpec ordered = detail::select_backward_kernel(backward(head_dim, {}, true), kH200);
     CHECK(ordered.family == Family::sm90_bwd);
@@ -384,17 +382,14 @@ TEST_CASE("backward dispatch: sm90_bwd at every head dim on sm_90 (deterministic
     CHECK(s.block_n == (kernel_head_dim > 128 ? 64 : 128));  // split by head dim above 128
     CHECK(dynamic_smem_bytes(s) <= kH200.max_smem_per_block_optin);
   }
-  // Deterministic mode at every head dim: the writer warps order the adds where they are (96 here),
+  // Deterministic mode at every head dim: the writer warp orders the adds where it is (up to 128),
   // the consumers elsewhere (192, 256).
-  for (auto [head_dim, writers] : {std::pair{96, 1}, {160, 0}, {192, 0}, {224, 0}, {256, 0}}) {
+  for (auto [head_dim, writers] : {std::pair{72, 1}, {96, 1}, {112, 1}, {160, 0}, {192, 0}, {224, 0}, {256, 0}}) {
     const KernelSpec ordered = detail::select_backward_kernel(backward(head_dim, sm90, true), kH200);
     CHECK(ordered.family == Family::sm90_bwd);
     CHECK(ordered.ordered_dq);
     CHECK(kernel_layout(ordered).constant("kDqWriters") == writers);
   }
-  // Rounded up to 64, 96 or 128, a step's dQ rows are not whole: the writers cannot order them.
-  CHECK_THROWS_WITH(detail::select_backward_kernel(backward(112, sm90, true), kH200),
-                    Catch::Contains("fa2_bwd's fixed-order dQ runs head dim 112"));
   CHECK_THROWS_WITH(detail::select_backward_kernel(backward(128, sm90), kA100),
                     Catch::Contains("needs an sm_90 device"));
   odd_dout.forward.backend = Backend::sm90;
@@ -452,8 +447,7 @@ TEST_CASE("backward dispatch: user modifiers and block masks on fa2_bwd and sm90
 TEST_CASE("backward dispatch: a tuned sm90_bwd entry applies only where sm90_bwd can run", "[dispatch]") {
   // Backward entries are keyed by fa2_bwd; on an H200 the tuner keeps the heuristic's sm90_bwd spec
   // unless an fa2_bwd tile beats it. Layouts TMA cannot read must still get fa2_bwd; deterministic
-  // mode takes the tuned tiles with ordered dQ adds, or the heuristic's where they have no dQ writer
-  // warps to order them.
+  // mode takes the tuned tiles with ordered dQ adds.
   auto backward = [](bool deterministic) {
     auto q = TensorView::contiguous(arena, ScalarType::bfloat16, {2, 64, 4, 128});
     auto lse = TensorView::contiguous(arena, ScalarType::float32, {2, 4, 64});
@@ -480,23 +474,24 @@ TEST_CASE("backward dispatch: a tuned sm90_bwd entry applies only where sm90_bwd
   KernelSpec ordered = entry.spec;
   ordered.ordered_dq = true;
   CHECK(detail::select_backward_kernel(backward(true), h200, &sources) == ordered);
-  KernelSpec three_stages = entry.spec;  // (no room for the dQ writer warps, which deterministic mode orders)
+  KernelSpec three_stages = entry.spec;  // (the dQ writer warp's buffer fits beside a third stage)
   three_stages.num_stages = 3;
   REQUIRE_FALSE(three_stages.validate().has_value());
-  REQUIRE(kernel_layout(three_stages).constant("kDqWriters") == 0);
+  REQUIRE(kernel_layout(three_stages).constant("kDqWriters") == 1);
   TuningSources three_stage_sources;
   entry.spec = three_stages;
   three_stage_sources.add_in_memory(entry);
   CHECK(detail::select_backward_kernel(backward(false), h200, &three_stage_sources) == three_stages);
-  CHECK(detail::select_backward_kernel(backward(true), h200, &three_stage_sources) ==
-        detail::select_backward_kernel(backward(true), h200));  // the heuristic's, with the writers
+  KernelSpec ordered_three_stages = three_stages;
+  ordered_three_stages.ordered_dq = true;
+  CHECK(detail::select_backward_kernel(backward(true), h200, &three_stage_sources) == ordered_three_stages);
   entry.spec = detail::select_backward_kernel(atomic, h200);
   detail::BackwardProblem odd_dout = backward(false);
   odd_dout.params.do_row_stride = 12;
   CHECK(detail::select_backward_kernel(odd_dout, h200, &sources).family == Family::fa2_bwd);
   CHECK(fa2_backward(atomic.forward, h200, &sources).family == Family::fa2_bwd);
-  // Forced, deterministic mode runs it with ordered dQ adds and refuses it without; ordered adds
-  // need the writer warps; a layout TMA cannot read is an error. Each names why.
+  // Forced, deterministic mode runs it with ordered dQ adds (at either depth) and refuses it without;
+  // a layout TMA cannot read is an error. Each names why.
   detail::BackwardProblem forced = backward(true);
   forced.forward.forced_kernel = ordered;
   CHECK(detail::select_backward_kernel(forced, h200) == ordered);
@@ -507,10 +502,8 @@ TEST_CASE("backward dispatch: a tuned sm90_bwd entry applies only where sm90_bwd
   forced_atomic.forward.forced_kernel = ordered;
   CHECK_THROWS_WITH(detail::select_backward_kernel(forced_atomic, h200),
                     Catch::Contains("it orders its dQ adds (ordered_dq) and the options are not deterministic"));
-  three_stages.ordered_dq = true;
-  forced.forward.forced_kernel = three_stages;
-  CHECK_THROWS_WITH(detail::select_backward_kernel(forced, h200),
-                    Catch::Contains("at head dim 128 are the dQ writer warps', which 3 stages leave no room for"));
+  forced.forward.forced_kernel = ordered_three_stages;
+  CHECK(detail::select_backward_kernel(forced, h200) == ordered_three_stages);
   odd_dout.forward.forced_kernel = entry.spec;
   CHECK_THROWS_WITH(detail::select_backward_kernel(odd_dout, h200),
                     Catch::Contains("dout: a stride of 12 elements is not a multiple of 16 bytes"));

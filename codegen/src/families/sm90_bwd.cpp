@@ -29,13 +29,14 @@ int smem_bytes_without_dq_buffer(const KernelSpec& s) {
          8 * (1 + 2 * s.num_stages);
 }
 
-// The step's dQ (block_m rows of fp32, each row padded by 32 bytes against bank conflicts), handed
-// from the consumers to the producer group's three spare warps, which add it to the accumulator,
-// and its two mbarriers (full, free).
-int dq_buffer_bytes(const KernelSpec& s) { return s.block_m * (s.head_dim * 4 + 32) + 16; }
+// The step's dQ (block_m rows of fp32 in 32-column panels: the head dim, or where it is split
+// between the consumers, both consumers' whole 64-column panels), handed from the consumers to the
+// producer group's writer warp, which adds it to the accumulator by TMA reductions; the step's slot
+// (16 bytes) and the buffer's two mbarriers (full, free).
+int dq_buffer_bytes(const KernelSpec& s) { return s.block_m * panels(s) * 64 * 4 + 16 + 16; }
 
-// Writer warps where the buffer fits beside the rest: head dims 64, 96 and 128 at two stages. At 192
-// and 256 (and 96 and 128 with three stages) the consumers add dQ with their own atomics.
+// A writer warp where the buffer fits beside the rest: head dims 64, 96 and 128 (at 96 and 128 with
+// two stages). At 192 and 256 the consumers add dQ with their own atomics.
 bool dq_writers(const KernelSpec& s) {
   return smem_bytes_without_dq_buffer(s) + dq_buffer_bytes(s) <= max_smem_per_block(s.arch);
 }
@@ -61,11 +62,12 @@ std::optional<std::string> validate_tiles(const KernelSpec& s) {
   if (smem_bytes(s) > max_smem_per_block(s.arch))
     return fmt::format("needs {} bytes of shared memory per block, {} allows {}", smem_bytes(s), s.arch.name(),
                        max_smem_per_block(s.arch));
-  // Ordered dQ adds (deterministic mode) are the writer warps' up to head dim 128, off the consumers'
-  // path; above, where the buffer never fits, the consumers take the turns themselves.
+  // Ordered dQ adds (deterministic mode) are the writer warp's up to head dim 128, off the consumers'
+  // path (its buffer fits beside two stages and three); above, where it never fits, the consumers
+  // take the turns themselves.
   if (s.ordered_dq && !split_head_dim(s) && !dq_writers(s))
-    return fmt::format("ordered dQ adds (deterministic mode) at head dim {} are the dQ writer warps', which {} stages "
-                       "leave no room for (two stages have them)",
+    return fmt::format("ordered dQ adds (deterministic mode) at head dim {} are the dQ writer warp's, which {} stages "
+                       "leave no room for",
                        s.head_dim, s.num_stages);
   return std::nullopt;
 }

@@ -2,10 +2,11 @@
 // convert_dq), with TMA maps of q, k, v and dout; in deterministic mode (its spec has ordered_dq)
 // the dQ adds go in a fixed order of key tiles (DqAccumulation::ordered). It shares fa2_bwd's
 // tuning entries, so that the tuner times both and one entry holds the winner. Its kernel head dims
-// are the forward's (64, 96, 128, 192, 256), others rounded up; it runs where TMA can read the four tensors, and in deterministic mode at head
-// dims 64, 96 and 128 (its dQ writer warps order the adds, where a step's dQ rows are whole) and
-// 129-256 (the consumers order them); under a block mask the dq_visits entry first marks which key
-// tiles visit each query block, and each tile waits for those before it. All of it passed the GPU
+// are the forward's (64, 96, 128, 192, 256), others rounded up; it runs where TMA can read the four
+// tensors, deterministic mode included (up to head dim 128 its dQ writer warp orders the adds, its
+// TMA map clipping the columns past the head dim; above, the consumers order them); under a block
+// mask the dq_visits entry first marks which key tiles visit each query block, and each tile waits
+// for those before it. All of it passed the GPU
 // tests (float64 references, bitwise reruns) and compute-sanitizer; beside fa2_bwd it ran 1.3-2.8x
 // faster at head dims 96-224 and level or faster at 32 (bench/results/bwd_modes_h100.json), so
 // automatic dispatch takes it wherever it runs.
@@ -19,11 +20,6 @@ namespace {
 
 std::optional<std::string> unusable_reason(const PassProblem& problem, const Arch& arch) {
   if (auto reason = hopper_arch_reason(Family::sm90_bwd, arch)) return reason;
-  const ForwardProblem& f = problem.forward;
-  if (problem.deterministic() && f.head_dim <= 128 && f.head_dim != 64 && f.head_dim != 96 && f.head_dim != 128)
-    return fmt::format("its deterministic mode runs at head dims 64, 96, 128 and 129-256 (below 128 the dQ writer "
-                       "warps order the adds, of whole rows only); fa2_bwd's fixed-order dQ runs head dim {}",
-                       f.head_dim);
   return problem.backward != nullptr ? tma_unusable_reason(*problem.backward) : tma_unusable_reason(problem.forward);
 }
 
@@ -53,6 +49,8 @@ AttentionSm90BwdParams hopper_params(const KernelSpec& spec, const ForwardProble
                                         a.k_head_stride, a.k_batch_stride, spec.block_n);
   params.v_map = make_attention_tma_map(a.v, f.dtype, a.head_dim, rows_k, a.num_heads_kv, batches, a.v_row_stride,
                                         a.v_head_stride, a.v_batch_stride, spec.block_n);
+  if (bwd.dq_accum != nullptr && bwd.workspace_rows > 0)
+    params.dq_accum_map = make_dq_accum_tma_map(bwd.dq_accum, a.head_dim, bwd.workspace_rows, a.num_heads_q, spec.block_m);
   if (f.block_sparse)
     fit_block_mask_to_tiles(params.bwd.transposed_block_mask, spec, /*rows_are_queries=*/false, spec.block_n,
                             spec.block_m, "backward");
