@@ -852,17 +852,25 @@ __device__ void sm90_bwd_dkdv_atomic_dq_kernel(const AttentionSm90BwdParams& par
       // Pair (j, h) is row warp_in_group * 16 + lane / 4 + 8 h, columns dq_col0 + 8 j + 2 (lane % 4) and
       // the next: 32-column panel dq_col0 / 32 + j / 4, 16-byte chunk 2 (j % 4) + (lane % 4) / 2 of
       // the row, swizzled by the row's place in its 8-row atom (lane / 4). As for dS^T, the swizzle
-      // is an XOR with a constant per j of a 1024-byte-aligned panel's address.
-      const unsigned pair_base = base + Shape::kDqOffset + (dq_col0 / 32) * Shape::kDqPanelBytes +
-                                 (warp_in_group * 16 + lane / 4) * 128 + ((((lane % 4) / 2) ^ (lane / 4)) << 4) +
-                                 (lane % 2) * 8;
+      // is an XOR with a constant per j of a 1024-byte-aligned panel's address. A half-warp's rows r
+      // and r ^ 1 would swizzle onto the same two chunks (twice the wavefronts for one 8-byte store),
+      // so odd rows store pair j ^ 2 in pass j: chunk bit 2 flipped (the address XOR 64), and the
+      // sixteen lanes cover all eight chunks of their rows.
+      const bool odd_row = (lane / 4) % 2;
+      const unsigned pair_base = (base + Shape::kDqOffset + (dq_col0 / 32) * Shape::kDqPanelBytes +
+                                  (warp_in_group * 16 + lane / 4) * 128 + ((((lane % 4) / 2) ^ (lane / 4)) << 4) +
+                                  (lane % 2) * 8) ^
+                                 (odd_row ? 64u : 0u);
 #pragma unroll
       for (int h = 0; h < 2; ++h)
 #pragma unroll
-        for (int j = 0; j < Shape::kDqCols / 8; ++j)
-          if (dq_group_inside(j))
+        for (int j = 0; j < Shape::kDqCols / 8; ++j) {
+          const int mine = odd_row ? j ^ 2 : j;  // the pair this lane stores in pass j
+          if (dq_group_inside(mine))
             store_shared_pair(((pair_base + (j / 4) * Shape::kDqPanelBytes) ^ ((2 * (j % 4)) << 4)) + h * 8 * 128,
-                              dq[4 * j + 2 * h], dq[4 * j + 2 * h + 1]);
+                              odd_row ? dq[4 * (j ^ 2) + 2 * h] : dq[4 * j + 2 * h],
+                              odd_row ? dq[4 * (j ^ 2) + 2 * h + 1] : dq[4 * j + 2 * h + 1]);
+        }
       fence_proxy_async_shared();  // the writer's TMA (the async proxy) reads them
       mbarrier_arrive(bar_dq_full);
       release_stage();
