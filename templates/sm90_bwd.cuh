@@ -885,23 +885,31 @@ __device__ void sm90_bwd_dkdv_atomic_dq_kernel(const AttentionSm90BwdParams& par
     if constexpr (kConsumersTakeTurns)
       turn = take_dq_turn(step, head, m0, rank, adder, kDqTurnBarrier, Shape::kDqConsumerThreads);
     float* accum = p.dq_accum + static_cast<long long>(head) * p.workspace_rows * f.head_dim;
-    // Where the head dim is the kernel's, no column needs a bounds check: the atomics then share
-    // one address register at constant offsets. Guarded, each sat in its own branch with its own
-    // address, and the next address waited for the previous atomic to read its registers.
+    // These head dims are bound by L2's reduction requests, one per row and instruction, so each
+    // lane adds 16 bytes, not its 8: for groups j and j + 1 (j even) the two lanes of a pair
+    // (lane ^ 1) trade one 8-byte pair, after which lane t of the quad holds columns
+    // 8 (j + t % 2) + 4 (t / 2) .. + 3, and the quad covers 64 contiguous bytes of its row: half the
+    // requests. (The shuffles come first, on every lane: rows past the sequence skip the adds only.)
+    // Head dims are multiples of 8, so a 4-column chunk is inside the head dim or past it whole.
+    const bool odd_lane = lane % 2;
+    const int chunk_col0 = dq_col0 + 8 * odd_lane + 4 * ((lane % 4) / 2);
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       const int row = m0 + warp_in_group * 16 + lane / 4 + h * 8;
-      if (row >= seq.seqlen_q) continue;
-      const int col0 = dq_col0 + (lane % 4) * 2;
-      float* accum_row = accum + static_cast<long long>(workspace_row(f, seq, batch, row)) * f.head_dim + col0;
-      if (full_width) {
+      const bool row_inside = row < seq.seqlen_q;
+      float* accum_row = accum + static_cast<long long>(workspace_row(f, seq, batch, row)) * f.head_dim + chunk_col0;
 #pragma unroll
-        for (int j = 0; j < Shape::kDqCols / 8; ++j)
-          if (dq_group_inside(j)) atomic_add_pair<90>(accum_row + j * 8, dq[4 * j + 2 * h], dq[4 * j + 2 * h + 1]);
-      } else {
-#pragma unroll
-        for (int j = 0; j < Shape::kDqCols / 8; ++j)
-          if (col0 + j * 8 < f.head_dim) atomic_add_pair<90>(accum_row + j * 8, dq[4 * j + 2 * h], dq[4 * j + 2 * h + 1]);
+      for (int j = 0; j < Shape::kDqCols / 8; j += 2) {
+        // (Selected by value: an index that depends on the lane would put dq in local memory.)
+        const float a0 = dq[4 * j + 2 * h], a1 = dq[4 * j + 2 * h + 1];
+        const float b0 = dq[4 * (j + 1) + 2 * h], b1 = dq[4 * (j + 1) + 2 * h + 1];
+        const float got0 = __shfl_xor_sync(0xffffffffu, odd_lane ? a0 : b0, 1);
+        const float got1 = __shfl_xor_sync(0xffffffffu, odd_lane ? a1 : b1, 1);
+        const float4 chunk = odd_lane ? make_float4(got0, got1, b0, b1) : make_float4(a0, a1, got0, got1);
+        // (Where the head dim is the kernel's, no column needs a bounds check: the adds share one
+        // address register at constant offsets.)
+        const bool inside = full_width ? dq_group_inside(j + odd_lane) : chunk_col0 + j * 8 < f.head_dim;
+        if (row_inside && inside) atomic_add_quad(accum_row + j * 8, chunk);
       }
     }
     if constexpr (kConsumersTakeTurns) end_dq_turn(turn, adder, kDqTurnBarrier, Shape::kDqConsumerThreads);
