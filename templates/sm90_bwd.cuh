@@ -727,7 +727,7 @@ __device__ void sm90_bwd_dkdv_atomic_dq_kernel(const AttentionSm90BwdParams& par
         const int query = step_query(j);  // step-relative, and query + 1
         const float2 lse2 = load_shared_pair(lse + 4 * query);
         const float lse_log2[2] = {lse2.x, lse2.y};
-        float deltas[2] = {0.f, 0.f};
+        [[maybe_unused]] float deltas[2] = {0.f, 0.f};  // (read only where dS^T needs the score)
         if constexpr (!kDsFromP) {
           const float2 delta2 = load_shared_pair(delta + 4 * query);
           deltas[0] = delta2.x;

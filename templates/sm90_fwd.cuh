@@ -98,8 +98,9 @@ struct Sm90FwdShape {
   static constexpr int kKVTileBytes = kPanels * kKVPanelBytes;
   // V transposed (FP8): kHeadDim rows of kBlockN keys, in 128-key panels (a last panel of fewer
   // keys fills only the first bytes of each row).
+  static constexpr int kVtPanels = kFp8 ? (kBlockN + 127) / 128 : 0;
   static constexpr int kVtPanelBytes = kFp8 ? kHeadDim * 128 : 0;
-  static constexpr int kVtTileBytes = kFp8 ? (kBlockN + 127) / 128 * kVtPanelBytes : 0;
+  static constexpr int kVtTileBytes = kVtPanels * kVtPanelBytes;
   // With v_pretransposed (kVPretransposed) V^T comes from global memory, written by the transpose_v
   // entry before the forward: TMA fills the Vt ring, and there is no V ring and no transposer.
   static constexpr bool kVPretransposed = Config::kVPretransposed != 0;
@@ -494,7 +495,7 @@ __device__ void sm90_fwd_kernel(const AttentionSm90FwdParams& params) {
         vt_ring.wait_empty(slot);
         mbarrier_arrive_expect_tx(vt_ring.full_barrier(stage), Shape::kVtTileBytes);
         const int column0 = (varlen ? transposed_v_first_column(seq, work.batch) : 0) + tile.start;
-        for (int panel = 0; panel < Shape::kVtTileBytes / Shape::kVtPanelBytes; ++panel)
+        for (int panel = 0; panel < Shape::kVtPanels; ++panel)
           tma_load_4d(sVt + stage * Shape::kVtTileBytes + panel * Shape::kVtPanelBytes, params.vt_map,
                       vt_ring.full_barrier(stage), column0 + 128 * panel, 0, kv_head, tma_batch);
       };
