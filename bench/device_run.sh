@@ -114,11 +114,14 @@ for r in json.load(open('$out/grid_tuned.json'))['rows']:
       for d in ${FLASHJIT_PROFILE_DIMS:-64 128 256}; do
         profiled=("$build/tools/flashjit-bench" --head-dims $d --seqlens ${FLASHJIT_PROFILE_SEQLEN:-4096} --causal off
                   $pass_args --iters 1 --warmup 1)
+        # The L2 reduction counters: the backward's dQ adds (requests, and sectors per request) are
+        # what bound it at head dims 192 and 256 (stop 61).
         ncu --clock-control none -k $kernel -c 1 --section SpeedOfLight --section WarpStateStats \
             --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis_Tables --section Occupancy \
+            --metrics lts__t_requests_op_red.sum,lts__t_sectors_op_red.sum,lts__throughput.avg.pct_of_peak_sustained_elapsed \
             "${profiled[@]}" > "$out/ncu_${pass}_d$d.txt" 2>&1 || status=1
-        grep -E "Duration|Throughput|Pipe|Stall|Bank|Occupancy|Registers|Issued|Eligible|No Eligible" \
-            "$out/ncu_${pass}_d$d.txt" | head -40
+        grep -E "Duration|Throughput|Pipe|Stall|Bank|Occupancy|Registers|Issued|Eligible|No Eligible|lts__" \
+            "$out/ncu_${pass}_d$d.txt" | head -44
         # FLASHJIT_PROFILE_SOURCE=1: warp-stall samples per SASS instruction (where the warps wait:
         # which barrier, which wgmma), as CSV.
         if [[ -n ${FLASHJIT_PROFILE_SOURCE:-} ]]; then

@@ -165,7 +165,7 @@ std::vector<KernelSpec> bundled_specs(const Arch& arch) {
 }
 
 // Compiles `specs` for `arch`, with the bundled database's specs for that arch; fails on spills, a
-// register budget overrun, and ptxas's setmaxnreg and wgmma-serialisation warnings. (The HGMMA
+// register budget overrun, NVRTC warnings, and ptxas's setmaxnreg and wgmma-serialisation warnings. (The HGMMA
 // check of the Hopper kernels' SASS needs a disassembler, which this tier's machines lack: it is a
 // GPU test, "sm90 kernels are built on wgmma".)
 void check_compiles(const Arch& arch, std::vector<KernelSpec> specs) {
@@ -183,6 +183,7 @@ void check_compiles(const Arch& arch, std::vector<KernelSpec> specs) {
     CHECK(kernel->cubin.size() > 1000);
     CHECK(kernel->cubin.compare(0, 4, "\x7f" "ELF") == 0);
     REQUIRE(kernel->entries.size() == kernel->entry_names.size());
+    CHECK(kernel->log.find(": warning #") == std::string::npos);  // NVRTC's own, shown to FLASHJIT_VERBOSE users
     for (const auto& e : kernel->entries) {
       CHECK(e.registers > 0);
       CHECK(e.spill_store_bytes == 0);

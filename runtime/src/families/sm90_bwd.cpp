@@ -6,10 +6,9 @@
 // tensors, deterministic mode included (up to head dim 128 its dQ writer warp orders the adds, its
 // TMA map clipping the columns past the head dim; above, the consumers order them); under a block
 // mask the dq_visits entry first marks which key tiles visit each query block, and each tile waits
-// for those before it. All of it passed the GPU
-// tests (float64 references, bitwise reruns) and compute-sanitizer; beside fa2_bwd it ran 1.3-2.8x
-// faster at head dims 96-224 and level or faster at 32 (bench/results/bwd_modes_h100.json), so
-// automatic dispatch takes it wherever it runs.
+// for those before it. All of it passed the GPU tests (float64 references, bitwise reruns) and
+// compute-sanitizer; beside fa2_bwd it ran 1.3-2.8x faster at head dims 96-224 and level or faster
+// at 32 (bench/results/bwd_modes_h100.json), so automatic dispatch takes it wherever it runs.
 #include <fmt/format.h>
 
 #include "../family.hpp"
