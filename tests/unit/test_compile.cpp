@@ -165,9 +165,9 @@ std::vector<KernelSpec> bundled_specs(const Arch& arch) {
 }
 
 // Compiles `specs` for `arch`, with the bundled database's specs for that arch; fails on spills, a
-// register budget overrun, NVRTC warnings, and ptxas's setmaxnreg and wgmma-serialisation warnings. (The HGMMA
-// check of the Hopper kernels' SASS needs a disassembler, which this tier's machines lack: it is a
-// GPU test, "sm90 kernels are built on wgmma".)
+// register budget overrun, NVRTC warnings, and ptxas's setmaxnreg and wgmma-serialisation
+// warnings. (The HGMMA check of the Hopper kernels' SASS needs a disassembler, which this tier's
+// machines lack: it is a GPU test, "sm90 kernels are built on wgmma".)
 void check_compiles(const Arch& arch, std::vector<KernelSpec> specs) {
   const auto bundled = bundled_specs(arch);
   for (const auto& spec : bundled)
