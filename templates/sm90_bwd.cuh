@@ -31,7 +31,10 @@
 //                           steps consumer 1 (the other only signals that its dS^T rows are in);
 //                      96, 128  each owns 64 keys and computes one 64-column panel of dQ over all 128
 //                           keys (the warpgroups' dS^T meet in smem); at 96 the second panel's last
-//                           32 columns are past the head dim (zeros in K) and are not added;
+//                           32 columns are past the head dim (zeros in K) and are not added. Steps
+//                           may be 80 queries here (FlashAttention-3's tile without a mask): dQ is
+//                           then computed transposed, dQ^T = K^T dS^T, from dS panels of 64 keys
+//                           (see kDqTransposed);
 //                      192, 256  dK and dV of 64 keys would need up to 256 registers a thread, so both
 //                           share 64 keys (kBlockN 64): each computes S^T and dP^T for half the
 //                           queries, writes its P^T and dS^T columns to smem, and after one barrier
@@ -50,7 +53,8 @@
 // the score modifier with its derivative (the user's, or dual numbers) on every element.
 // Shared memory (1024-byte aligned, every tile in 64-value panels with the 128-byte swizzle TMA
 // writes): K, V (kBlockN rows); kStages slots of Q and dO (kBlockM rows); two dS^T buffers (keys x
-// queries, queries contiguous: the dQ GEMM's MN-major A operand), and split by head dim two of P^T;
+// queries, queries contiguous: the dQ GEMM's MN-major A operand; transposed dQ: dS, queries x keys
+// in two 64-key panels, its K-major B), and split by head dim two of P^T;
 // the dQ panels for the writer warp; kStages slots of LSE (base 2) and delta; the barriers.
 #pragma once
 
@@ -99,6 +103,14 @@ struct Sm90BwdShape {
   static constexpr bool kDqAlternates = kPanels < kConsumers;
   static constexpr int kDqCols = kDqAlternates ? kHeadDim : kPanels * 64 / kConsumers;
   static constexpr bool kDqPastHeadDim = !kDqAlternates && kConsumers * kDqCols > kHeadDim;
+  // Steps of 80 queries (FlashAttention-3's tile at head dim 128 without a mask) are not one 128-byte
+  // row of dS^T, and wgmma's M is 64: dQ is computed transposed, dQ^T = K^T dS^T (the consumer's
+  // 64-column panel of K as an MN-major A, M its head dim; N the step's queries). Its B operand is
+  // dS itself (queries x keys, keys contiguous: K-major), which each consumer writes for its 64 keys
+  // as one panel by stmatrix.trans; dQ^T reaches the writer's panels by 4-byte stores.
+  static constexpr bool kDqTransposed = kBlockM != 64;
+  static constexpr int kDsPanelBytes = kBlockM * 128;  // (transposed: one consumer's 64 keys)
+  static constexpr int kDqAccumulators = (kDqTransposed ? kBlockM : kDqCols) / 2;
 
   // dQ writers (codegen decides, where the buffer fits): the consumers store a step's dQ to shared
   // memory, 32-column panels of block_m rows with the 128-byte swizzle, and one producer-group warp
@@ -138,7 +150,10 @@ struct Sm90BwdShape {
   static_assert(128 * kProducerRegisters + 128 * kConsumers * kConsumerRegisters <= 65536, "the register file");
 
   static_assert(kConsumers == 2, "a producer warpgroup and two consumers");
-  static_assert(kBlockM == 64, "dS^T rows are one 128-byte swizzle row of queries");
+  static_assert(kBlockM == 64 || (kBlockM == 80 && kDqTransposed && !kSplitHeadDim && !kDqAlternates && kDqWriters &&
+                                    !kBlockSparse),
+                "steps of 64 queries (one 128-byte swizzle row of dS^T), or of 80 at head dims 96 and 128 with the "
+                "dQ writer warp (dQ transposed) and no block mask (whose blocks are 128 queries)");
   static_assert(kBlockN == (kSplitHeadDim ? 1 : kConsumers) * kKeysPerConsumer,
                 "keys split between the consumers, or shared where the head dim is split");
   static_assert(kDqCols % 64 == 0, "each consumer computes whole 64-column panels of dQ");
@@ -697,17 +712,37 @@ __device__ void sm90_bwd_dkdv_atomic_dq_kernel(const AttentionSm90BwdParams& par
       const int chunk = consumer_queries / 8 + j;  // < 8: kBlockM is 64 (one 128-byte row)
       return ((tile + pair_base) ^ (chunk << 4)) + h * 8 * 128;
     };
+    // Transposed dQ: P for dS^T, kept in fp16 (for a bf16 kernel a second copy): P lies in [0, 1],
+    // where fp16 keeps 11 significant bits, 3 more than the bf16 that dS^T is rounded to (P^T's own
+    // bf16 put four gradient elements outside the tests' tolerance). The fp32 values would hold 40
+    // registers across dP^T's wait beside P^T's 20 (ptxas spilled).
+    constexpr bool kKeepsHalfP = Shape::kDqTransposed && !is_same<Element, half_t>::value;
+    unsigned p_half[kKeepsHalfP ? kBlockM / 16 : 1][4];
     auto keep_p = [&](int j, int h) {
       const unsigned p_pair = pack2<Element>(s[4 * j + 2 * h], s[4 * j + 2 * h + 1]);
+      if constexpr (kKeepsHalfP) p_half[j / 2][2 * (j % 2) + h] = pack2<half_t>(s[4 * j + 2 * h], s[4 * j + 2 * h + 1]);
       if constexpr (kSplitHeadDim)
         asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(pair_address(p_tile, j, h)), "r"(p_pair));
       else
         a_p[j / 2][2 * (j % 2) + h] = p_pair;
     };
+    // Transposed dQ: dS goes out by k16 step t (pairs j = 2 t, 2 t + 1), one stmatrix.trans of its
+    // four 8x8 matrices (the A fragment's order: keys +0/+8 of queries 16 t + 0..7, then of + 8..15).
+    // Lane l gives row l % 8 of matrix l / 8 as stored: query 16 t + 8 (l / 16) + l % 8, the 16-byte
+    // chunk of keys 16 warp_in_group + 8 ((l / 8) % 2) in the consumer's panel, swizzled by the
+    // query's place in its 8-row atom (l % 8).
+    const unsigned ds_rows = ds_tile + consumer * Shape::kDsPanelBytes + (8 * (lane / 16) + lane % 8) * 128 +
+                             (((2 * warp_in_group + (lane / 8) % 2) ^ (lane % 8)) << 4);
     auto keep_ds = [&](int j, int h) {
       const unsigned ds_pair = pack2<Element>(dp[4 * j + 2 * h], dp[4 * j + 2 * h + 1]);
-      asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(pair_address(ds_tile, j, h)), "r"(ds_pair));
-      if constexpr (!kSplitHeadDim) a_ds[j / 2][2 * (j % 2) + h] = ds_pair;
+      if constexpr (Shape::kDqTransposed) {
+        a_ds[j / 2][2 * (j % 2) + h] = ds_pair;
+        if (j % 2 == 1 && h == 1)
+          stmatrix_x4_trans(ds_rows + (j / 2) * 16 * 128, a_ds[j / 2][0], a_ds[j / 2][1], a_ds[j / 2][2], a_ds[j / 2][3]);
+      } else {
+        asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(pair_address(ds_tile, j, h)), "r"(ds_pair));
+        if constexpr (!kSplitHeadDim) a_ds[j / 2][2 * (j % 2) + h] = ds_pair;
+      }
     };
     // dV += P^T dO: early where P^T is this consumer's own (registers), else once the other's
     // columns are in shared memory.
@@ -784,8 +819,13 @@ __device__ void sm90_bwd_dkdv_atomic_dq_kernel(const AttentionSm90BwdParams& par
 #pragma unroll
           for (int c = 0; c < 2; ++c) {
             const int i = 4 * j + 2 * h + c;
-            // 0 where P is (hidden elements: dP^T is finite there, from real or zero-filled rows)
-            dp[i] = s[i] * (dp[i] - deltas[c]) * f.softmax_scale;
+            // 0 where P is (hidden elements: dP^T is finite there, from real or zero-filled rows).
+            float prob = s[i];
+            if constexpr (Shape::kDqTransposed) {
+              const float2 kept = unpack2<half_t>(kKeepsHalfP ? p_half[j / 2][2 * (j % 2) + h] : a_p[j / 2][2 * (j % 2) + h]);
+              prob = c == 0 ? kept.x : kept.y;
+            }
+            dp[i] = prob * (dp[i] - deltas[c]) * f.softmax_scale;
           }
           keep_ds(j, h);
         }
@@ -807,9 +847,21 @@ __device__ void sm90_bwd_dkdv_atomic_dq_kernel(const AttentionSm90BwdParams& par
       named_barrier_sync(1, 128 * Shape::kConsumers);
     }
     if constexpr (kSplitHeadDim) issue_dv();
-    float dq[Shape::kDqCols / 2];
+    float dq[Shape::kDqAccumulators];
     fence_operands(dq);
-    if (computes_dq) {
+    if constexpr (Shape::kDqTransposed) {
+      // dQ^T (this consumer's 64 columns of the head dim x the step's queries) = K^T dS^T, over the
+      // keys: A the consumer's panel of K (MN-major), B dS, both consumers' key panels (K-major).
+      unsigned long long a_tile = smem_descriptor_sw128(sK + consumer * Shape::kKvPanelBytes, Shape::kKvPanelBytes, 1024);
+      launder(a_tile);
+      const unsigned long long b_tile = smem_descriptor_sw128(ds_tile, 16, 1024);
+      wgmma_fence();
+#pragma unroll
+      for (int ks = 0; ks < kBlockN / 16; ++ks)
+        Config::wgmma_dq(dq, smem_descriptor_advance(a_tile, ks * 16 * 128),
+                         smem_descriptor_advance(b_tile, (ks / 4) * Shape::kDsPanelBytes + (ks % 4) * 32), ks > 0);
+      wgmma_commit();
+    } else if (computes_dq) {
       const unsigned b_start = (dq_col0 / 64) * Shape::kKvPanelBytes;
       const unsigned long long a_tile = smem_descriptor_sw128(ds_tile, Shape::kDsBytes, 1024);
       unsigned long long b_tile = smem_descriptor_sw128(sK + b_start, Shape::kKvPanelBytes, 1024);
@@ -827,16 +879,17 @@ __device__ void sm90_bwd_dkdv_atomic_dq_kernel(const AttentionSm90BwdParams& par
       wgmma_wait<0>();
       fence_operands(dk);
       fence_operands(dv);
-      if constexpr (!kSplitHeadDim) fence_operands(a_p);
       if constexpr (!kSplitHeadDim) fence_operands(a_ds);
       mbarrier_arrive(bar_empty(stage));
     };
     if (!computes_dq) {
       release_stage();
+      if constexpr (!kSplitHeadDim) fence_operands(a_p);  // (dV's GEMM read them)
       continue;
     }
     wgmma_wait<1>();  // dV and dQ
     fence_operands(dq);
+    if constexpr (!kSplitHeadDim) fence_operands(a_p);  // (free from here: dV's GEMM read them)
 
     if constexpr (Shape::kDqWriters) {  // to the writer warp, through shared memory (rows past the sequence too: zeros)
       mbarrier_wait(bar_dq_free, (step & 1) ^ 1);  // a fresh barrier passes parity 1
@@ -848,6 +901,32 @@ __device__ void sm90_bwd_dkdv_atomic_dq_kernel(const AttentionSm90BwdParams& par
         else
           asm volatile("st.shared.v2.s32 [%0], {%1, %2};\n" ::"r"(base + Shape::kDqStepOffset), "r"(head), "r"(m0)
                        : "memory");
+      }
+      if constexpr (Shape::kDqTransposed) {
+        // Element (j, h, e) of dQ^T is column c = dq_col0 + 16 warp_in_group + lane / 4 + 8 h of the
+        // head dim, query q = 8 j + 2 (lane % 4) + e: 32-column panel c / 32, row q, 16-byte chunk
+        // (c % 32) / 4 swizzled by q % 8, word c % 4. The chunk is an XOR of the lane's bits with
+        // 2 h + e, so each (h, e) is one base and j a constant offset; a warp's 32 stores reach
+        // 8 chunks x 4 words, every bank once. Columns past the head dim (at 96 the second
+        // consumer's last 32) are whole warps, which store nothing.
+        if (dq_col0 + 16 * warp_in_group < kHeadDim) {
+          const unsigned lane_base =
+              base + Shape::kDqOffset + ((dq_col0 + 16 * warp_in_group) / 32) * Shape::kDqPanelBytes +
+              2 * (lane % 4) * 128 + (((4 * (warp_in_group % 2)) ^ (lane / 16) ^ (2 * (lane % 4))) << 4) +
+              ((lane / 4) % 4) * 4;
+#pragma unroll
+          for (int h = 0; h < 2; ++h)
+#pragma unroll
+            for (int e = 0; e < 2; ++e)
+#pragma unroll
+              for (int j = 0; j < kBlockM / 8; ++j)
+                asm volatile("st.shared.f32 [%0], %1;\n" ::"r"((lane_base ^ ((2 * h + e) << 4)) + (8 * j + e) * 128),
+                             "f"(dq[4 * j + 2 * h + e]));
+        }
+        fence_proxy_async_shared();  // the writer's TMA (the async proxy) reads them
+        mbarrier_arrive(bar_dq_full);
+        release_stage();
+        continue;
       }
       // Pair (j, h) is row warp_in_group * 16 + lane / 4 + 8 h, columns dq_col0 + 8 j + 2 (lane % 4) and
       // the next: 32-column panel dq_col0 / 32 + j / 4, 16-byte chunk 2 (j % 4) + (lane % 4) / 2 of

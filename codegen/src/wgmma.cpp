@@ -40,6 +40,7 @@ std::string wgmma_member_function(std::string_view name, int n, DType dtype, Wgm
                                       : a_in_registers                           ? "1, 1, 1"
                                       : operands == WgmmaOperands::ss_mn_major   ? "1, 1, 1, 1"
                                       : operands == WgmmaOperands::ss_b_mn_major ? "1, 1, 0, 1"
+                                      : operands == WgmmaOperands::ss_a_mn_major ? "1, 1, 1, 0"
                                                                                  : "1, 1, 0, 0";
   const std::string a_parameter =
       a_in_registers ? "const unsigned (&a)[4]" : "unsigned long long desc_a";

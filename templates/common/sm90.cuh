@@ -117,6 +117,14 @@ __device__ __forceinline__ void stmatrix_x4(unsigned smem, unsigned r0, unsigned
                : "memory");
 }
 
+// The same, each matrix stored transposed: lanes 8 j .. 8 j + 7 give the addresses of its rows as
+// stored, row r holding column r of the C-layout matrix (its 8 rows, 16 bytes).
+__device__ __forceinline__ void stmatrix_x4_trans(unsigned smem, unsigned r0, unsigned r1, unsigned r2, unsigned r3) {
+  asm volatile("stmatrix.sync.aligned.m8n8.x4.trans.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(smem), "r"(r0),
+               "r"(r1), "r"(r2), "r"(r3)
+               : "memory");
+}
+
 // Four floats -> one register of four e4m3 values, `b0` in the low byte (saturated to +-448, the
 // wgmma A layout of an 8-bit k32 step: byte i holds element 4 (lane % 4) + i of its row).
 __device__ __forceinline__ unsigned pack4_e4m3(float b0, float b1, float b2, float b3) {

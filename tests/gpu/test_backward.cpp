@@ -214,6 +214,41 @@ TEST_CASE("fa2_bwd: forced tile shapes", "[backward]") {
     }
 }
 
+// sm90_bwd's steps of 80 queries (dQ transposed) are the default at head dims 96 and 128 without a
+// mask, which the cases above run; the tuner may take them under masks and softcaps too: those here,
+// both dQ modes.
+TEST_CASE("sm90_bwd: steps of 80 queries under masks and softcaps", "[backward]") {
+  const Arch arch = device_properties(0).arch();
+  if (arch.name() != "sm_90a") {
+    CaseLedger::get().skipped("sm90_bwd steps of 80 queries", "sm90_bwd runs on sm_90 only");
+    return;
+  }
+  uint64_t seed = 17500;
+  struct Case {
+    int head_dim, left, right;
+    bool causal;
+    float softcap;
+  };
+  for (Case k : {Case{128, -1, -1, true, 0.f}, Case{128, 100, 50, false, 0.f}, Case{128, -1, -1, false, 30.f},
+                 Case{96, 64, 0, true, 2.f}, Case{96, -1, -1, true, 0.f}}) {
+    const MaskKind mask = k.left >= 0 || k.right >= 0 ? MaskKind::window : k.causal ? MaskKind::causal : MaskKind::none;
+    KernelSpec spec = default_spec(Family::sm90_bwd, arch, DType::bf16, k.head_dim, mask, k.softcap > 0);
+    spec.block_m = 80;
+    REQUIRE_FALSE(spec.validate().has_value());
+    Run r;
+    r.shape = AttentionShape::make(2, 250, 333, 8, 2, k.head_dim);
+    r.shape.window_left = k.left;
+    r.shape.window_right = k.right;
+    r.shape.causal = k.causal;
+    r.shape.softcap = k.softcap;
+    r.kernel = spec;
+    check(r, seed++);
+    r.deterministic = true;
+    r.kernel->ordered_dq = true;
+    check(r, seed++);
+  }
+}
+
 // Both families' deterministic modes (sm90_bwd's on sm_90 at every head dim):
 // correct, and reruns bitwise identical, over GQA, masks whose key tiles visit different query
 // blocks (causal with seqlen_q > seqlen_k and the other way round, a window) and varlen.

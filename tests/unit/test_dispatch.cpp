@@ -474,7 +474,15 @@ TEST_CASE("backward dispatch: a tuned sm90_bwd entry applies only where sm90_bwd
   KernelSpec ordered = entry.spec;
   ordered.ordered_dq = true;
   CHECK(detail::select_backward_kernel(backward(true), h200, &sources) == ordered);
-  KernelSpec three_stages = entry.spec;  // (the dQ writer warp's buffer fits beside a third stage)
+  // (Steps of 80 queries, the default here, leave no room for a third stage; the writer warp's buffer
+  // fits beside one at 64.)
+  REQUIRE(entry.spec.block_m == 80);
+  KernelSpec eighty_three_stages = entry.spec;
+  eighty_three_stages.num_stages = 3;
+  REQUIRE(eighty_three_stages.validate());
+  CHECK_THAT(*eighty_three_stages.validate(), Catch::Contains("3 stages leave no room"));
+  KernelSpec three_stages = entry.spec;
+  three_stages.block_m = 64;
   three_stages.num_stages = 3;
   REQUIRE_FALSE(three_stages.validate().has_value());
   REQUIRE(kernel_layout(three_stages).constant("kDqWriters") == 1);

@@ -398,6 +398,53 @@ TEST_CASE("fa2_bwd: tile rules, per-entry shared memory (and sm90_bwd's), names"
   CHECK(is_forward_family(Family::fa2_fwd));
 }
 
+TEST_CASE("sm90_bwd: steps of 80 queries at head dims 96 and 128, the default without a mask", "[spec]") {
+  const Arch hopper = Arch::parse("sm_90a");
+  for (int d : {96, 128}) {
+    const KernelSpec plain = default_spec(Family::sm90_bwd, hopper, DType::bf16, d);
+    INFO(plain.name());
+    CHECK(plain.block_m == 80);
+    CHECK_FALSE(plain.validate().has_value());
+    CHECK(kernel_layout(plain).constant("kDqWriters") == 1);
+    CHECK(dynamic_smem_bytes(plain) <= max_smem_per_block(hopper));
+    // dQ transposed: dQ^T = K^T dS^T, A (K) MN-major and B (dS) K-major, N the step's queries.
+    const std::string text = render(plain).text;
+    CHECK(text.find("wgmma_dq(float (&d)[40]") != std::string::npos);
+    CHECK(text.find("m64n80k16.f32.bf16.bf16") != std::string::npos);
+    CHECK(text.find(", p, 1, 1, 1, 0;") != std::string::npos);
+    KernelSpec ordered = plain;
+    ordered.ordered_dq = true;
+    CHECK_FALSE(ordered.validate().has_value());
+    // Masked steps, softcaps and modifiers keep 64 by default (80 is the tuner's to try there).
+    CHECK(default_spec(Family::sm90_bwd, hopper, DType::bf16, d, MaskKind::causal).block_m == 64);
+    KernelSpec softcap = default_spec(Family::sm90_bwd, hopper, DType::bf16, d, MaskKind::none, true);
+    CHECK(softcap.block_m == 64);
+    softcap.block_m = 80;
+    CHECK_FALSE(softcap.validate().has_value());
+    KernelSpec three = plain;  // the dQ writer's buffer leaves no room for a third stage
+    three.num_stages = 3;
+    REQUIRE(three.validate());
+    CHECK_THAT(*three.validate(), Catch::Contains("3 stages leave no room"));
+    KernelSpec sparse = plain;  // a block mask's blocks are 128 queries
+    sparse.block_sparse = true;
+    REQUIRE(sparse.validate());
+    CHECK_THAT(*sparse.validate(), Catch::Contains("block_m must be 64, got 80"));
+  }
+  // Elsewhere: head dim 64 (one dQ panel, the consumers taking turns) and the split head dims.
+  for (int d : {64, 192, 256}) {
+    KernelSpec s = default_spec(Family::sm90_bwd, hopper, DType::bf16, d);
+    INFO(s.name());
+    CHECK(s.block_m == 64);
+    s.block_m = 80;
+    REQUIRE(s.validate());
+    CHECK_THAT(*s.validate(), Catch::Contains("block_m must be 64, got 80"));
+  }
+  KernelSpec s = default_spec(Family::sm90_bwd, hopper, DType::bf16, 128);
+  s.block_m = 96;
+  REQUIRE(s.validate());
+  CHECK_THAT(*s.validate(), Catch::Contains("block_m must be 64 or 80, got 96"));
+}
+
 TEST_CASE("the quick GPU tier's kernel list reads as legal specs that render", "[spec]") {
   // tests/gpu/quick_specs.json: what the quick tier compiles in parallel (gpu/main.cpp). A schema
   // change that left it unreadable would silently send the tier back to compiling case by case.

@@ -119,7 +119,8 @@ TEST_CASE("candidates: legal, pruned to the arch's shared memory, default includ
   CHECK(candidate_specs(Family::reference_fwd, Arch::parse("sm_80"), DType::bf16, 64, MaskKind::none, false).size() == 1);
 }
 
-TEST_CASE("backward candidates: fa2_bwd tiles, and sm90_bwd's stage counts where it has the head dim", "[tuning]") {
+TEST_CASE("backward candidates: fa2_bwd tiles, and sm90_bwd's steps and stage counts where it has the head dim",
+          "[tuning]") {
   // What the tuner times for a backward problem: every family sharing the dispatched one's key.
   auto backward_candidates = [](const Arch& arch, int head_dim) {
     const detail::ForwardProblem problem = causal_problem(2, 256, 4, head_dim);
@@ -134,8 +135,9 @@ TEST_CASE("backward candidates: fa2_bwd tiles, and sm90_bwd's stage counts where
     const auto fa2 = candidate_specs(Family::fa2_bwd, hopper, DType::bf16, head_dim, MaskKind::causal, false);
     const auto sm90 = std::count_if(candidates.begin(), candidates.end(), [](const KernelSpec& c) { return c.family == Family::sm90_bwd; });
     CHECK(candidates.size() == fa2.size() + sm90);
-    // Both stage counts fit at 64, 96 and 128; at 256 the tiles leave room for two only.
-    CHECK(sm90 == (head_dim == 256 ? 1 : 2));
+    // Steps of 64 queries at both stage counts at 64, 96 and 128 (at 256 the tiles leave room for
+    // two only); at 96 and 128 also steps of 80, at two.
+    CHECK(sm90 == (head_dim == 256 ? 1 : head_dim == 64 ? 2 : 3));
     const KernelSpec dispatch_default = heuristic_backward_spec(hopper, DType::bf16, head_dim, MaskKind::causal);
     CHECK(std::find(candidates.begin(), candidates.end(), dispatch_default) != candidates.end());
     for (const auto& c : candidates) {

@@ -1,7 +1,8 @@
 // Rules of the Hopper backward family (templates/sm90_bwd.cuh): a producer warpgroup and two wgmma
-// consumer warpgroups, query steps of block_m = 64 in a ring of num_stages. At head dims 64, 96 and
-// 128 the consumers own 64 keys each (block_n 128); at 192 and 256 they share 64 keys (block_n 64)
-// and split the head dim, exchanging P^T through shared memory. Tiles hold whole 64-column panels
+// consumer warpgroups, query steps of block_m = 64 (or 80 at head dims 96 and 128: dQ transposed) in
+// a ring of num_stages. At head dims 64, 96 and 128 the consumers own 64 keys each (block_n 128); at
+// 192 and 256 they share 64 keys (block_n 64) and split the head dim, exchanging P^T through shared
+// memory. Tiles hold whole 64-column panels
 // (head dim 96 loads two, 192 three and a fourth of zeros). The shared-memory arithmetic mirrors
 // Sm90BwdShape in the template.
 #include <fmt/format.h>
@@ -45,10 +46,18 @@ int smem_bytes(const KernelSpec& s) {
   return smem_bytes_without_dq_buffer(s) + (dq_writers(s) ? dq_buffer_bytes(s) : 0);
 }
 
+// Steps of 80 queries (FlashAttention-3's tile at head dim 128 without a mask): dQ computed
+// transposed (dQ^T = K^T dS^T), where each consumer computes whole 64-column panels of it (head dims
+// 96 and 128) and hands them to the writer warp. Not under a block mask, whose blocks are 128 queries.
+bool takes_80_query_steps(const KernelSpec& s) {
+  return !split_head_dim(s) && panels(s) >= kConsumers && !s.block_sparse;
+}
+
 std::optional<std::string> validate_tiles(const KernelSpec& s) {
-  if (s.block_m != 64)
-    return fmt::format("sm90_bwd walks the queries in steps of 64 (one swizzled row of dS^T): block_m must be 64, "
-                       "got {}", s.block_m);
+  if (s.block_m != 64 && !(s.block_m == 80 && takes_80_query_steps(s)))
+    return fmt::format("sm90_bwd walks the queries in steps of 64 (one swizzled row of dS^T), or of 80 at head dims "
+                       "96 and 128 without a block mask: block_m must be 64{}, got {}",
+                       takes_80_query_steps(s) ? " or 80" : "", s.block_m);
   if (s.block_n != keys_per_cta(s))
     return fmt::format("sm90_bwd at head dim {} runs {}: block_n must be {}, got {}", s.head_dim,
                        split_head_dim(s) ? "two consumer warpgroups sharing 64 keys" : "two consumer warpgroups of 64 keys",
@@ -59,6 +68,10 @@ std::optional<std::string> validate_tiles(const KernelSpec& s) {
   if (s.num_stages < 2 || s.num_stages > 3)
     return fmt::format("num_stages must be 2 or 3 for sm90_bwd (one query step computes while the next loads), "
                        "got {}", s.num_stages);
+  if (s.block_m == 80 && !dq_writers(s))
+    return fmt::format("sm90_bwd's steps of 80 queries hand dQ to the writer warp, whose buffer {} stages leave no "
+                       "room for",
+                       s.num_stages);
   if (smem_bytes(s) > max_smem_per_block(s.arch))
     return fmt::format("needs {} bytes of shared memory per block, {} allows {}", smem_bytes(s), s.arch.name(),
                        max_smem_per_block(s.arch));
@@ -73,8 +86,11 @@ std::optional<std::string> validate_tiles(const KernelSpec& s) {
 }
 
 void set_default_tiles(KernelSpec& s) {
-  s.block_m = 64;
   s.block_n = keys_per_cta(s);
+  // 80 where no mask cuts the steps (FlashAttention-3's choice too): causal spilled 32 bytes at head
+  // dim 128. Softcaps and modifiers stay on 64 (80 untimed there; the tuner times both).
+  const bool plain = s.mask == MaskKind::none && !s.has_softcap && s.modifier == nullptr;
+  s.block_m = takes_80_query_steps(s) && plain ? 80 : 64;
   s.num_warps = 4 * (1 + kConsumers);
   s.num_stages = 2;
 }
@@ -101,10 +117,12 @@ std::string config_members(const KernelSpec& s) {
   const int score_queries = split ? s.block_m / kConsumers : s.block_m;
   const int grad_cols = split ? panels(s) * 64 / kConsumers : s.head_dim;
   const int dq_cols = panels(s) < kConsumers ? 64 : panels(s) * 64 / kConsumers;
+  const bool dq_transposed = s.block_m != 64;  // dQ^T (64 columns x block_m queries): K MN-major, dS K-major
   return wgmma_member_function("wgmma_scores", score_queries, s.dtype, WgmmaOperands::ss_k_major) +
          wgmma_member_function("wgmma_key_gradient", grad_cols, s.dtype,
                                split ? WgmmaOperands::ss_b_mn_major : WgmmaOperands::rs_b_mn_major) +
-         wgmma_member_function("wgmma_dq", dq_cols, s.dtype, WgmmaOperands::ss_mn_major);
+         (dq_transposed ? wgmma_member_function("wgmma_dq", s.block_m, s.dtype, WgmmaOperands::ss_a_mn_major)
+                        : wgmma_member_function("wgmma_dq", dq_cols, s.dtype, WgmmaOperands::ss_mn_major));
 }
 
 }  // namespace

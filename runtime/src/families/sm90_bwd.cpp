@@ -22,14 +22,17 @@ std::optional<std::string> unusable_reason(const PassProblem& problem, const Arc
   return problem.backward != nullptr ? tma_unusable_reason(*problem.backward) : tma_unusable_reason(problem.forward);
 }
 
-// The tile is fixed by the head dim (see sm90_bwd.cuh); the ring's depth varies.
+// The keys per CTA are fixed by the head dim (see sm90_bwd.cuh); the query step (64, or 80 where
+// it is legal) and the ring's depth vary.
 std::vector<KernelSpec> tuning_candidates(const KernelSpec& base) {
   std::vector<KernelSpec> candidates;
-  for (int stages : {2, 3}) {
-    KernelSpec s = base;
-    s.num_stages = stages;
-    if (!s.validate()) candidates.push_back(s);
-  }
+  for (int block_m : {64, 80})
+    for (int stages : {2, 3}) {
+      KernelSpec s = base;
+      s.block_m = block_m;
+      s.num_stages = stages;
+      if (!s.validate()) candidates.push_back(s);
+    }
   return candidates;
 }
 
