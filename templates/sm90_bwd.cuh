@@ -34,7 +34,7 @@
 //                           32 columns are past the head dim (zeros in K) and are not added. Steps
 //                           may be 80 queries here (FlashAttention-3's tile without a mask): dQ is
 //                           then computed transposed, dQ^T = K^T dS^T, from dS panels of 64 keys
-//                           (see kDqTransposed);
+//                           (see kDqTransposed), at 64 too (by the consumer whose turn it is);
 //                      192, 256  dK and dV of 64 keys would need up to 256 registers a thread, so both
 //                           share 64 keys (kBlockN 64): each computes S^T and dP^T for half the
 //                           queries, writes its P^T and dS^T columns to smem, and after one barrier
@@ -150,9 +150,8 @@ struct Sm90BwdShape {
   static_assert(128 * kProducerRegisters + 128 * kConsumers * kConsumerRegisters <= 65536, "the register file");
 
   static_assert(kConsumers == 2, "a producer warpgroup and two consumers");
-  static_assert(kBlockM == 64 || (kBlockM == 80 && kDqTransposed && !kSplitHeadDim && !kDqAlternates && kDqWriters &&
-                                    !kBlockSparse),
-                "steps of 64 queries (one 128-byte swizzle row of dS^T), or of 80 at head dims 96 and 128 with the "
+  static_assert(kBlockM == 64 || (kBlockM == 80 && kDqTransposed && !kSplitHeadDim && kDqWriters && !kBlockSparse),
+                "steps of 64 queries (one 128-byte swizzle row of dS^T), or of 80 at head dims 64 to 128 with the "
                 "dQ writer warp (dQ transposed) and no block mask (whose blocks are 128 queries)");
   static_assert(kBlockN == (kSplitHeadDim ? 1 : kConsumers) * kKeysPerConsumer,
                 "keys split between the consumers, or shared where the head dim is split");
@@ -849,10 +848,10 @@ __device__ void sm90_bwd_dkdv_atomic_dq_kernel(const AttentionSm90BwdParams& par
     if constexpr (kSplitHeadDim) issue_dv();
     float dq[Shape::kDqAccumulators];
     fence_operands(dq);
-    if constexpr (Shape::kDqTransposed) {
+    if (Shape::kDqTransposed && computes_dq) {
       // dQ^T (this consumer's 64 columns of the head dim x the step's queries) = K^T dS^T, over the
-      // keys: A the consumer's panel of K (MN-major), B dS, both consumers' key panels (K-major).
-      unsigned long long a_tile = smem_descriptor_sw128(sK + consumer * Shape::kKvPanelBytes, Shape::kKvPanelBytes, 1024);
+      // keys: A the columns' panel of K (MN-major), B dS, both consumers' key panels (K-major).
+      unsigned long long a_tile = smem_descriptor_sw128(sK + (dq_col0 / 64) * Shape::kKvPanelBytes, Shape::kKvPanelBytes, 1024);
       launder(a_tile);
       const unsigned long long b_tile = smem_descriptor_sw128(ds_tile, 16, 1024);
       wgmma_fence();
@@ -861,7 +860,7 @@ __device__ void sm90_bwd_dkdv_atomic_dq_kernel(const AttentionSm90BwdParams& par
         Config::wgmma_dq(dq, smem_descriptor_advance(a_tile, ks * 16 * 128),
                          smem_descriptor_advance(b_tile, (ks / 4) * Shape::kDsPanelBytes + (ks % 4) * 32), ks > 0);
       wgmma_commit();
-    } else if (computes_dq) {
+    } else if (!Shape::kDqTransposed && computes_dq) {
       const unsigned b_start = (dq_col0 / 64) * Shape::kKvPanelBytes;
       const unsigned long long a_tile = smem_descriptor_sw128(ds_tile, Shape::kDsBytes, 1024);
       unsigned long long b_tile = smem_descriptor_sw128(sK + b_start, Shape::kKvPanelBytes, 1024);

@@ -214,7 +214,7 @@ TEST_CASE("fa2_bwd: forced tile shapes", "[backward]") {
     }
 }
 
-// sm90_bwd's steps of 80 queries (dQ transposed) are the default at head dims 96 and 128 without a
+// sm90_bwd's steps of 80 queries (dQ transposed) are the default at head dims 64 to 128 without a
 // mask, which the cases above run; the tuner may take them under masks and softcaps too: those here,
 // both dQ modes.
 TEST_CASE("sm90_bwd: steps of 80 queries under masks and softcaps", "[backward]") {
@@ -230,7 +230,8 @@ TEST_CASE("sm90_bwd: steps of 80 queries under masks and softcaps", "[backward]"
     float softcap;
   };
   for (Case k : {Case{128, -1, -1, true, 0.f}, Case{128, 100, 50, false, 0.f}, Case{128, -1, -1, false, 30.f},
-                 Case{96, 64, 0, true, 2.f}, Case{96, -1, -1, true, 0.f}}) {
+                 Case{96, 64, 0, true, 2.f}, Case{96, -1, -1, true, 0.f}, Case{64, -1, -1, true, 0.f},
+                 Case{64, 100, 50, false, 30.f}}) {
     const MaskKind mask = k.left >= 0 || k.right >= 0 ? MaskKind::window : k.causal ? MaskKind::causal : MaskKind::none;
     KernelSpec spec = default_spec(Family::sm90_bwd, arch, DType::bf16, k.head_dim, mask, k.softcap > 0);
     spec.block_m = 80;
