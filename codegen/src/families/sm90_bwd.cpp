@@ -2,9 +2,8 @@
 // consumer warpgroups, query steps of block_m = 64 (or 80 at head dims 64 to 128: dQ transposed) in
 // a ring of num_stages. At head dims 64, 96 and 128 the consumers own 64 keys each (block_n 128); at
 // 192 and 256 they share 64 keys (block_n 64) and split the head dim, exchanging P^T through shared
-// memory. Tiles hold whole 64-column panels
-// (head dim 96 loads two, 192 three and a fourth of zeros). The shared-memory arithmetic mirrors
-// Sm90BwdShape in the template.
+// memory. Tiles hold whole 64-column panels (head dim 96 loads two, 192 three and a fourth of
+// zeros). The shared-memory arithmetic mirrors Sm90BwdShape in the template.
 #include <fmt/format.h>
 
 #include "../family_rules.hpp"
