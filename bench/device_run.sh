@@ -3,12 +3,13 @@
 # carried along (the device has no -dev packages; binaries built here run there).
 #   bench/device_run.sh [build-dir] [what...]
 #   what: warm | tests | sanitize | sanitize-kvcache | python | host | sweep | grid | peers | fwdbwd |
-#   tune | profile | decode | decode-splits | ring | fp8-vt | bwd-modes | pending | ab
+#   tune | profile | decode | decode-splits | ring | fp8-vt | bwd-modes | train | pending | ab
 #   (default: tests);
 #   ab: a branch against this build: AB_BUILD is the branch's slim build (tools/flashjit-bench,
 #   tools/flashjit-warm, tests/flashjit_gpu_tests), AB_TESTS a Catch spec for its GPU tests.
 #   FLASHJIT_BENCH_ARGS adds arguments to the flashjit-bench steps, PEERS_ARGS to the peers step,
-#   FWDBWD_ARGS to fwdbwd, RING_ARGS to ring's flashjit-bench runs (e.g. --backward).
+#   FWDBWD_ARGS to fwdbwd, RING_ARGS to ring's flashjit-bench runs (e.g. --backward), TRAIN_ARGS to
+#   train (e.g. --backends flashjit,cudnn,flash,fa4 after sourcing FA4's part-b install).
 #   STEP_TIMEOUT (seconds, default 480) bounds each program, so a hang costs one step, not the call;
 #   budget it generously: a fresh machine compiles every kernel first (the grid alone takes ~100 s).
 set -uo pipefail
@@ -144,6 +145,12 @@ for r in json.load(open('$out/grid_tuned.json'))['rows']:
       FLASHJIT_LIBRARY=$build/runtime/libflashjit.so bounded python3 bench/peers.py --mode fwdbwd \
           --backends flashjit,flash,cudnn ${FWDBWD_ARGS:-} > "$out/fwdbwd.json" 2> "$out/fwdbwd.log" || status=1
       tail -n 60 "$out/fwdbwd.log" ;;
+    train)
+      # Training steps of a 4-layer Llama-shaped model (hidden 2048, GQA 16/4) per attention backend:
+      # tokens/s of whole steps, the backends' first losses side by side (bench/train_step.py).
+      FLASHJIT_LIBRARY=$build/runtime/libflashjit.so bounded python3 bench/train_step.py ${TRAIN_ARGS:-} \
+          > "$out/train_step.json" 2> "$out/train_step.log" || status=1
+      tail -n 30 "$out/train_step.log" ;;
     ring)
       # Ring attention: its GPU tests, the Python package's ring tests, and N virtual ranks beside one
       # call in both memory layouts (bench/results/ring_h200.json's rows).
