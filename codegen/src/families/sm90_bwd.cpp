@@ -110,13 +110,14 @@ std::vector<KernelConstant> constants(const KernelSpec& s) {
 // Per consumer: S^T and dP^T (64 keys x the consumer's queries, both operands K-major in shared
 // memory); dK and dV (64 keys x the consumer's columns, P^T and dS^T from registers, or where the
 // head dim is split from the exchanged tiles); dQ (block_m queries x whole 64-column panels, dS^T
-// and K both MN-major in shared memory).
+// and K both MN-major in shared memory), or for steps of 80 dQ^T (a 64-column panel x block_m
+// queries, K MN-major and dS K-major).
 std::string config_members(const KernelSpec& s) {
   const bool split = split_head_dim(s);
   const int score_queries = split ? s.block_m / kConsumers : s.block_m;
   const int grad_cols = split ? panels(s) * 64 / kConsumers : s.head_dim;
   const int dq_cols = panels(s) < kConsumers ? 64 : panels(s) * 64 / kConsumers;
-  const bool dq_transposed = s.block_m != 64;  // dQ^T (64 columns x block_m queries): K MN-major, dS K-major
+  const bool dq_transposed = s.block_m != 64;
   return wgmma_member_function("wgmma_scores", score_queries, s.dtype, WgmmaOperands::ss_k_major) +
          wgmma_member_function("wgmma_key_gradient", grad_cols, s.dtype,
                                split ? WgmmaOperands::ss_b_mn_major : WgmmaOperands::rs_b_mn_major) +
