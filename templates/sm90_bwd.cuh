@@ -719,7 +719,8 @@ __device__ void sm90_bwd_dkdv_atomic_dq_kernel(const AttentionSm90BwdParams& par
     unsigned p_half[kKeepsHalfP ? kBlockM / 16 : 1][4];
     auto keep_p = [&](int j, int h) {
       const unsigned p_pair = pack2<Element>(s[4 * j + 2 * h], s[4 * j + 2 * h + 1]);
-      if constexpr (kKeepsHalfP) p_half[j / 2][2 * (j % 2) + h] = pack2<half_t>(s[4 * j + 2 * h], s[4 * j + 2 * h + 1]);
+      if constexpr (kKeepsHalfP)
+        p_half[j / 2][2 * (j % 2) + h] = pack2<half_t>(s[4 * j + 2 * h], s[4 * j + 2 * h + 1]);
       if constexpr (kSplitHeadDim)
         asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(pair_address(p_tile, j, h)), "r"(p_pair));
       else
@@ -737,7 +738,8 @@ __device__ void sm90_bwd_dkdv_atomic_dq_kernel(const AttentionSm90BwdParams& par
       if constexpr (Shape::kDqTransposed) {
         a_ds[j / 2][2 * (j % 2) + h] = ds_pair;
         if (j % 2 == 1 && h == 1)
-          stmatrix_x4_trans(ds_rows + (j / 2) * 16 * 128, a_ds[j / 2][0], a_ds[j / 2][1], a_ds[j / 2][2], a_ds[j / 2][3]);
+          stmatrix_x4_trans(ds_rows + (j / 2) * 16 * 128, a_ds[j / 2][0], a_ds[j / 2][1], a_ds[j / 2][2],
+                            a_ds[j / 2][3]);
       } else {
         asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(pair_address(ds_tile, j, h)), "r"(ds_pair));
         if constexpr (!kSplitHeadDim) a_ds[j / 2][2 * (j % 2) + h] = ds_pair;
@@ -821,7 +823,10 @@ __device__ void sm90_bwd_dkdv_atomic_dq_kernel(const AttentionSm90BwdParams& par
             // 0 where P is (hidden elements: dP^T is finite there, from real or zero-filled rows).
             float prob = s[i];
             if constexpr (Shape::kDqTransposed) {
-              const float2 kept = unpack2<half_t>(kKeepsHalfP ? p_half[j / 2][2 * (j % 2) + h] : a_p[j / 2][2 * (j % 2) + h]);
+              unsigned half_pair;  // P's pair in fp16
+              if constexpr (kKeepsHalfP) half_pair = p_half[j / 2][2 * (j % 2) + h];
+              else half_pair = a_p[j / 2][2 * (j % 2) + h];
+              const float2 kept = unpack_f16x2(half_pair);
               prob = c == 0 ? kept.x : kept.y;
             }
             dp[i] = prob * (dp[i] - deltas[c]) * f.softmax_scale;
@@ -848,29 +853,32 @@ __device__ void sm90_bwd_dkdv_atomic_dq_kernel(const AttentionSm90BwdParams& par
     if constexpr (kSplitHeadDim) issue_dv();
     float dq[Shape::kDqAccumulators];
     fence_operands(dq);
-    if (Shape::kDqTransposed && computes_dq) {
-      // dQ^T (this consumer's 64 columns of the head dim x the step's queries) = K^T dS^T, over the
-      // keys: A the columns' panel of K (MN-major), B dS, both consumers' key panels (K-major).
-      unsigned long long a_tile = smem_descriptor_sw128(sK + (dq_col0 / 64) * Shape::kKvPanelBytes, Shape::kKvPanelBytes, 1024);
-      launder(a_tile);
-      const unsigned long long b_tile = smem_descriptor_sw128(ds_tile, 16, 1024);
-      wgmma_fence();
+    if (computes_dq) {
+      if constexpr (Shape::kDqTransposed) {
+        // dQ^T (this consumer's 64 columns of the head dim x the step's queries) = K^T dS^T, over the
+        // keys: A the columns' panel of K (MN-major), B dS, both consumers' key panels (K-major).
+        unsigned long long a_tile =
+            smem_descriptor_sw128(sK + (dq_col0 / 64) * Shape::kKvPanelBytes, Shape::kKvPanelBytes, 1024);
+        launder(a_tile);
+        const unsigned long long b_tile = smem_descriptor_sw128(ds_tile, 16, 1024);
+        wgmma_fence();
 #pragma unroll
-      for (int ks = 0; ks < kBlockN / 16; ++ks)
-        Config::wgmma_dq(dq, smem_descriptor_advance(a_tile, ks * 16 * 128),
-                         smem_descriptor_advance(b_tile, (ks / 4) * Shape::kDsPanelBytes + (ks % 4) * 32), ks > 0);
-      wgmma_commit();
-    } else if (!Shape::kDqTransposed && computes_dq) {
-      const unsigned b_start = (dq_col0 / 64) * Shape::kKvPanelBytes;
-      const unsigned long long a_tile = smem_descriptor_sw128(ds_tile, Shape::kDsBytes, 1024);
-      unsigned long long b_tile = smem_descriptor_sw128(sK + b_start, Shape::kKvPanelBytes, 1024);
-      launder(b_tile);
-      wgmma_fence();
+        for (int ks = 0; ks < kBlockN / 16; ++ks)
+          Config::wgmma_dq(dq, smem_descriptor_advance(a_tile, ks * 16 * 128),
+                           smem_descriptor_advance(b_tile, (ks / 4) * Shape::kDsPanelBytes + (ks % 4) * 32), ks > 0);
+        wgmma_commit();
+      } else {
+        const unsigned b_start = (dq_col0 / 64) * Shape::kKvPanelBytes;
+        const unsigned long long a_tile = smem_descriptor_sw128(ds_tile, Shape::kDsBytes, 1024);
+        unsigned long long b_tile = smem_descriptor_sw128(sK + b_start, Shape::kKvPanelBytes, 1024);
+        launder(b_tile);
+        wgmma_fence();
 #pragma unroll
-      for (int ks = 0; ks < kBlockN / 16; ++ks)
-        Config::wgmma_dq(dq, smem_descriptor_advance(a_tile, ks * 16 * 128), smem_descriptor_advance(b_tile, ks * 16 * 128),
-                         ks > 0);
-      wgmma_commit();
+        for (int ks = 0; ks < kBlockN / 16; ++ks)
+          Config::wgmma_dq(dq, smem_descriptor_advance(a_tile, ks * 16 * 128),
+                           smem_descriptor_advance(b_tile, ks * 16 * 128), ks > 0);
+        wgmma_commit();
+      }
     }
     issue_key_gradient(dk, a_ds, ds_tile, sQ(stage));  // last: dQ leaves while it runs
     // Q, dO, LSE and delta of this stage are free once dK's GEMM is done.
@@ -922,33 +930,30 @@ __device__ void sm90_bwd_dkdv_atomic_dq_kernel(const AttentionSm90BwdParams& par
                 asm volatile("st.shared.f32 [%0], %1;\n" ::"r"((lane_base ^ ((2 * h + e) << 4)) + (8 * j + e) * 128),
                              "f"(dq[4 * j + 2 * h + e]));
         }
-        fence_proxy_async_shared();  // the writer's TMA (the async proxy) reads them
-        mbarrier_arrive(bar_dq_full);
-        release_stage();
-        continue;
+      } else {
+        // Pair (j, h) is row warp_in_group * 16 + lane / 4 + 8 h, columns dq_col0 + 8 j + 2 (lane % 4) and
+        // the next: 32-column panel dq_col0 / 32 + j / 4, 16-byte chunk 2 (j % 4) + (lane % 4) / 2 of
+        // the row, swizzled by the row's place in its 8-row atom (lane / 4). As for dS^T, the swizzle
+        // is an XOR with a constant per j of a 1024-byte-aligned panel's address. A half-warp's rows r
+        // and r ^ 1 would swizzle onto the same two chunks (twice the wavefronts for one 8-byte store),
+        // so odd rows store pair j ^ 2 in pass j: chunk bit 2 flipped (the address XOR 64), and the
+        // sixteen lanes cover all eight chunks of their rows.
+        const bool odd_row = (lane / 4) % 2;
+        const unsigned pair_base = (base + Shape::kDqOffset + (dq_col0 / 32) * Shape::kDqPanelBytes +
+                                    (warp_in_group * 16 + lane / 4) * 128 + ((((lane % 4) / 2) ^ (lane / 4)) << 4) +
+                                    (lane % 2) * 8) ^
+                                   (odd_row ? 64u : 0u);
+#pragma unroll
+        for (int h = 0; h < 2; ++h)
+#pragma unroll
+          for (int j = 0; j < Shape::kDqCols / 8; ++j) {
+            const int mine = odd_row ? j ^ 2 : j;  // the pair this lane stores in pass j
+            if (dq_group_inside(mine))
+              store_shared_pair(((pair_base + (j / 4) * Shape::kDqPanelBytes) ^ ((2 * (j % 4)) << 4)) + h * 8 * 128,
+                                odd_row ? dq[4 * (j ^ 2) + 2 * h] : dq[4 * j + 2 * h],
+                                odd_row ? dq[4 * (j ^ 2) + 2 * h + 1] : dq[4 * j + 2 * h + 1]);
+          }
       }
-      // Pair (j, h) is row warp_in_group * 16 + lane / 4 + 8 h, columns dq_col0 + 8 j + 2 (lane % 4) and
-      // the next: 32-column panel dq_col0 / 32 + j / 4, 16-byte chunk 2 (j % 4) + (lane % 4) / 2 of
-      // the row, swizzled by the row's place in its 8-row atom (lane / 4). As for dS^T, the swizzle
-      // is an XOR with a constant per j of a 1024-byte-aligned panel's address. A half-warp's rows r
-      // and r ^ 1 would swizzle onto the same two chunks (twice the wavefronts for one 8-byte store),
-      // so odd rows store pair j ^ 2 in pass j: chunk bit 2 flipped (the address XOR 64), and the
-      // sixteen lanes cover all eight chunks of their rows.
-      const bool odd_row = (lane / 4) % 2;
-      const unsigned pair_base = (base + Shape::kDqOffset + (dq_col0 / 32) * Shape::kDqPanelBytes +
-                                  (warp_in_group * 16 + lane / 4) * 128 + ((((lane % 4) / 2) ^ (lane / 4)) << 4) +
-                                  (lane % 2) * 8) ^
-                                 (odd_row ? 64u : 0u);
-#pragma unroll
-      for (int h = 0; h < 2; ++h)
-#pragma unroll
-        for (int j = 0; j < Shape::kDqCols / 8; ++j) {
-          const int mine = odd_row ? j ^ 2 : j;  // the pair this lane stores in pass j
-          if (dq_group_inside(mine))
-            store_shared_pair(((pair_base + (j / 4) * Shape::kDqPanelBytes) ^ ((2 * (j % 4)) << 4)) + h * 8 * 128,
-                              odd_row ? dq[4 * (j ^ 2) + 2 * h] : dq[4 * j + 2 * h],
-                              odd_row ? dq[4 * (j ^ 2) + 2 * h + 1] : dq[4 * j + 2 * h + 1]);
-        }
       fence_proxy_async_shared();  // the writer's TMA (the async proxy) reads them
       mbarrier_arrive(bar_dq_full);
       release_stage();

@@ -67,18 +67,13 @@ __device__ __forceinline__ unsigned pack2(float low, float high) {
   return r;
 }
 
-// The inverse: one register of two 16-bit values -> two floats (exact).
-template <class Element>
-__device__ __forceinline__ float2 unpack2(unsigned r) {
-  if constexpr (is_same<Element, half_t>::value) {
-    float low, high;
-    asm("{\n.reg .f16 l, h;\nmov.b32 {l, h}, %2;\ncvt.f32.f16 %0, l;\ncvt.f32.f16 %1, h;\n}\n"
-        : "=f"(low), "=f"(high)
-        : "r"(r));
-    return make_float2(low, high);
-  } else {
-    return make_float2(__uint_as_float(r << 16), __uint_as_float(r & 0xffff0000u));
-  }
+// One register of two fp16 values -> two floats (exact), `low` from the low half.
+__device__ __forceinline__ float2 unpack_f16x2(unsigned r) {
+  float low, high;
+  asm("{\n.reg .f16 l, h;\nmov.b32 {l, h}, %2;\ncvt.f32.f16 %0, l;\ncvt.f32.f16 %1, h;\n}\n"
+      : "=f"(low), "=f"(high)
+      : "r"(r));
+  return make_float2(low, high);
 }
 
 __device__ __forceinline__ float exp2_approx(float x) {
