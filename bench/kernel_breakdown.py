@@ -33,7 +33,7 @@ def main():
     ap.add_argument("--calls", type=int, default=20)
     ap.add_argument("--host-ops", type=int, default=0, help="also list this many host-side ops by self time")
     ap.add_argument("--forward", action="store_true", help="the forward alone")
-    ap.add_argument("--backends", default="flashjit,flash", help="of flashjit, flash (SDPA FLASH), cudnn (SDPA CUDNN)")
+    ap.add_argument("--backends", default="flashjit,flash", help="of flashjit, flash (SDPA FLASH), cudnn (SDPA CUDNN), fa4 (FlashAttention-4)")
     ap.add_argument("--launch", action="store_true", help="each kernel's launch configuration")
     args = ap.parse_args()
     b, h, s, d = args.tokens // args.seqlen, args.hidden // args.head_dim, args.seqlen, args.head_dim
@@ -51,9 +51,16 @@ def main():
 
     available = {"flashjit": lambda: flashjit.flash_attn_func(q, k, v, causal=args.causal),
                  "flash": sdpa(SDPBackend.FLASH_ATTENTION), "cudnn": sdpa(SDPBackend.CUDNN_ATTENTION)}
+    if "fa4" in args.backends.split(","):  # flash-attn-4 where installed (../shared/peers/fa4/)
+        from flash_attn.cute import flash_attn_func as fa4_attention
+
+        def fa4():
+            out = fa4_attention(q, k, v, causal=args.causal)
+            return out[0] if isinstance(out, tuple) else out
+        available["fa4"] = fa4
     for name in args.backends.split(","):
         if name not in available:
-            ap.error(f"--backends: unknown backend '{name}' (expected flashjit, flash or cudnn)")
+            ap.error(f"--backends: unknown backend '{name}' (expected flashjit, flash, cudnn or fa4)")
     for name in args.backends.split(","):
         attention = available[name]
         if args.forward:

@@ -29,6 +29,8 @@
 //                      64   each owns 64 keys (kBlockN 128); dQ is one 64-column panel, so they take
 //                           turns: on even steps consumer 0 computes it over all 128 keys, on odd
 //                           steps consumer 1 (the other only signals that its dS^T rows are in);
+//                           in steps of 128 queries (FlashAttention-3's tile here) each computes it
+//                           for its half of the queries instead (see kDqSplitsQueries);
 //                      96, 128  each owns 64 keys and computes one 64-column panel of dQ over all 128
 //                           keys (the warpgroups' dS^T meet in smem); at 96 the second panel's last
 //                           32 columns are past the head dim (zeros in K) and are not added. Steps
@@ -100,17 +102,24 @@ struct Sm90BwdShape {
   // The dQ GEMM of one consumer, over all kBlockN keys: whole 64-column panels of the head dim, or
   // at head dim 64 (one panel) all of it, the consumers taking turns by step (see the top). At 96
   // and 192 the second consumer's panels reach past the head dim: it adds only the columns inside.
-  static constexpr bool kDqAlternates = kPanels < kConsumers;
-  static constexpr int kDqCols = kDqAlternates ? kHeadDim : kPanels * 64 / kConsumers;
+  // Steps of 128 queries (FlashAttention-3's tile at head dim 64): each consumer computes dQ for its
+  // half of the queries instead, all 64 columns over all 128 keys (A its 64-query panel of dS^T).
+  static constexpr bool kDqSplitsQueries = kBlockM == 128;
+  static constexpr bool kDqAlternates = kPanels < kConsumers && !kDqSplitsQueries;
+  static constexpr int kDqCols = kDqAlternates || kDqSplitsQueries ? kHeadDim : kPanels * 64 / kConsumers;
   static constexpr bool kDqPastHeadDim = !kDqAlternates && kConsumers * kDqCols > kHeadDim;
   // Steps of 80 queries (FlashAttention-3's tile at head dim 128 without a mask) are not one 128-byte
   // row of dS^T, and wgmma's M is 64: dQ is computed transposed, dQ^T = K^T dS^T (the consumer's
   // 64-column panel of K as an MN-major A, M its head dim; N the step's queries). Its B operand is
   // dS itself (queries x keys, keys contiguous: K-major), which each consumer writes for its 64 keys
   // as one panel by stmatrix.trans; dQ^T reaches the writer's panels by 4-byte stores.
-  static constexpr bool kDqTransposed = kBlockM != 64;
-  static constexpr int kDsPanelBytes = kBlockM * 128;  // (transposed: one consumer's 64 keys)
+  static constexpr bool kDqTransposed = kBlockM == 80;
+  // dS^T (keys x queries) holds 64 queries per 128-byte row: steps of 128 are two panels of them
+  // (transposed dQ: dS, one panel per consumer's 64 keys).
+  static constexpr int kDsPanelBytes = kDqTransposed ? kBlockM * 128 : kBlockN * 128;
   static constexpr int kDqAccumulators = (kDqTransposed ? kBlockM : kDqCols) / 2;
+  // Steps longer than 64: dS^T = P (dP^T - delta) takes P from a packed fp16 copy (see keep_p).
+  static constexpr bool kDsFromHalfP = kBlockM > 64;
 
   // dQ writers (codegen decides, where the buffer fits): the consumers store a step's dQ to shared
   // memory, 32-column panels of block_m rows with the 128-byte swizzle, and one producer-group warp
@@ -119,7 +128,7 @@ struct Sm90BwdShape {
   // step's query head and m0 (and in deterministic mode under a block mask its turn, its rank) ride
   // in a slot after the panels, for the writer.
   static constexpr bool kDqWriters = Config::kDqWriters != 0;
-  static constexpr int kDqBufferPanels = (kDqAlternates ? kHeadDim : kConsumers * kDqCols) / 32;
+  static constexpr int kDqBufferPanels = (kDqAlternates || kDqSplitsQueries ? kHeadDim : kConsumers * kDqCols) / 32;
   static constexpr int kDqPanelBytes = kBlockM * 128;
 
   static constexpr int kKOffset = 0;
@@ -150,9 +159,11 @@ struct Sm90BwdShape {
   static_assert(128 * kProducerRegisters + 128 * kConsumers * kConsumerRegisters <= 65536, "the register file");
 
   static_assert(kConsumers == 2, "a producer warpgroup and two consumers");
-  static_assert(kBlockM == 64 || (kBlockM == 80 && kDqTransposed && !kSplitHeadDim && kDqWriters && !kBlockSparse),
-                "steps of 64 queries (one 128-byte swizzle row of dS^T), or of 80 at head dims 64 to 128 with the "
-                "dQ writer warp (dQ transposed) and no block mask (whose blocks are 128 queries)");
+  static_assert(kBlockM == 64 || (kBlockM == 80 && kDqTransposed && !kSplitHeadDim && kDqWriters && !kBlockSparse) ||
+                    (kBlockM == 128 && kHeadDim == 64 && kDqWriters && !kBlockSparse),
+                "steps of 64 queries (one 128-byte swizzle row of dS^T); of 80 at head dims 64 to 128 with the dQ "
+                "writer warp (dQ transposed) and no block mask (whose blocks are 128 queries); or of 128 at head "
+                "dim 64 with the writer warp (dQ split by queries) and no block mask");
   static_assert(kBlockN == (kSplitHeadDim ? 1 : kConsumers) * kKeysPerConsumer,
                 "keys split between the consumers, or shared where the head dim is split");
   static_assert(kDqCols % 64 == 0, "each consumer computes whole 64-column panels of dQ");
@@ -708,14 +719,14 @@ __device__ void sm90_bwd_dkdv_atomic_dq_kernel(const AttentionSm90BwdParams& par
     static_assert(kScoreQueries % 8 == 0, "a consumer's queries start at a chunk");
     const unsigned pair_base = (key_row0 + lane / 4) * 128 + ((lane / 4) << 4) + (lane % 4) * 4;
     auto pair_address = [&](unsigned tile, int j, int h) {
-      const int chunk = consumer_queries / 8 + j;  // < 8: kBlockM is 64 (one 128-byte row)
+      const int chunk = consumer_queries / 8 + j;  // < 8: steps of 64 queries (one 128-byte row)
       return ((tile + pair_base) ^ (chunk << 4)) + h * 8 * 128;
     };
-    // Transposed dQ: P for dS^T, kept in fp16 (for a bf16 kernel a second copy): P lies in [0, 1],
-    // where fp16 keeps 11 significant bits, 3 more than the bf16 that dS^T is rounded to (P^T's own
-    // bf16 put four gradient elements outside the tests' tolerance). The fp32 values would hold 40
-    // registers across dP^T's wait beside P^T's 20 (ptxas spilled).
-    constexpr bool kKeepsHalfP = Shape::kDqTransposed && !is_same<Element, half_t>::value;
+    // Steps of 80 or 128: P for dS^T, kept in fp16 (for a bf16 kernel a second copy): P lies in
+    // [0, 1], where fp16 keeps 11 significant bits, 3 more than the bf16 that dS^T is rounded to
+    // (P^T's own bf16 put four gradient elements outside the tests' tolerance). The fp32 values
+    // would hold 40 registers (64) across dP^T's wait beside P^T's 20 (32); at 80 ptxas spilled.
+    constexpr bool kKeepsHalfP = Shape::kDsFromHalfP && !is_same<Element, half_t>::value;
     unsigned p_half[kKeepsHalfP ? kBlockM / 16 : 1][4];
     auto keep_p = [&](int j, int h) {
       const unsigned p_pair = pack2<Element>(s[4 * j + 2 * h], s[4 * j + 2 * h + 1]);
@@ -733,6 +744,12 @@ __device__ void sm90_bwd_dkdv_atomic_dq_kernel(const AttentionSm90BwdParams& par
     // query's place in its 8-row atom (l % 8).
     const unsigned ds_rows = ds_tile + consumer * Shape::kDsPanelBytes + (8 * (lane / 16) + lane % 8) * 128 +
                              (((2 * warp_in_group + (lane / 8) % 2) ^ (lane % 8)) << 4);
+    // Steps of 128: dS^T goes out by k16 step t too, one stmatrix of the same four matrices,
+    // untransposed (the C fragment's pairs are rows of them): lane l gives row l % 8 of matrix l / 8,
+    // key key_row0 + 8 ((l / 8) % 2) + l % 8, chunk 2 t + l / 16 of the queries (panel t / 4),
+    // swizzled by the key's place in its atom (l % 8): an XOR of the lane's chunk with 2 t % 8.
+    const unsigned ds_key_rows =
+        ds_tile + (key_row0 + 8 * ((lane / 8) % 2) + lane % 8) * 128 + (((lane / 16) ^ (lane % 8)) << 4);
     auto keep_ds = [&](int j, int h) {
       const unsigned ds_pair = pack2<Element>(dp[4 * j + 2 * h], dp[4 * j + 2 * h + 1]);
       if constexpr (Shape::kDqTransposed) {
@@ -740,6 +757,12 @@ __device__ void sm90_bwd_dkdv_atomic_dq_kernel(const AttentionSm90BwdParams& par
         if (j % 2 == 1 && h == 1)
           stmatrix_x4_trans(ds_rows + (j / 2) * 16 * 128, a_ds[j / 2][0], a_ds[j / 2][1], a_ds[j / 2][2],
                             a_ds[j / 2][3]);
+      } else if constexpr (Shape::kDqSplitsQueries) {
+        const int t = j / 2;
+        a_ds[t][2 * (j % 2) + h] = ds_pair;
+        if (j % 2 == 1 && h == 1)
+          stmatrix_x4((ds_key_rows ^ (((2 * t) % 8) << 4)) + (t / 4) * Shape::kDsPanelBytes, a_ds[t][0], a_ds[t][1],
+                      a_ds[t][2], a_ds[t][3]);
       } else {
         asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(pair_address(ds_tile, j, h)), "r"(ds_pair));
         if constexpr (!kSplitHeadDim) a_ds[j / 2][2 * (j % 2) + h] = ds_pair;
@@ -822,7 +845,7 @@ __device__ void sm90_bwd_dkdv_atomic_dq_kernel(const AttentionSm90BwdParams& par
             const int i = 4 * j + 2 * h + c;
             // 0 where P is (hidden elements: dP^T is finite there, from real or zero-filled rows).
             float prob = s[i];
-            if constexpr (Shape::kDqTransposed) {
+            if constexpr (Shape::kDsFromHalfP) {
               unsigned half_pair;  // P's pair in fp16
               if constexpr (kKeepsHalfP) half_pair = p_half[j / 2][2 * (j % 2) + h];
               else half_pair = a_p[j / 2][2 * (j % 2) + h];
@@ -840,9 +863,9 @@ __device__ void sm90_bwd_dkdv_atomic_dq_kernel(const AttentionSm90BwdParams& par
     fence_proxy_async_shared();  // dS^T (and P^T) are read by wgmma (the async proxy) below
 
     // dQ, once the dS^T rows it reads are in (every consumer's; split by head dim, the other
-    // consumer's P^T and dS^T columns for dK and dV too). At head dim 64 one consumer computes it per
-    // step; the other only arrives. Barrier ids alternate with the step there, so an arrival can
-    // never complete the previous step's barrier.
+    // consumer's P^T and dS^T columns for dK and dV too). At head dim 64 in steps of 64 or 80 one
+    // consumer computes it per step; the other only arrives. Barrier ids alternate with the step
+    // there, so an arrival can never complete the previous step's barrier.
     const bool computes_dq = !Shape::kDqAlternates || step % 2 == consumer;
     if constexpr (Shape::kDqAlternates) {
       if (computes_dq) named_barrier_sync(1 + step % 2, 128 * Shape::kConsumers);
@@ -868,8 +891,11 @@ __device__ void sm90_bwd_dkdv_atomic_dq_kernel(const AttentionSm90BwdParams& par
                            smem_descriptor_advance(b_tile, (ks / 4) * Shape::kDsPanelBytes + (ks % 4) * 32), ks > 0);
         wgmma_commit();
       } else {
+        // dQ (the step's queries, or in steps of 128 this consumer's panel of 64 of them, x its
+        // columns) = dS K, over the keys: A dS^T (MN-major), B the columns' panel of K (MN-major).
         const unsigned b_start = (dq_col0 / 64) * Shape::kKvPanelBytes;
-        const unsigned long long a_tile = smem_descriptor_sw128(ds_tile, Shape::kDsBytes, 1024);
+        const unsigned a_start = Shape::kDqSplitsQueries ? consumer * Shape::kDsPanelBytes : 0;
+        const unsigned long long a_tile = smem_descriptor_sw128(ds_tile + a_start, Shape::kDsBytes, 1024);
         unsigned long long b_tile = smem_descriptor_sw128(sK + b_start, Shape::kKvPanelBytes, 1024);
         launder(b_tile);
         wgmma_fence();
@@ -900,7 +926,9 @@ __device__ void sm90_bwd_dkdv_atomic_dq_kernel(const AttentionSm90BwdParams& par
 
     if constexpr (Shape::kDqWriters) {  // to the writer warp, through shared memory (rows past the sequence too: zeros)
       mbarrier_wait(bar_dq_free, (step & 1) ^ 1);  // a fresh barrier passes parity 1
-      if (Shape::kRecordsSteps && dq_col0 == 0 && warp_in_group == 0 && lane == 0) {
+      const bool first_dq_thread =
+          warp_in_group == 0 && lane == 0 && (Shape::kDqSplitsQueries ? consumer == 0 : dq_col0 == 0);
+      if (Shape::kRecordsSteps && first_dq_thread) {
         if constexpr (Shape::kRanksTurns)
           asm volatile("st.shared.v4.s32 [%0], {%1, %2, %3, %3};\n" ::"r"(base + Shape::kDqStepOffset), "r"(head),
                        "r"(m0), "r"(rank)
@@ -931,18 +959,20 @@ __device__ void sm90_bwd_dkdv_atomic_dq_kernel(const AttentionSm90BwdParams& par
                              "f"(dq[4 * j + 2 * h + e]));
         }
       } else {
-        // Pair (j, h) is row warp_in_group * 16 + lane / 4 + 8 h, columns dq_col0 + 8 j + 2 (lane % 4) and
-        // the next: 32-column panel dq_col0 / 32 + j / 4, 16-byte chunk 2 (j % 4) + (lane % 4) / 2 of
-        // the row, swizzled by the row's place in its 8-row atom (lane / 4). As for dS^T, the swizzle
-        // is an XOR with a constant per j of a 1024-byte-aligned panel's address. A half-warp's rows r
-        // and r ^ 1 would swizzle onto the same two chunks (twice the wavefronts for one 8-byte store),
-        // so odd rows store pair j ^ 2 in pass j: chunk bit 2 flipped (the address XOR 64), and the
-        // sixteen lanes cover all eight chunks of their rows.
+        // Pair (j, h) is row dq_row0 + warp_in_group * 16 + lane / 4 + 8 h (dq_row0 the consumer's
+        // queries in steps of 128), columns dq_col0 + 8 j + 2 (lane % 4) and the next: 32-column
+        // panel dq_col0 / 32 + j / 4, 16-byte chunk 2 (j % 4) + (lane % 4) / 2 of the row, swizzled
+        // by the row's place in its 8-row atom (lane / 4). As for dS^T, the swizzle is an XOR with a
+        // constant per j of a 1024-byte-aligned panel's address. A half-warp's rows r and r ^ 1
+        // would swizzle onto the same two chunks (twice the wavefronts for one 8-byte store), so odd
+        // rows store pair j ^ 2 in pass j: chunk bit 2 flipped (the address XOR 64), and the sixteen
+        // lanes cover all eight chunks of their rows.
         const bool odd_row = (lane / 4) % 2;
-        const unsigned pair_base = (base + Shape::kDqOffset + (dq_col0 / 32) * Shape::kDqPanelBytes +
-                                    (warp_in_group * 16 + lane / 4) * 128 + ((((lane % 4) / 2) ^ (lane / 4)) << 4) +
-                                    (lane % 2) * 8) ^
-                                   (odd_row ? 64u : 0u);
+        const int dq_row0 = Shape::kDqSplitsQueries ? consumer * 64 : 0;
+        const unsigned pair_base =
+            (base + Shape::kDqOffset + (dq_col0 / 32) * Shape::kDqPanelBytes + (dq_row0 + warp_in_group * 16 + lane / 4) * 128 +
+             ((((lane % 4) / 2) ^ (lane / 4)) << 4) + (lane % 2) * 8) ^
+            (odd_row ? 64u : 0u);
 #pragma unroll
         for (int h = 0; h < 2; ++h)
 #pragma unroll

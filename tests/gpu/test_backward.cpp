@@ -250,6 +250,49 @@ TEST_CASE("sm90_bwd: steps of 80 queries under masks and softcaps", "[backward]"
   }
 }
 
+// sm90_bwd's steps of 128 queries at head dim 64 (each consumer computes dQ for its half of the
+// queries), forced: without a mask and under the masks and softcaps the tuner may take them for,
+// fp16, varlen and GQA, both dQ modes.
+TEST_CASE("sm90_bwd: steps of 128 queries at head dim 64", "[backward]") {
+  const Arch arch = device_properties(0).arch();
+  if (arch.name() != "sm_90a") {
+    CaseLedger::get().skipped("sm90_bwd steps of 128 queries", "sm90_bwd runs on sm_90 only");
+    return;
+  }
+  uint64_t seed = 17700;
+  struct Case {
+    int left, right;
+    bool causal, varlen;
+    float softcap;
+    DType dtype;
+  };
+  for (Case k : {Case{-1, -1, false, false, 0.f, DType::bf16}, Case{-1, -1, true, false, 0.f, DType::bf16},
+                 Case{100, 50, false, false, 30.f, DType::bf16}, Case{-1, -1, false, false, 0.f, DType::fp16},
+                 Case{-1, -1, false, true, 0.f, DType::bf16}, Case{-1, -1, true, true, 0.f, DType::fp16}}) {
+    const MaskKind mask = k.left >= 0 || k.right >= 0 ? MaskKind::window : k.causal ? MaskKind::causal : MaskKind::none;
+    KernelSpec spec = default_spec(Family::sm90_bwd, arch, k.dtype, 64, mask, k.softcap > 0);
+    spec.block_m = 128;
+    REQUIRE_FALSE(spec.validate().has_value());
+    Run r;
+    r.shape = AttentionShape::make(2, 250, 333, 8, 2, 64);
+    if (k.varlen) {
+      r.shape = AttentionShape::make(3, 0, 0, 4, 2, 64);
+      r.shape.seqlens_q = {1, 300, 137};
+      r.shape.seqlens_k = {9, 300, 250};
+    }
+    r.shape.window_left = k.left;
+    r.shape.window_right = k.right;
+    r.shape.causal = k.causal;
+    r.shape.softcap = k.softcap;
+    r.dtype = k.dtype;
+    r.kernel = spec;
+    check(r, seed++);
+    r.deterministic = true;
+    r.kernel->ordered_dq = true;
+    check(r, seed++);
+  }
+}
+
 // Both families' deterministic modes (sm90_bwd's on sm_90 at every head dim):
 // correct, and reruns bitwise identical, over GQA, masks whose key tiles visit different query
 // blocks (causal with seqlen_q > seqlen_k and the other way round, a window) and varlen.

@@ -449,6 +449,43 @@ TEST_CASE("sm90_bwd: steps of 80 queries at head dims 64 to 128, the default wit
   CHECK_THAT(*s.validate(), Catch::Contains("block_m must be 64 or 80, got 96"));
 }
 
+TEST_CASE("sm90_bwd: steps of 128 queries at head dim 64 only, with the dQ writer warp", "[spec]") {
+  const Arch hopper = Arch::parse("sm_90a");
+  for (DType dtype : {DType::bf16, DType::fp16})
+    for (MaskKind mask : {MaskKind::none, MaskKind::causal}) {
+      KernelSpec s = default_spec(Family::sm90_bwd, hopper, dtype, 64, mask);
+      s.block_m = 128;
+      INFO(s.name());
+      CHECK_FALSE(s.validate().has_value());
+      CHECK(kernel_layout(s).constant("kDqWriters") == 1);
+      CHECK(dynamic_smem_bytes(s) <= max_smem_per_block(hopper));
+      // S^T and dP^T of 64 keys x 128 queries; dQ of 64 queries x 64 columns per consumer, untransposed.
+      const std::string text = render(s).text;
+      CHECK(text.find("m64n128k16.f32") != std::string::npos);
+      CHECK(text.find("wgmma_dq(float (&d)[32]") != std::string::npos);
+      KernelSpec ordered = s;
+      ordered.ordered_dq = true;
+      CHECK_FALSE(ordered.validate().has_value());
+      KernelSpec three = s;  // the dQ buffer of 128 rows leaves no room for a third stage
+      three.num_stages = 3;
+      REQUIRE(three.validate());
+      CHECK_THAT(*three.validate(), Catch::Contains("steps of 128 queries hand dQ to the writer warp"));
+      if (mask == MaskKind::none) {  // (not under a block mask yet; it replaces the built-in masks)
+        KernelSpec sparse = s;
+        sparse.block_sparse = true;
+        REQUIRE(sparse.validate());
+        CHECK_THAT(*sparse.validate(), Catch::Contains("block_m must be 64, got 128"));
+      }
+    }
+  for (int d : {96, 128, 192, 256}) {
+    KernelSpec s = default_spec(Family::sm90_bwd, hopper, DType::bf16, d);
+    s.block_m = 128;
+    INFO(s.name());
+    REQUIRE(s.validate());
+    CHECK_THAT(*s.validate(), Catch::Contains("got 128"));
+  }
+}
+
 TEST_CASE("the quick GPU tier's kernel list reads as legal specs that render", "[spec]") {
   // tests/gpu/quick_specs.json: what the quick tier compiles in parallel (gpu/main.cpp). A schema
   // change that left it unreadable would silently send the tier back to compiling case by case.

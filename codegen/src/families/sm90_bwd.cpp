@@ -1,9 +1,10 @@
 // Rules of the Hopper backward family (templates/sm90_bwd.cuh): a producer warpgroup and two wgmma
-// consumer warpgroups, query steps of block_m = 64 (or 80 at head dims 64 to 128: dQ transposed) in
-// a ring of num_stages. At head dims 64, 96 and 128 the consumers own 64 keys each (block_n 128); at
-// 192 and 256 they share 64 keys (block_n 64) and split the head dim, exchanging P^T through shared
-// memory. Tiles hold whole 64-column panels (head dim 96 loads two, 192 three and a fourth of
-// zeros). The shared-memory arithmetic mirrors Sm90BwdShape in the template.
+// consumer warpgroups, query steps of block_m = 64 (or 80 at head dims 64 to 128: dQ transposed; or
+// 128 at head dim 64: dQ split by queries) in a ring of num_stages. At head dims 64, 96 and 128 the
+// consumers own 64 keys each (block_n 128); at 192 and 256 they share 64 keys (block_n 64) and split
+// the head dim, exchanging P^T through shared memory. Tiles hold whole 64-column panels (head dim 96
+// loads two, 192 three and a fourth of zeros). The shared-memory arithmetic mirrors Sm90BwdShape in
+// the template.
 #include <fmt/format.h>
 
 #include "../family_rules.hpp"
@@ -50,12 +51,17 @@ int smem_bytes(const KernelSpec& s) {
 // and handed to the writer warp. Not where the head dim is split, nor under a block mask, whose
 // blocks are 128 queries.
 bool takes_80_query_steps(const KernelSpec& s) { return !split_head_dim(s) && !s.block_sparse; }
+// Steps of 128 queries (FlashAttention-3's tile at head dim 64): two 64-query panels of dS^T, each
+// consumer computing dQ for one of them and handing it to the writer warp.
+bool takes_128_query_steps(const KernelSpec& s) { return s.head_dim == 64 && !s.block_sparse; }
 
 std::optional<std::string> validate_tiles(const KernelSpec& s) {
-  if (s.block_m != 64 && !(s.block_m == 80 && takes_80_query_steps(s)))
-    return fmt::format("sm90_bwd walks the queries in steps of 64 (one swizzled row of dS^T), or of 80 at head dims "
-                       "64 to 128 without a block mask: block_m must be 64{}, got {}",
-                       takes_80_query_steps(s) ? " or 80" : "", s.block_m);
+  const bool long_steps =
+      (s.block_m == 80 && takes_80_query_steps(s)) || (s.block_m == 128 && takes_128_query_steps(s));
+  if (s.block_m != 64 && !long_steps)
+    return fmt::format("sm90_bwd walks the queries in steps of 64 (one swizzled row of dS^T), of 80 at head dims "
+                       "64 to 128 or of 128 at head dim 64, without a block mask: block_m must be 64{}{}, got {}",
+                       takes_80_query_steps(s) ? " or 80" : "", takes_128_query_steps(s) ? " or 128" : "", s.block_m);
   if (s.block_n != keys_per_cta(s))
     return fmt::format("sm90_bwd at head dim {} runs {}: block_n must be {}, got {}", s.head_dim,
                        split_head_dim(s) ? "two consumer warpgroups sharing 64 keys" : "two consumer warpgroups of 64 keys",
@@ -66,10 +72,10 @@ std::optional<std::string> validate_tiles(const KernelSpec& s) {
   if (s.num_stages < 2 || s.num_stages > 3)
     return fmt::format("num_stages must be 2 or 3 for sm90_bwd (one query step computes while the next loads), "
                        "got {}", s.num_stages);
-  if (s.block_m == 80 && !dq_writers(s))
-    return fmt::format("sm90_bwd's steps of 80 queries hand dQ to the writer warp, whose buffer {} stages leave no "
+  if (s.block_m != 64 && !dq_writers(s))
+    return fmt::format("sm90_bwd's steps of {} queries hand dQ to the writer warp, whose buffer {} stages leave no "
                        "room for",
-                       s.num_stages);
+                       s.block_m, s.num_stages);
   if (smem_bytes(s) > max_smem_per_block(s.arch))
     return fmt::format("needs {} bytes of shared memory per block, {} allows {}", smem_bytes(s), s.arch.name(),
                        max_smem_per_block(s.arch));
@@ -109,15 +115,15 @@ std::vector<KernelConstant> constants(const KernelSpec& s) {
 
 // Per consumer: S^T and dP^T (64 keys x the consumer's queries, both operands K-major in shared
 // memory); dK and dV (64 keys x the consumer's columns, P^T and dS^T from registers, or where the
-// head dim is split from the exchanged tiles); dQ (block_m queries x whole 64-column panels, dS^T
-// and K both MN-major in shared memory), or for steps of 80 dQ^T (a 64-column panel x block_m
-// queries, K MN-major and dS K-major).
+// head dim is split from the exchanged tiles); dQ (64 queries x whole 64-column panels, dS^T and K
+// both MN-major in shared memory), or for steps of 80 dQ^T (a 64-column panel x block_m queries, K
+// MN-major and dS K-major).
 std::string config_members(const KernelSpec& s) {
   const bool split = split_head_dim(s);
   const int score_queries = split ? s.block_m / kConsumers : s.block_m;
   const int grad_cols = split ? panels(s) * 64 / kConsumers : s.head_dim;
   const int dq_cols = panels(s) < kConsumers ? 64 : panels(s) * 64 / kConsumers;
-  const bool dq_transposed = s.block_m != 64;
+  const bool dq_transposed = s.block_m == 80;
   return wgmma_member_function("wgmma_scores", score_queries, s.dtype, WgmmaOperands::ss_k_major) +
          wgmma_member_function("wgmma_key_gradient", grad_cols, s.dtype,
                                split ? WgmmaOperands::ss_b_mn_major : WgmmaOperands::rs_b_mn_major) +
