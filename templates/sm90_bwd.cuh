@@ -803,7 +803,12 @@ __device__ void sm90_bwd_dkdv_atomic_dq_kernel(const AttentionSm90BwdParams& par
             bool visible = true, inside = true;
             if constexpr (kMasked) {
               inside = q < seq.seqlen_q && n0 + key < seq.seqlen_k;
-              visible = q < seq.seqlen_q && AttentionMask<kMask>::visible(f, q, n0 + key, seq.seqlen_k, diagonal);
+              // (Causal spelled out: its window_right is 0, and the query's bound is one uniform
+              // register; through the mask's general test the causal 128-query steps spilled.)
+              if constexpr (kMask == MaskKind::kCausal)
+                visible = q < seq.seqlen_q && n0 + key < seq.seqlen_k && n0 + key - q <= diagonal;
+              else
+                visible = q < seq.seqlen_q && AttentionMask<kMask>::visible(f, q, n0 + key, seq.seqlen_k, diagonal);
               if constexpr (Mods::kHasMask) visible = visible && !((user_hidden >> i) & 1);
             }
             // Computed for every element, then selected: a branch around the exponential would
