@@ -7,6 +7,7 @@
 #include <future>
 #include <mutex>
 #include <thread>
+#include <tuple>
 #include <utility>
 
 #include "compiler.hpp"
@@ -90,6 +91,18 @@ std::vector<KernelSpec> sweep_specs(const Arch& arch) {
   for (int d : {64, 96, 128})
     if (family_covers(Family::sm90_bwd, arch, d))
       specs.push_back(default_spec(Family::sm90_bwd, arch, DType::fp16, d, MaskKind::none, false));
+  // Its steps of 128 queries at head dim 64 (dQ split by queries; a tuner candidate): each mask,
+  // fp16 and ordered dQ adds. (A window with a softcap spills 64 bytes: the tuner skips it.)
+  if (family_covers(Family::sm90_bwd, arch, 64))
+    for (auto [mask, softcap, dtype, ordered] :
+         {std::tuple{MaskKind::none, false, DType::bf16, false}, std::tuple{MaskKind::causal, false, DType::bf16, false},
+          std::tuple{MaskKind::window, false, DType::bf16, false}, std::tuple{MaskKind::none, false, DType::fp16, false},
+          std::tuple{MaskKind::causal, false, DType::bf16, true}}) {
+      KernelSpec s = default_spec(Family::sm90_bwd, arch, dtype, 64, mask, softcap);
+      s.block_m = 128;
+      s.ordered_dq = ordered;
+      if (std::find(specs.begin(), specs.end(), s) == specs.end()) specs.push_back(s);
+    }
   if (arch.sm == 80 || arch.sm == 90)
     specs.push_back(default_spec(Family::block_mask, arch, DType::bf16, 0, MaskKind::none, false, document));
   // A masked forward that asks for tail splits (num_splits > 1): the split items' merge beside a
