@@ -583,10 +583,10 @@ __device__ void sm90_bwd_dkdv_atomic_dq_kernel(const AttentionSm90BwdParams& par
   const int consumer_queries = kSplitHeadDim ? consumer * kScoreQueries : 0;  // and columns
   const int consumer_cols = kSplitHeadDim ? consumer * kGradCols : 0;        // its dK and dV columns
   const int key_row0 = consumer_keys + warp_in_group * 16;  // this warp's keys in the tile
-  // This consumer's columns of a step's dQ (at head dim 64 all of them, on its turns), and whether
-  // its group j of 8 lies inside the head dim (at 96 and 192 the second consumer's last panel
-  // reaches past it).
-  const int dq_col0 = Shape::kDqAlternates ? 0 : consumer * Shape::kDqCols;
+  // This consumer's columns of a step's dQ (at head dim 64 all of them: on its turns, or for its
+  // half of the queries in steps of 128), and whether its group j of 8 lies inside the head dim (at
+  // 96 and 192 the second consumer's last panel reaches past it).
+  const int dq_col0 = Shape::kDqAlternates || Shape::kDqSplitsQueries ? 0 : consumer * Shape::kDqCols;
   auto dq_group_inside = [&](int j) { return !Shape::kDqPastHeadDim || dq_col0 + j * 8 < kHeadDim; };
   const float scale_log2 = f.softmax_scale * kLog2e;
   const float softcap_scale = Config::kHasSoftcap ? f.softmax_scale / f.softcap : 0.f;
