@@ -107,7 +107,7 @@ struct Sm90BwdShape {
   static constexpr bool kDqSplitsQueries = kBlockM == 128;
   static constexpr bool kDqAlternates = kPanels < kConsumers && !kDqSplitsQueries;
   static constexpr int kDqCols = kDqAlternates || kDqSplitsQueries ? kHeadDim : kPanels * 64 / kConsumers;
-  static constexpr bool kDqPastHeadDim = !kDqAlternates && kConsumers * kDqCols > kHeadDim;
+  static constexpr bool kDqPastHeadDim = !kDqAlternates && !kDqSplitsQueries && kConsumers * kDqCols > kHeadDim;
   // Steps of 80 queries (FlashAttention-3's tile at head dim 128 without a mask) are not one 128-byte
   // row of dS^T, and wgmma's M is 64: dQ is computed transposed, dQ^T = K^T dS^T (the consumer's
   // 64-column panel of K as an MN-major A, M its head dim; N the step's queries). Its B operand is
