@@ -136,8 +136,8 @@ TEST_CASE("backward candidates: fa2_bwd tiles, and sm90_bwd's steps and stage co
     const auto sm90 = std::count_if(candidates.begin(), candidates.end(), [](const KernelSpec& c) { return c.family == Family::sm90_bwd; });
     CHECK(candidates.size() == fa2.size() + sm90);
     // Steps of 64 queries at both stage counts at 64, 96 and 128 (at 256 the tiles leave room for
-    // two only); steps of 80 at two, and at 64 also three; at 64 steps of 128 at two.
-    CHECK(sm90 == (head_dim == 256 ? 1 : head_dim == 64 ? 5 : 3));
+    // two only); steps of 80 at two, and at 64 also three.
+    CHECK(sm90 == (head_dim == 256 ? 1 : head_dim == 64 ? 4 : 3));
     const KernelSpec dispatch_default = heuristic_backward_spec(hopper, DType::bf16, head_dim, MaskKind::causal);
     CHECK(std::find(candidates.begin(), candidates.end(), dispatch_default) != candidates.end());
     for (const auto& c : candidates) {
