@@ -106,8 +106,10 @@ struct Sm90BwdShape {
   // half of the queries instead, all 64 columns over all 128 keys (A its 64-query panel of dS^T).
   static constexpr bool kDqSplitsQueries = kBlockM == 128;
   static constexpr bool kDqAlternates = kPanels < kConsumers && !kDqSplitsQueries;
-  static constexpr int kDqCols = kDqAlternates || kDqSplitsQueries ? kHeadDim : kPanels * 64 / kConsumers;
-  static constexpr bool kDqPastHeadDim = !kDqAlternates && !kDqSplitsQueries && kConsumers * kDqCols > kHeadDim;
+  // Otherwise each consumer computes its own panels of the head dim.
+  static constexpr bool kDqSplitsColumns = !kDqAlternates && !kDqSplitsQueries;
+  static constexpr int kDqCols = kDqSplitsColumns ? kPanels * 64 / kConsumers : kHeadDim;
+  static constexpr bool kDqPastHeadDim = kDqSplitsColumns && kConsumers * kDqCols > kHeadDim;
   // Steps of 80 queries (FlashAttention-3's tile at head dim 128 without a mask) are not one 128-byte
   // row of dS^T, and wgmma's M is 64: dQ is computed transposed, dQ^T = K^T dS^T (the consumer's
   // 64-column panel of K as an MN-major A, M its head dim; N the step's queries). Its B operand is
@@ -128,7 +130,7 @@ struct Sm90BwdShape {
   // step's query head and m0 (and in deterministic mode under a block mask its turn, its rank) ride
   // in a slot after the panels, for the writer.
   static constexpr bool kDqWriters = Config::kDqWriters != 0;
-  static constexpr int kDqBufferPanels = (kDqAlternates || kDqSplitsQueries ? kHeadDim : kConsumers * kDqCols) / 32;
+  static constexpr int kDqBufferPanels = (kDqSplitsColumns ? kConsumers * kDqCols : kHeadDim) / 32;
   static constexpr int kDqPanelBytes = kBlockM * 128;
 
   static constexpr int kKOffset = 0;
@@ -586,7 +588,7 @@ __device__ void sm90_bwd_dkdv_atomic_dq_kernel(const AttentionSm90BwdParams& par
   // This consumer's columns of a step's dQ (at head dim 64 all of them: on its turns, or for its
   // half of the queries in steps of 128), and whether its group j of 8 lies inside the head dim (at
   // 96 and 192 the second consumer's last panel reaches past it).
-  const int dq_col0 = Shape::kDqAlternates || Shape::kDqSplitsQueries ? 0 : consumer * Shape::kDqCols;
+  const int dq_col0 = Shape::kDqSplitsColumns ? consumer * Shape::kDqCols : 0;
   auto dq_group_inside = [&](int j) { return !Shape::kDqPastHeadDim || dq_col0 + j * 8 < kHeadDim; };
   const float scale_log2 = f.softmax_scale * kLog2e;
   const float softcap_scale = Config::kHasSoftcap ? f.softmax_scale / f.softcap : 0.f;
