@@ -26,6 +26,7 @@
 #include "flashjit/error.hpp"
 #include "flashjit/kernel_cache.hpp"
 #include "flashjit/tuning.hpp"
+#include "family.hpp"
 #include "files.hpp"
 #include "json_text.hpp"
 
@@ -262,7 +263,9 @@ TunedEntry read_entry(const json& j, const std::string& path, const std::string&
   e.device = read_stamp(Reader(r.at("device"), r.path("device"), origin));
   e.problem = read_problem(Reader(r.at("problem"), r.path("problem"), origin));
   e.spec = r.spec("spec");
-  if (e.spec.family != e.problem.family || e.spec.dtype != e.problem.dtype || e.spec.head_dim != e.problem.head_dim ||
+  // (A family keyed by another's entries, as sm90_bwd by fa2_bwd's, serves that family's problems.)
+  if (detail::runtime_family(e.spec.family).tuning_key != e.problem.family || e.spec.dtype != e.problem.dtype ||
+      e.spec.head_dim != e.problem.head_dim ||
       e.spec.mask != e.problem.mask || e.spec.has_softcap != e.problem.softcap)
     throw r.fail(fmt::format("{}: spec {} does not serve the problem {}", path, e.spec.name(), e.problem.describe()));
   e.median_ms = r.number("median_ms");

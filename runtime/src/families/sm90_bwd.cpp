@@ -22,12 +22,11 @@ std::optional<std::string> unusable_reason(const PassProblem& problem, const Arc
   return problem.backward != nullptr ? tma_unusable_reason(*problem.backward) : tma_unusable_reason(problem.forward);
 }
 
-// The keys per CTA are fixed by the head dim (see sm90_bwd.cuh); the query step (64, or 80 where
-// it is legal) and the ring's depth vary. (Steps of 128 at head dim 64 are not offered yet: their
-// fixed build has not run on a GPU; a forced spec runs them.)
+// The keys per CTA are fixed by the head dim (see sm90_bwd.cuh); the query step (64, or 80 and at
+// head dim 64 128 where they are legal) and the ring's depth vary.
 std::vector<KernelSpec> tuning_candidates(const KernelSpec& base) {
   std::vector<KernelSpec> candidates;
-  for (int block_m : {64, 80})
+  for (int block_m : {64, 80, 128})
     for (int stages : {2, 3}) {
       KernelSpec s = base;
       s.block_m = block_m;
