@@ -157,11 +157,12 @@ TEST_CASE("ordered dQ adds: sm90_bwd's at every tile, their own name, hash and J
   json bad = j;
   bad["ordered_dq"] = "yes";
   CHECK_THROWS_WITH(KernelSpec::from_json(bad), Catch::Contains("'ordered_dq' must be true or false"));
-  // Up to head dim 128 the writer warp orders the adds, at two stages and three. Above, where its
-  // buffer never fits, the consumers take the turns.
+  // Up to head dim 128 the writer warp orders the adds of steps of 64, at two stages and three.
+  // Above, where its buffer never fits, the consumers take the turns.
   for (int head_dim : {64, 96, 128})
     for (int stages : {2, 3}) {
       KernelSpec narrow = default_spec(Family::sm90_bwd, hopper, DType::bf16, head_dim, MaskKind::causal);
+      narrow.block_m = 64;
       narrow.ordered_dq = true;
       narrow.num_stages = stages;
       INFO(narrow.name());
@@ -398,12 +399,14 @@ TEST_CASE("fa2_bwd: tile rules, per-entry shared memory (and sm90_bwd's), names"
   CHECK(is_forward_family(Family::fa2_fwd));
 }
 
-TEST_CASE("sm90_bwd: steps of 80 queries at head dims 64 to 128, the default without a mask", "[spec]") {
+TEST_CASE("sm90_bwd: steps of 80 queries at head dims 64 to 128, the default without a mask at 96 and 128",
+          "[spec]") {
   const Arch hopper = Arch::parse("sm_90a");
   for (int d : {64, 96, 128}) {
-    const KernelSpec plain = default_spec(Family::sm90_bwd, hopper, DType::bf16, d);
+    KernelSpec plain = default_spec(Family::sm90_bwd, hopper, DType::bf16, d);
+    CHECK(plain.block_m == (d == 64 ? 128 : 80));  // (at 64 the steps of 128, below)
+    plain.block_m = 80;
     INFO(plain.name());
-    CHECK(plain.block_m == 80);
     CHECK_FALSE(plain.validate().has_value());
     CHECK(kernel_layout(plain).constant("kDqWriters") == 1);
     CHECK(dynamic_smem_bytes(plain) <= max_smem_per_block(hopper));
@@ -416,7 +419,8 @@ TEST_CASE("sm90_bwd: steps of 80 queries at head dims 64 to 128, the default wit
     ordered.ordered_dq = true;
     CHECK_FALSE(ordered.validate().has_value());
     // Masked steps, softcaps and modifiers keep 64 by default (80 is the tuner's to try there).
-    CHECK(default_spec(Family::sm90_bwd, hopper, DType::bf16, d, MaskKind::causal).block_m == 64);
+    CHECK(default_spec(Family::sm90_bwd, hopper, DType::bf16, d, MaskKind::causal).block_m == (d == 64 ? 128 : 64));
+    CHECK(default_spec(Family::sm90_bwd, hopper, DType::bf16, d, MaskKind::window).block_m == 64);
     KernelSpec softcap = default_spec(Family::sm90_bwd, hopper, DType::bf16, d, MaskKind::none, true);
     CHECK(softcap.block_m == 64);
     softcap.block_m = 80;
@@ -477,6 +481,11 @@ TEST_CASE("sm90_bwd: steps of 128 queries at head dim 64 only, with the dQ write
         CHECK_THAT(*sparse.validate(), Catch::Contains("block_m must be 64, got 128"));
       }
     }
+  // The default at head dim 64 unmasked and causal (timed there), not under a window, a softcap or
+  // a modifier.
+  CHECK(default_spec(Family::sm90_bwd, hopper, DType::fp16, 64, MaskKind::causal).block_m == 128);
+  CHECK(default_spec(Family::sm90_bwd, hopper, DType::bf16, 64, MaskKind::window).block_m == 64);
+  CHECK(default_spec(Family::sm90_bwd, hopper, DType::bf16, 64, MaskKind::none, true).block_m == 64);
   for (int d : {96, 128, 192, 256}) {
     KernelSpec s = default_spec(Family::sm90_bwd, hopper, DType::bf16, d);
     s.block_m = 128;
