@@ -376,6 +376,10 @@ __device__ void sm90_bwd_dkdv_atomic_dq_kernel(const AttentionSm90BwdParams& par
   const int warp = warp_uniform(tid / 32), group = warp / 4;
   const int heads_per_kv = f.num_heads_q / f.num_heads_kv;
   constexpr bool kOrdered = OrderedDqOf<Config>::value;  // deterministic mode (p.dq_order set)
+  // dS^T needs only P (no softcap or score modifier): dS = P (dP - delta) scale, whose
+  // consumers take delta premultiplied by the scale (the producer's one multiply per query, for
+  // one of theirs per element).
+  constexpr bool kDsFromP = !Mods::kHasScore && !Config::kHasSoftcap;
   // The add order of a plain walk; under a block mask each turn is a count of visits instead.
   using AddOrder = DqAddOrder<kMask, kOrdered && !Shape::kBlockSparse>;
   const BwdKeyTile tile = bwd_key_tile<kMask>(f, heads_per_kv, kOrdered && AddOrder::kLastTileFirst);
@@ -548,13 +552,14 @@ __device__ void sm90_bwd_dkdv_atomic_dq_kernel(const AttentionSm90BwdParams& par
                       seq.q_start + m0, head, tma_batch);
         }
       }
-      // LSE (in base 2) and delta; queries past the sequence get 0 (the consumers mask them).
+      // LSE (in base 2) and delta (times the scale where kDsFromP); queries past the sequence get 0
+      // (the consumers mask them).
       const float* gLse = f.lse + batch * f.lse_batch_stride + head * f.lse_head_stride + (varlen ? seq.q_start : 0) + m0;
       const float* gDelta = p.delta + static_cast<long long>(head) * p.workspace_rows + workspace_row(f, seq, batch, m0);
       for (int i = lane; i < kBlockM; i += 32) {
         const bool valid = m0 + i < seq.seqlen_q;
         sLse[stage * kBlockM + i] = valid ? gLse[i] * kLog2e : 0.f;
-        sDelta[stage * kBlockM + i] = valid ? gDelta[i] : 0.f;
+        sDelta[stage * kBlockM + i] = valid ? (kDsFromP ? gDelta[i] * f.softmax_scale : gDelta[i]) : 0.f;
       }
       mbarrier_arrive(bar_full(stage));  // this lane's stores are in (lane 0's step record too)
     };
@@ -696,10 +701,8 @@ __device__ void sm90_bwd_dkdv_atomic_dq_kernel(const AttentionSm90BwdParams& par
     // P^T and dS^T, packed to 16-bit pairs as soon as they are computed (the C layout of two n8
     // tiles is the A layout of one k16 step: pair (j, h) is a[j / 2][2 (j % 2) + h]); dS^T also to
     // shared memory for the dQ GEMM, and P^T too where the consumers exchange them. Where dS^T needs
-    // only P (no softcap or score modifier: dS = P (dP - delta) scale), P^T is computed while dP^T's
-    // GEMM runs and dV's GEMM runs while dS^T is computed (FlashAttention-3's order); otherwise both
-    // wait for dP^T.
-    constexpr bool kDsFromP = !Mods::kHasScore && !Config::kHasSoftcap;
+    // only P (kDsFromP), P^T is computed while dP^T's GEMM runs and dV's GEMM runs while dS^T is
+    // computed (FlashAttention-3's order); otherwise both wait for dP^T.
     unsigned a_p[kBlockM / 16][4], a_ds[kBlockM / 16][4];
     // (Query rows past the sequence: TMA read zeros there, which must not count.)
     const bool asks_mask = Mods::kHasMask && at.partial != 0;  // the user's mask decides this step's elements
@@ -843,8 +846,8 @@ __device__ void sm90_bwd_dkdv_atomic_dq_kernel(const AttentionSm90BwdParams& par
       fence_operands(dp);
 #pragma unroll
       for (int j = 0; j < kScoreQueries / 8; ++j) {
-        const float2 delta2 = load_shared_pair(delta + 4 * step_query(j));
-        const float deltas[2] = {delta2.x, delta2.y};
+        const float2 delta2 = load_shared_pair(delta + 4 * step_query(j));  // delta scale
+        const float scaled_deltas[2] = {delta2.x, delta2.y};
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
 #pragma unroll
@@ -859,7 +862,7 @@ __device__ void sm90_bwd_dkdv_atomic_dq_kernel(const AttentionSm90BwdParams& par
               const float2 kept = unpack_f16x2(half_pair);
               prob = c == 0 ? kept.x : kept.y;
             }
-            dp[i] = prob * (dp[i] - deltas[c]) * f.softmax_scale;
+            dp[i] = prob * fmaf(dp[i], f.softmax_scale, -scaled_deltas[c]);
           }
           keep_ds(j, h);
         }
