@@ -120,8 +120,6 @@ struct Sm90BwdShape {
   // (transposed dQ: dS, one panel per consumer's 64 keys).
   static constexpr int kDsPanelBytes = kDqTransposed ? kBlockM * 128 : kBlockN * 128;
   static constexpr int kDqAccumulators = (kDqTransposed ? kBlockM : kDqCols) / 2;
-  // Steps longer than 64: dS^T = P (dP^T - delta) takes P from a packed fp16 copy (see keep_p).
-  static constexpr bool kDsFromHalfP = kBlockM > 64;
 
   // dQ writers (codegen decides, where the buffer fits): the consumers store a step's dQ to shared
   // memory, 32-column panels of block_m rows with the 128-byte swizzle, and one producer-group warp
@@ -380,6 +378,12 @@ __device__ void sm90_bwd_dkdv_atomic_dq_kernel(const AttentionSm90BwdParams& par
   // consumers take delta premultiplied by the scale (the producer's one multiply per query, for
   // one of theirs per element).
   constexpr bool kDsFromP = !Mods::kHasScore && !Config::kHasSoftcap;
+  // Steps longer than 64 at head dims up to 96: dV's GEMM is issued after dS^T (the order of FA4's
+  // sm90 backward), not under it. P's fp32 values then end with dS^T before P^T's packed registers
+  // are held by the GEMM, so they fit beside dP^T; with dV's GEMM first, dS^T takes P from a packed
+  // fp16 copy (see keep_p). At 128, beside dK's and dV's 128 accumulators, ptxas serialised the
+  // wgmmas (C7512) and the backward ran 10% slower; steps of 64 lose the overlap and save nothing.
+  constexpr bool kDvAfterDs = kDsFromP && kBlockM > 64 && kHeadDim <= 96;
   // The add order of a plain walk; under a block mask each turn is a count of visits instead.
   using AddOrder = DqAddOrder<kMask, kOrdered && !Shape::kBlockSparse>;
   const BwdKeyTile tile = bwd_key_tile<kMask>(f, heads_per_kv, kOrdered && AddOrder::kLastTileFirst);
@@ -727,11 +731,13 @@ __device__ void sm90_bwd_dkdv_atomic_dq_kernel(const AttentionSm90BwdParams& par
       const int chunk = consumer_queries / 8 + j;  // < 8: steps of 64 queries (one 128-byte row)
       return ((tile + pair_base) ^ (chunk << 4)) + h * 8 * 128;
     };
-    // Steps of 80 or 128: P for dS^T, kept in fp16 (for a bf16 kernel a second copy): P lies in
-    // [0, 1], where fp16 keeps 11 significant bits, 3 more than the bf16 that dS^T is rounded to
-    // (P^T's own bf16 put four gradient elements outside the tests' tolerance). The fp32 values
-    // would hold 40 registers (64) across dP^T's wait beside P^T's 20 (32); at 80 ptxas spilled.
-    constexpr bool kKeepsHalfP = Shape::kDsFromHalfP && !is_same<Element, half_t>::value;
+    // Steps longer than 64 with dV's GEMM under dS^T: P for dS^T, kept in fp16 (for a bf16 kernel a
+    // second copy): P lies in [0, 1], where fp16 keeps 11 significant bits, 3 more than the bf16 that
+    // dS^T is rounded to (P^T's own bf16 put four gradient elements outside the tests' tolerance).
+    // The fp32 values would hold 40 registers (64) across dP^T's wait beside P^T's 20 (32), held by
+    // dV's GEMM; at 80 ptxas spilled.
+    constexpr bool kDsFromHalfP = kDsFromP && kBlockM > 64 && !kDvAfterDs;
+    constexpr bool kKeepsHalfP = kDsFromHalfP && !is_same<Element, half_t>::value;
     unsigned p_half[kKeepsHalfP ? kBlockM / 16 : 1][4];
     auto keep_p = [&](int j, int h) {
       const unsigned p_pair = pack2<Element>(s[4 * j + 2 * h], s[4 * j + 2 * h + 1]);
@@ -833,7 +839,7 @@ __device__ void sm90_bwd_dkdv_atomic_dq_kernel(const AttentionSm90BwdParams& par
               dp[i] = visible ? ds : 0.f;
             }
           }
-          keep_p(j, h);
+          if constexpr (!kDvAfterDs) keep_p(j, h);
           if constexpr (!kDsFromP) keep_ds(j, h);
         }
       }
@@ -841,8 +847,9 @@ __device__ void sm90_bwd_dkdv_atomic_dq_kernel(const AttentionSm90BwdParams& par
     if (needs_mask) probabilities(BoolConstant<true>{});
     else probabilities(BoolConstant<false>{});
     if constexpr (kDsFromP) {
-      if constexpr (!kSplitHeadDim) issue_dv();
-      wgmma_wait<kSplitHeadDim ? 0 : 1>();  // dP^T (dV's GEMM may still run)
+      constexpr bool kDvUnderDs = !kSplitHeadDim && !kDvAfterDs;
+      if constexpr (kDvUnderDs) issue_dv();
+      wgmma_wait<kDvUnderDs ? 1 : 0>();  // dP^T (dV's GEMM may still run)
       fence_operands(dp);
 #pragma unroll
       for (int j = 0; j < kScoreQueries / 8; ++j) {
@@ -855,7 +862,7 @@ __device__ void sm90_bwd_dkdv_atomic_dq_kernel(const AttentionSm90BwdParams& par
             const int i = 4 * j + 2 * h + c;
             // 0 where P is (hidden elements: dP^T is finite there, from real or zero-filled rows).
             float prob = s[i];
-            if constexpr (Shape::kDsFromHalfP) {
+            if constexpr (kDsFromHalfP) {
               unsigned half_pair;  // P's pair in fp16
               if constexpr (kKeepsHalfP) half_pair = p_half[j / 2][2 * (j % 2) + h];
               else half_pair = a_p[j / 2][2 * (j % 2) + h];
@@ -866,6 +873,13 @@ __device__ void sm90_bwd_dkdv_atomic_dq_kernel(const AttentionSm90BwdParams& par
           }
           keep_ds(j, h);
         }
+      }
+      if constexpr (kDvAfterDs) {  // P^T packed once dS^T is done with P: fewer registers live
+#pragma unroll
+        for (int j = 0; j < kScoreQueries / 8; ++j)
+#pragma unroll
+          for (int h = 0; h < 2; ++h) keep_p(j, h);
+        issue_dv();
       }
     } else if constexpr (!kSplitHeadDim) {
       issue_dv();
