@@ -265,8 +265,7 @@ TunedEntry read_entry(const json& j, const std::string& path, const std::string&
   e.spec = r.spec("spec");
   // (A family keyed by another's entries, as sm90_bwd by fa2_bwd's, serves that family's problems.)
   if (detail::runtime_family(e.spec.family).tuning_key != e.problem.family || e.spec.dtype != e.problem.dtype ||
-      e.spec.head_dim != e.problem.head_dim ||
-      e.spec.mask != e.problem.mask || e.spec.has_softcap != e.problem.softcap)
+      e.spec.head_dim != e.problem.head_dim || e.spec.mask != e.problem.mask || e.spec.has_softcap != e.problem.softcap)
     throw r.fail(fmt::format("{}: spec {} does not serve the problem {}", path, e.spec.name(), e.problem.describe()));
   e.median_ms = r.number("median_ms");
   const json& runner_ups = r.at("runner_ups");
