@@ -872,15 +872,10 @@ __device__ void sm90_bwd_dkdv_atomic_dq_kernel(const AttentionSm90BwdParams& par
             dp[i] = prob * fmaf(dp[i], f.softmax_scale, -scaled_deltas[c]);
           }
           keep_ds(j, h);
+          if constexpr (kDvAfterDs) keep_p(j, h);  // P^T packed as its fp32 pair ends
         }
       }
-      if constexpr (kDvAfterDs) {  // P^T packed once dS^T is done with P: fewer registers live
-#pragma unroll
-        for (int j = 0; j < kScoreQueries / 8; ++j)
-#pragma unroll
-          for (int h = 0; h < 2; ++h) keep_p(j, h);
-        issue_dv();
-      }
+      if constexpr (kDvAfterDs) issue_dv();
     } else if constexpr (!kSplitHeadDim) {
       issue_dv();
     }
