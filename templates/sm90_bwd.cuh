@@ -849,7 +849,7 @@ __device__ void sm90_bwd_dkdv_atomic_dq_kernel(const AttentionSm90BwdParams& par
     if constexpr (kDsFromP) {
       constexpr bool kDvUnderDs = !kSplitHeadDim && !kDvAfterDs;
       if constexpr (kDvUnderDs) issue_dv();
-      wgmma_wait<kDvUnderDs ? 1 : 0>();  // dP^T (dV's GEMM may still run)
+      wgmma_wait<kDvUnderDs ? 1 : 0>();  // dP^T (where dV's GEMM went first, it may still run)
       fence_operands(dp);
 #pragma unroll
       for (int j = 0; j < kScoreQueries / 8; ++j) {
