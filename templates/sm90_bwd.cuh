@@ -15,7 +15,8 @@
 //                      dQ = dS K, then dK += dS^T Q                (wgmma; dS^T and K from smem, dS^T
 //                                                                   from registers)
 //                    (with a softcap or score modifier, whose dS^T needs the score, P^T and dS^T
-//                    wait for both GEMMs), and hand their dQ shares, through shared memory, to a
+//                    wait for both GEMMs; in steps longer than 64 at head dims 64 and 96, dV's
+//                    GEMM follows dS^T, see kDvAfterDs), and hand their dQ shares, through shared memory, to a
 //                    spare warp of the producer group, which adds them to the accumulator by TMA
 //                    reductions (where the buffer fits: head dims 64, 96 and 128; at 192 and 256
 //                    the consumers add dQ with their own 8-byte atomics). The buffer passes between
