@@ -15,18 +15,19 @@
 //                      dQ = dS K, then dK += dS^T Q                (wgmma; dS^T and K from smem, dS^T
 //                                                                   from registers)
 //                    (with a softcap or score modifier, whose dS^T needs the score, P^T and dS^T
-//                    wait for both GEMMs; in steps longer than 64 at head dims 64 and 96, dV's
-//                    GEMM follows dS^T, see kDvAfterDs), and hand their dQ shares, through shared memory, to a
-//                    spare warp of the producer group, which adds them to the accumulator by TMA
-//                    reductions (where the buffer fits: head dims 64, 96 and 128; at 192 and 256
-//                    the consumers add dQ with their own 8-byte atomics). The buffer passes between
-//                    them on two mbarriers (full: every consumer thread arrives itself, named
-//                    barriers made compute-sanitizer's racecheck report hazards; free: the writer
-//                    once TMA has read it). Deterministic mode (specs with ordered_dq)
-//                    orders each query block's adds by key tile on a counter (p.dq_order), so reruns
-//                    sum dQ in one order; under a block mask the order is the key tiles' own, each
-//                    waiting for the tiles below it that visit the block (the dq_visits entry marks
-//                    them first). How the consumers share the work depends on the head dim:
+//                    wait for both GEMMs; in steps longer than 64 at head dims 64 and 96, dV's GEMM
+//                    follows dS^T, see kDvAfterDs), and hand their dQ shares, through shared
+//                    memory, to a spare warp of the producer group, which adds them to the
+//                    accumulator by TMA reductions (where the buffer fits: head dims 64, 96 and
+//                    128; at 192 and 256 the consumers add dQ with their own 8-byte atomics). The
+//                    buffer passes between them on two mbarriers (full: every consumer thread
+//                    arrives itself, named barriers made compute-sanitizer's racecheck report
+//                    hazards; free: the writer once TMA has read it). Deterministic mode (specs
+//                    with ordered_dq) orders each query block's adds by key tile on a counter
+//                    (p.dq_order), so reruns sum dQ in one order; under a block mask the order is
+//                    the key tiles' own, each waiting for the tiles below it that visit the block
+//                    (the dq_visits entry marks them first). How the consumers share the work
+//                    depends on the head dim:
 //                      64   each owns 64 keys (kBlockN 128); dQ is one 64-column panel, so they take
 //                           turns: on even steps consumer 0 computes it over all 128 keys, on odd
 //                           steps consumer 1 (the other only signals that its dS^T rows are in);
