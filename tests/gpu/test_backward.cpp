@@ -5,8 +5,10 @@
 // every head dim, rounded up to 64, 96, 128, 192 or 256, also where automatic dispatch does not pick
 // it yet).
 #include <catch2/catch.hpp>
+#include <algorithm>
 #include <utility>
 
+#include "flashjit/tuning.hpp"
 #include "support/backward_case.hpp"
 
 using namespace flashjit;
@@ -291,6 +293,36 @@ TEST_CASE("sm90_bwd: steps of 128 queries at head dim 64", "[backward]") {
     r.kernel->ordered_dq = true;
     check(r, seed++);
   }
+}
+
+TEST_CASE("backward: every winner of the bundled tuning database", "[backward][bundled]") {
+  // The kernels dispatch runs instead of the heuristic's on the GPUs the database was tuned on, each
+  // once, atomic and deterministic, in its entry's layout and mask. On uneven short sequences rather
+  // than the bucket's length, which the float64 reference of the gradients could not afford at 16k:
+  // a tile's edges and steps are what the shape has to reach.
+  const Arch arch = device_properties(0).arch();
+  uint64_t seed = 19500;
+  std::vector<KernelSpec> ran;
+  for (const TunedEntry& entry : bundled_tuning_db().entries()) {
+    const bool backward = entry.spec.family == Family::sm90_bwd || entry.spec.family == Family::fa2_bwd;
+    if (!backward || !(entry.spec.arch == arch) || std::count(ran.begin(), ran.end(), entry.spec)) continue;
+    const ProblemKey& p = entry.problem;
+    Run r;
+    r.shape = AttentionShape::make(2, 300, 397, 4, 2, p.head_dim);
+    r.shape.causal = p.mask == MaskKind::causal;
+    if (p.mask == MaskKind::window) r.shape.window_left = 100, r.shape.window_right = 0;
+    if (p.softcap) r.shape.softcap = 30.f;
+    r.dtype = p.dtype;
+    r.layout = p.head_major ? Layout::bhsd : Layout::bshd;
+    r.kernel = entry.spec;
+    INFO(p.describe());
+    check(r, seed++);
+    r.deterministic = true;
+    r.kernel->ordered_dq = true;
+    if (!r.kernel->validate()) check(r, seed++);
+    ran.push_back(entry.spec);
+  }
+  if (ran.empty()) CaseLedger::get().skipped(Catch::getResultCapture().getCurrentTestName(), "no bundled entry for " + arch.name());
 }
 
 // Both families' deterministic modes (sm90_bwd's on sm_90 at every head dim):

@@ -530,26 +530,30 @@ TEST_CASE("backward dispatch: a tuned sm90_bwd entry applies only where sm90_bwd
 }
 
 TEST_CASE("the warm preset's tuned specs: the bundled database's picks of the heuristic's kind", "[dispatch]") {
-  // The bundled database holds H200 tunings of the sm90_fwd forward at head dims 64, 128 and 256.
-  for (int head_dim : {64, 128, 256}) {
-    const KernelSpec heuristic = heuristic_forward_spec(kH200.arch(), DType::bf16, head_dim, MaskKind::causal);
-    const std::vector<KernelSpec> tuned = bundled_tuned_specs(heuristic);
-    REQUIRE_FALSE(tuned.empty());
-    for (const KernelSpec& s : tuned) {
-      CHECK(s.family == heuristic.family);
-      CHECK(s.arch == heuristic.arch);
-      CHECK(s.dtype == heuristic.dtype);
-      CHECK(s.head_dim == heuristic.head_dim);
-      CHECK(s.mask == heuristic.mask);
-      CHECK(s.has_softcap == heuristic.has_softcap);
-      CHECK_FALSE(s.validate().has_value());
-      CHECK(std::count(tuned.begin(), tuned.end(), s) == 1);
+  // The bundled database holds H200 tunings of the forward (sm90_fwd) and the backward (sm90_bwd)
+  // at head dims 64, 128 and 256.
+  for (int head_dim : {64, 128, 256})
+    for (const KernelSpec& heuristic : {heuristic_forward_spec(kH200.arch(), DType::bf16, head_dim, MaskKind::causal),
+                                        heuristic_backward_spec(kH200.arch(), DType::bf16, head_dim, MaskKind::causal)}) {
+      INFO(heuristic.name());
+      const std::vector<KernelSpec> tuned = bundled_tuned_specs(heuristic);
+      REQUIRE_FALSE(tuned.empty());
+      for (const KernelSpec& s : tuned) {
+        CHECK(s.family == heuristic.family);
+        CHECK(s.arch == heuristic.arch);
+        CHECK(s.dtype == heuristic.dtype);
+        CHECK(s.head_dim == heuristic.head_dim);
+        CHECK(s.mask == heuristic.mask);
+        CHECK(s.has_softcap == heuristic.has_softcap);
+        CHECK_FALSE(s.validate().has_value());
+        CHECK(std::count(tuned.begin(), tuned.end(), s) == 1);
+      }
     }
-  }
-  // Nothing was tuned for these: no other arch, dtype or pass.
+  // Nothing was tuned for these: no other arch or dtype.
   CHECK(bundled_tuned_specs(heuristic_forward_spec(kA100.arch(), DType::bf16, 128, MaskKind::none)).empty());
   CHECK(bundled_tuned_specs(heuristic_forward_spec(kH200.arch(), DType::fp16, 128, MaskKind::none)).empty());
-  CHECK(bundled_tuned_specs(heuristic_backward_spec(kH200.arch(), DType::bf16, 128, MaskKind::none)).empty());
+  CHECK(bundled_tuned_specs(heuristic_backward_spec(kH200.arch(), DType::fp16, 128, MaskKind::none)).empty());
+  CHECK(bundled_tuned_specs(heuristic_backward_spec(kA100.arch(), DType::bf16, 128, MaskKind::none)).empty());
 }
 
 // seqused_q/k (VarlenBatch) only where the kernels read it: sm90_fwd and sm90_bwd.
