@@ -8,7 +8,6 @@
 #include <algorithm>
 #include <utility>
 
-#include "flashjit/tuning.hpp"
 #include "support/backward_case.hpp"
 
 using namespace flashjit;
@@ -306,16 +305,10 @@ TEST_CASE("backward: every winner of the bundled tuning database", "[backward][b
   for (const TunedEntry& entry : bundled_tuning_db().entries()) {
     const bool backward = entry.spec.family == Family::sm90_bwd || entry.spec.family == Family::fa2_bwd;
     if (!backward || !(entry.spec.arch == arch) || std::count(ran.begin(), ran.end(), entry.spec)) continue;
-    const ProblemKey& p = entry.problem;
-    Run r;
-    r.shape = AttentionShape::make(2, 300, 397, 4, 2, p.head_dim);
-    r.shape.causal = p.mask == MaskKind::causal;
-    if (p.mask == MaskKind::window) r.shape.window_left = 100, r.shape.window_right = 0;
-    if (p.softcap) r.shape.softcap = 30.f;
-    r.dtype = p.dtype;
-    r.layout = p.head_major ? Layout::bhsd : Layout::bshd;
+    const TunedProblemCase tuned = tuned_problem_case(entry.problem, 2, 300, 397, /*window_left=*/100);
+    Run r{tuned.shape, tuned.dtype, tuned.layout};
     r.kernel = entry.spec;
-    INFO(p.describe());
+    INFO(entry.problem.describe());
     check(r, seed++);
     r.deterministic = true;
     r.kernel->ordered_dq = true;

@@ -414,16 +414,11 @@ TEST_CASE("forward: every winner of the bundled tuning database, on a shape from
   for (const TunedEntry& entry : bundled_tuning_db().entries()) {
     const bool forward = entry.spec.family == Family::sm90_fwd || entry.spec.family == Family::fa2_fwd;
     if (!forward || !(entry.spec.arch == arch)) continue;  // (the backward's: test_backward.cpp)
-    const ProblemKey& p = entry.problem;
-    Run r;
-    r.shape = AttentionShape::make(1, p.seqlen_bucket, p.seqlen_bucket, 4, 2, p.head_dim);
-    r.shape.causal = p.mask == MaskKind::causal;
-    if (p.mask == MaskKind::window) r.shape.window_left = 256, r.shape.window_right = 0;
-    if (p.softcap) r.shape.softcap = 30.f;
-    r.dtype = p.dtype;
-    r.layout = p.head_major ? Layout::bhsd : Layout::bshd;
+    const int seqlen = entry.problem.seqlen_bucket;
+    const TunedProblemCase tuned = tuned_problem_case(entry.problem, 1, seqlen, seqlen, /*window_left=*/256);
+    Run r{tuned.shape, tuned.dtype, tuned.layout};
     r.kernel = entry.spec;
-    INFO(p.describe());
+    INFO(entry.problem.describe());
     check(r, seed++);
     ++ran;
   }

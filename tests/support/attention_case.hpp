@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "flashjit/flashjit.hpp"
+#include "flashjit/tuning.hpp"
 #include "support/attention_layout.hpp"
 #include "support/attention_reference.hpp"
 #include "support/case_ledger.hpp"
@@ -286,5 +287,21 @@ class AttentionCase {
   std::vector<uint16_t> got_out_;
   std::vector<float> got_lse_;
 };
+
+// A tuning entry's problem on a shape of the test's choosing (4 query heads, GQA 2): the entry's
+// head dim, dtype, mask (a window of `window_left` keys to the left), softcap and layout.
+struct TunedProblemCase {
+  AttentionShape shape;
+  DType dtype;
+  Layout layout;
+};
+inline TunedProblemCase tuned_problem_case(const ProblemKey& p, int batch, int seqlen_q, int seqlen_k, int window_left) {
+  TunedProblemCase c{AttentionShape::make(batch, seqlen_q, seqlen_k, 4, 2, p.head_dim), p.dtype,
+                     p.head_major ? Layout::bhsd : Layout::bshd};
+  c.shape.causal = p.mask == MaskKind::causal;
+  if (p.mask == MaskKind::window) c.shape.window_left = window_left, c.shape.window_right = 0;
+  if (p.softcap) c.shape.softcap = 30.f;
+  return c;
+}
 
 }  // namespace flashjit::test
