@@ -303,8 +303,8 @@ TEST_CASE("backward: every winner of the bundled tuning database", "[backward][b
   uint64_t seed = 19500;
   std::vector<KernelSpec> ran;
   for (const TunedEntry& entry : bundled_tuning_db().entries()) {
-    const bool backward = entry.spec.family == Family::sm90_bwd || entry.spec.family == Family::fa2_bwd;
-    if (!backward || !(entry.spec.arch == arch) || std::count(ran.begin(), ran.end(), entry.spec)) continue;
+    const bool runs_here = !is_forward_family(entry.spec.family) && entry.spec.arch == arch;
+    if (!runs_here || std::count(ran.begin(), ran.end(), entry.spec)) continue;
     const TunedProblemCase tuned = tuned_problem_case(entry.problem, 2, 300, 397, /*window_left=*/100);
     Run r{tuned.shape, tuned.dtype, tuned.layout};
     r.kernel = entry.spec;

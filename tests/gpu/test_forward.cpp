@@ -412,8 +412,7 @@ TEST_CASE("forward: every winner of the bundled tuning database, on a shape from
   uint64_t seed = 9500;
   int ran = 0;
   for (const TunedEntry& entry : bundled_tuning_db().entries()) {
-    const bool forward = entry.spec.family == Family::sm90_fwd || entry.spec.family == Family::fa2_fwd;
-    if (!forward || !(entry.spec.arch == arch)) continue;  // (the backward's: test_backward.cpp)
+    if (!is_forward_family(entry.spec.family) || !(entry.spec.arch == arch)) continue;  // (backward: test_backward.cpp)
     const int seqlen = entry.problem.seqlen_bucket;
     const TunedProblemCase tuned = tuned_problem_case(entry.problem, 1, seqlen, seqlen, /*window_left=*/256);
     Run r{tuned.shape, tuned.dtype, tuned.layout};
