@@ -44,9 +44,17 @@ def _check(status):
         raise FlashJitError(status, message)
 
 
+_torch_module = None
+
+
 def _torch():
-    import torch  # imported lazily: the package loads without torch for the C API alone
-    return torch
+    """torch, imported on first use: the package loads without it for the C API alone. (Kept in a
+    global: an import statement on every call costs host time.)"""
+    global _torch_module
+    if _torch_module is None:
+        import torch
+        _torch_module = torch
+    return _torch_module
 
 
 _DTYPE_CODES = {}  # torch dtype -> C API code, filled on first use (torch is imported lazily)
@@ -95,13 +103,14 @@ def _options(tensor, softmax_scale, causal, window_left, window_right, softcap, 
     return o
 
 
-def _current_stream(device):
-    """The raw handle of the current torch stream of `device` (the cheapest way torch offers)."""
+def _current_stream(device_index):
+    """The raw handle of the current torch stream of CUDA device `device_index` (the cheapest way
+    torch offers)."""
     torch = _torch()
     raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
     if raw is not None:
-        return raw(device.index)
-    return torch.cuda.current_stream(device).cuda_stream
+        return raw(device_index)
+    return torch.cuda.current_stream(device_index).cuda_stream
 
 
 class _CallPlan:
@@ -179,9 +188,11 @@ def _forward(q, k, v, softmax_scale, causal, window_left, window_right, softcap,
     prepare_backward, deterministic: see _options."""
     torch = _torch()
     plans = _plans("forward")
-    key = (q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), q.dtype, k.dtype, v.dtype, q.device,
-           k.device, v.device, softmax_scale, causal, window_left, window_right, softcap, backend, sm_margin, with_lse,
-           prepare_backward, deterministic)
+    # (Device indices, not torch.device objects, which cost host time to make; the callers have
+    # checked that the tensors are CUDA tensors.)
+    key = (q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), q.dtype, k.dtype, v.dtype, q.get_device(),
+           k.get_device(), v.get_device(), softmax_scale, causal, window_left, window_right, softcap, backend,
+           sm_margin, with_lse, prepare_backward, deterministic)
     plan = plans.get(key)
     pointers = (q.data_ptr(), k.data_ptr(), v.data_ptr())
     if may_copy and ((plan is not None and plan.copy) or (pointers[0] | pointers[1] | pointers[2]) & 15):
@@ -189,8 +200,8 @@ def _forward(q, k, v, softmax_scale, causal, window_left, window_right, softcap,
         return _forward(_kernel_input(q, "q"), _kernel_input(k, "k"), _kernel_input(v, "v"), softmax_scale, causal,
                         window_left, window_right, softcap, backend, sm_margin, with_lse, may_copy=False,
                         prepare_backward=prepare_backward, deterministic=deterministic)
-    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    lse = torch.empty((q.shape[0], q.shape[2], q.shape[1]), dtype=torch.float32, device=q.device) if with_lse else None
+    out = q.new_empty(q.shape)
+    lse = q.new_empty((q.shape[0], q.shape[2], q.shape[1]), dtype=torch.float32) if with_lse else None
     if plan is None:
         options = _options(q, softmax_scale, causal, window_left, window_right, softcap, backend, deterministic,
                            sm_margin, prepare_backward)
@@ -200,7 +211,7 @@ def _forward(q, k, v, softmax_scale, causal, window_left, window_right, softcap,
             return _forward(q, k, v, softmax_scale, causal, window_left, window_right, softcap, backend, sm_margin,
                             with_lse, prepare_backward=prepare_backward, deterministic=deterministic)
     pointers += (out.data_ptr(), lse.data_ptr()) if with_lse else (out.data_ptr(),)
-    plan.call(_lib.flashjit_forward, pointers, _current_stream(q.device))
+    plan.call(_lib.flashjit_forward, pointers, _current_stream(q.get_device()))
     return out, lse
 
 
@@ -258,7 +269,7 @@ def _forward_fp8_planned(q, k, v, softmax_scale, causal, window_left, window_rig
             return _forward_fp8_planned(q, k, v, softmax_scale, causal, window_left, window_right, softcap, backend,
                                         sm_margin, descales)
     pointers += (out.data_ptr(), lse.data_ptr()) + tuple(d.data_ptr() for d in descales if d is not None)
-    plan.call(_lib.flashjit_forward_fp8, pointers, _current_stream(q.device))
+    plan.call(_lib.flashjit_forward_fp8, pointers, _current_stream(q.get_device()))
     return out, lse
 
 
@@ -308,8 +319,8 @@ def _backward(dout, q, k, v, out, lse, softmax_scale, causal, window_left, windo
     plans = _plans("backward")
     key = (dout.shape, dout.stride(), q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), out.shape,
            out.stride(), lse.shape, lse.stride(), q.dtype, k.dtype, v.dtype, out.dtype, dout.dtype, lse.dtype,
-           q.device, k.device, v.device, out.device, dout.device, lse.device, softmax_scale, causal, window_left,
-           window_right, softcap, deterministic)
+           q.get_device(), k.get_device(), v.get_device(), out.get_device(), dout.get_device(), lse.get_device(),
+           softmax_scale, causal, window_left, window_right, softcap, deterministic)
     plan = plans.get(key)
     pointers = (q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), dout.data_ptr(), lse.data_ptr())
     if may_copy and ((plan is not None and plan.copy) or (pointers[0] | pointers[1] | pointers[2] | pointers[4]) & 15):
@@ -326,7 +337,7 @@ def _backward(dout, q, k, v, out, lse, softmax_scale, causal, window_left, windo
             return _backward(dout, q, k, v, out, lse, softmax_scale, causal, window_left, window_right, softcap,
                              deterministic)
     plan.call(_lib.flashjit_backward, pointers + (dq.data_ptr(), dk.data_ptr(), dv.data_ptr()),
-              _current_stream(q.device))
+              _current_stream(q.get_device()))
     return dq, dk, dv
 
 
@@ -372,6 +383,12 @@ def _unsupported(dropout_p, alibi_slopes, return_attn_probs):
 
 
 def _same_device(tensors, names):
+    index = tensors[0].get_device()
+    for t in tensors:  # the common case first, without making torch.device objects
+        if not t.is_cuda or t.get_device() != index:
+            break
+    else:
+        return
     device = tensors[0].device
     for t, name in zip(tensors, names):
         if not t.is_cuda:
@@ -409,7 +426,7 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
         if t.dim() != 4:
             raise ValueError(f"{name}: expected 4 dims (batch, seqlen, heads, head_dim), got shape {tuple(t.shape)}")
     _same_device((q, k, v), ("q", "k", "v"))
-    if q.dtype == _torch().float8_e4m3fn or any(d is not None for d in (q_descale, k_descale, v_descale)):
+    if q.dtype == _torch().float8_e4m3fn or q_descale is not None or k_descale is not None or v_descale is not None:
         if mod is not None or block_mask is not None:
             raise ValueError("mod, block_mask: FP8 attention takes no user modifiers or block masks")
         out, lse = _forward_fp8(q, k, v, softmax_scale, bool(causal), int(window_size[0]), int(window_size[1]),
@@ -444,7 +461,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
         if t.dim() != 3:
             raise ValueError(f"{name}: expected 3 dims (total, heads, head_dim), got shape {tuple(t.shape)}")
     _same_device((q, k, v, cu_seqlens_q, cu_seqlens_k), ("q", "k", "v", "cu_seqlens_q", "cu_seqlens_k"))
-    if q.dtype == _torch().float8_e4m3fn or any(d is not None for d in (q_descale, k_descale, v_descale)):
+    if q.dtype == _torch().float8_e4m3fn or q_descale is not None or k_descale is not None or v_descale is not None:
         out, lse = _forward_fp8(q, k, v, softmax_scale, bool(causal), int(window_size[0]), int(window_size[1]),
                                 float(softcap), backend, int(sm_margin), q_descale, k_descale, v_descale,
                                 varlen=(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k))
@@ -520,8 +537,10 @@ def _autograd_path(*tensors):
     torch = _torch()
     if torch.compiler.is_compiling():
         return "traced"
-    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
-        return "eager"
+    if torch.is_grad_enabled():
+        for t in tensors:
+            if t.requires_grad:
+                return "eager"
     return None
 
 

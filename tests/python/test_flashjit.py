@@ -112,6 +112,9 @@ def test_argument_errors_name_the_argument():
         flash_attn_func(q.float(), q.float(), q.float())
     with pytest.raises(ValueError, match="expected a CUDA tensor"):
         flash_attn_func(q.cpu(), q.cpu(), q.cpu())
+    flash_attn_func(q, q, q)  # a plan for these shapes on the GPU: the next call must not reuse it
+    with pytest.raises(ValueError, match="k: expected a CUDA tensor"):
+        flash_attn_func(q, q.cpu(), q)
     with pytest.raises(ValueError, match="heads_kv 3 must divide heads_q 4"):
         k = torch.randn(1, 64, 3, 64, device="cuda", dtype=torch.bfloat16)
         flash_attn_func(q, k, k)
