@@ -93,11 +93,11 @@ def _options(tensor, softmax_scale, causal, window_left, window_right, softcap, 
     if softmax_scale is not None:
         o.softmax_scale = softmax_scale
     o.causal = bool(causal)
-    o.window_left, o.window_right = int(window_left), int(window_right)
+    o.window_left, o.window_right = _capi.window(window_left, window_right)
     o.softcap = float(softcap)
     o.backend = _capi.BACKENDS[backend]
     o.deterministic = bool(deterministic)
-    o.sm_margin = int(sm_margin)
+    o.sm_margin = _capi.int32(sm_margin, "sm_margin")
     o.prepare_backward = bool(prepare_backward)
     o.stream = _torch().cuda.current_stream(tensor.device).cuda_stream
     return o
@@ -354,7 +354,8 @@ def _forward_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqle
             ctypes.byref(_view(q, "q")), ctypes.byref(_view(k, "k")), ctypes.byref(_view(v, "v")),
             ctypes.byref(_view(out, "out")), ctypes.byref(_view(lse, "lse")),
             ctypes.byref(_view(cu_seqlens_q, "cu_seqlens_q")), ctypes.byref(_view(cu_seqlens_k, "cu_seqlens_k")),
-            int(max_seqlen_q), int(max_seqlen_k), ctypes.byref(options)))
+            _capi.int32(max_seqlen_q, "max_seqlen_q"), _capi.int32(max_seqlen_k, "max_seqlen_k"),
+            ctypes.byref(options)))
     return out, lse
 
 
@@ -368,8 +369,9 @@ def _backward_varlen(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_se
         views = [_view(t, n) for t, n in ((q, "q"), (k, "k"), (v, "v"), (out, "out"), (dout, "dout"), (lse, "lse"),
                                           (dq, "dq"), (dk, "dk"), (dv, "dv"), (cu_seqlens_q, "cu_seqlens_q"),
                                           (cu_seqlens_k, "cu_seqlens_k"))]
-        _check(_lib.flashjit_backward_varlen(*(ctypes.byref(t) for t in views), int(max_seqlen_q), int(max_seqlen_k),
-                                             ctypes.byref(options)))
+        _check(_lib.flashjit_backward_varlen(*(ctypes.byref(t) for t in views),
+                                             _capi.int32(max_seqlen_q, "max_seqlen_q"),
+                                             _capi.int32(max_seqlen_k, "max_seqlen_k"), ctypes.byref(options)))
     return dq, dk, dv
 
 
@@ -512,7 +514,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=N
     lse = torch.empty((q.shape[0], q.shape[2], q.shape[1]), dtype=torch.float32, device=q.device)
     with torch.cuda.device(q.device):
         options = _options(q, softmax_scale, causal, window_size[0], window_size[1], softcap)
-        options.num_splits = int(num_splits)
+        options.num_splits = _capi.int32(num_splits, "num_splits")
         optional = [ctypes.byref(_view(t, name)) if t is not None else None
                     for t, name in ((block_table, "block_table"), (cache_seqlens, "cache_seqlens"), (k, "k"), (v, "v"))]
         _check(_lib.flashjit_forward_kvcache(ctypes.byref(_view(q, "q")), ctypes.byref(_view(k_cache, "k_cache")),

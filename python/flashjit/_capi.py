@@ -11,6 +11,26 @@ STATUS_NAMES = {
 }
 
 
+INT32_MAX = 2**31 - 1
+
+
+def int32(value, name):
+    """`value` for an int32 field of the C structs, which ctypes would silently wrap (2**32 + 5 -> 5)."""
+    value = int(value)
+    if not -INT32_MAX - 1 <= value <= INT32_MAX:
+        raise ValueError(f"{name} must fit in 32 bits, got {value}")
+    return value
+
+
+def window(window_left, window_right):
+    """window_size's two sides for the C structs: -1 (unbounded) or >= 0, a side past int32 as int32's
+    largest (the runtime takes any side past both sequences as unbounded)."""
+    sides = int(window_left), int(window_right)
+    if min(sides) < -1:
+        raise ValueError(f"window_size {sides}: each side must be -1 (unbounded) or >= 0")
+    return tuple(min(side, INT32_MAX) for side in sides)
+
+
 class Tensor(ctypes.Structure):
     _fields_ = [
         ("data", ctypes.c_void_p),

@@ -112,12 +112,12 @@ def _options(tensor, causal, layout, window_size, softmax_scale, softcap, sm_mar
     _lib.flashjit_ring_options_init(ctypes.byref(o))
     o.layout = _layout_code(layout)
     o.causal = bool(causal)
-    o.window_left, o.window_right = (int(w) for w in window_size)
+    o.window_left, o.window_right = _capi.window(*window_size)
     if softmax_scale is not None:
         o.softmax_scale = softmax_scale
     o.softcap = float(softcap)
     o.backend = _capi.BACKENDS[backend]
-    o.sm_margin = int(sm_margin)
+    o.sm_margin = _capi.int32(sm_margin, "sm_margin")
     o.check_shapes = bool(check_shapes)
     o.stream = _torch().cuda.current_stream(tensor.device).cuda_stream
     if seqlens:

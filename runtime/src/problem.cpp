@@ -216,7 +216,8 @@ void bind_lse(ForwardProblem& p, const TensorView& lse, const TensorView& q) {
   a.lse = static_cast<float*>(lse.data);
 }
 
-// The options' mask, scale, softcap and launch fields into `p` (its head_dim already set).
+// The options' mask, scale, softcap and launch fields into `p` (its head_dim and sequence lengths
+// already set).
 void apply_options(ForwardProblem& p, const AttentionOptions& options) {
   if (options.window_left < -1 || options.window_right < -1)
     throw bad(fmt::format("window_size ({}, {}): each side must be -1 (unbounded) or >= 0",
@@ -231,6 +232,12 @@ void apply_options(ForwardProblem& p, const AttentionOptions& options) {
 
   int window_left = options.window_left, window_right = options.window_right;
   if (options.causal) window_right = 0;
+  // A side that reaches past both sequences bounds nothing (flash-attn takes one >= seqlen_k as
+  // unbounded): -1, so that a huge one (INT_MAX for "no window") neither overflows the kernels' int
+  // sums (row + diagonal + window) nor picks a masked kernel.
+  const int64_t reach = int64_t{p.seqlen_q} + p.seqlen_k;
+  if (window_left > reach) window_left = -1;
+  if (window_right > reach) window_right = -1;
   if (window_left >= 0 || window_right >= 0)
     p.mask = window_left < 0 && window_right == 0 ? MaskKind::causal : MaskKind::window;
   p.has_softcap = options.softcap > 0.f;

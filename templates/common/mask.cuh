@@ -79,27 +79,56 @@ struct AttentionMask {
   // rows from thread_row0, kSFrags n8 tiles of keys from n0): hidden scores become -inf. Only for
   // tiles the mask cuts. Written out rather than through visible(): as a call, ptxas branched around
   // each element (+512 BRA at sm90_fwd d128 causal, 4-13% slower causal rows on the H200; fa2_fwd
-  // d128 window spilled 128 bytes); this form compiles to the same SASS as before the mask object.
+  // d128 window spilled 128 bytes).
   template <class Shape>
   __device__ __forceinline__ void mask_tile(float (&s)[Shape::kMFrags][Shape::kSFrags][4], const AttentionFwdParams& p,
                                             int thread_row0, int n0, int lane) const {
-    const int seqlen_k = this->seqlen_k, diagonal = this->diagonal;
+    if constexpr (Shape::kMFrags == 1 && kMask != MaskKind::kNone) {
+      // Two rows a thread (sm90_fwd's warpgroups) under a band: each row first gets its visible keys
+      // as one range, counted from the thread's first column, so that an element costs a compare with
+      // a constant per edge and a select. (Compared one by one, the key bound and the right edge cost
+      // two compares and a column add more: a third of sm90_fwd's instructions at S = 512 causal went
+      // to masks.)
+      const int col0 = n0 + (lane % 4) * 2;
 #pragma unroll
-    for (int mi = 0; mi < Shape::kMFrags; ++mi)
+      for (int half = 0; half < 2; ++half) {
+        const int row = thread_row0 + half * 8;
+        int end = seqlen_k - col0, begin = -col0;  // visible: columns [col0 + begin, col0 + end)
+        if (p.window_right >= 0) end = min(end, row + diagonal + p.window_right + 1 - col0);
+        if constexpr (kMask == MaskKind::kWindow)
+          if (p.window_left >= 0) begin = row + diagonal - p.window_left - col0;
 #pragma unroll
-      for (int ni = 0; ni < Shape::kSFrags; ++ni)
+        for (int ni = 0; ni < Shape::kSFrags; ++ni)
 #pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int row = thread_row0 + mi * 16 + (e / 2) * 8;
-          const int col = n0 + ni * 8 + (lane % 4) * 2 + e % 2;
-          bool visible = col < seqlen_k;
-          if constexpr (kMask != MaskKind::kNone) {
-            if (p.window_right >= 0) visible = visible && col <= row + diagonal + p.window_right;
-            if (kMask == MaskKind::kWindow && p.window_left >= 0)
-              visible = visible && col >= row + diagonal - p.window_left;
+          for (int c = 0; c < 2; ++c) {
+            const int key = ni * 8 + c;  // the column's offset from col0
+            bool visible = key < end;
+            if constexpr (kMask == MaskKind::kWindow) visible = visible && key >= begin;
+            if (!visible) s[0][ni][2 * half + c] = -positive_infinity();
           }
-          if (!visible) s[mi][ni][e] = -positive_infinity();
-        }
+      }
+    } else {
+      // Element by element: without a band (only the last key tile is cut, and the range cost FP8's
+      // d128 m192n96 tile, at 128 registers, a spill), and with more rows a thread (fa2_fwd's taller
+      // warp tiles: a range per row spilled its d128 m128n64 tiles, at 255 registers).
+      const int seqlen_k = this->seqlen_k, diagonal = this->diagonal;
+#pragma unroll
+      for (int mi = 0; mi < Shape::kMFrags; ++mi)
+#pragma unroll
+        for (int ni = 0; ni < Shape::kSFrags; ++ni)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const int row = thread_row0 + mi * 16 + (e / 2) * 8;
+            const int col = n0 + ni * 8 + (lane % 4) * 2 + e % 2;
+            bool visible = col < seqlen_k;
+            if constexpr (kMask != MaskKind::kNone) {
+              if (p.window_right >= 0) visible = visible && col <= row + diagonal + p.window_right;
+              if (kMask == MaskKind::kWindow && p.window_left >= 0)
+                visible = visible && col >= row + diagonal - p.window_left;
+            }
+            if (!visible) s[mi][ni][e] = -positive_infinity();
+          }
+    }
   }
 
   __device__ __forceinline__ TileVisibility tile(const AttentionFwdParams& p, int m0, int rows, int n0, int cols) const {

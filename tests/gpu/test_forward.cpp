@@ -6,6 +6,7 @@
 #include <catch2/catch.hpp>
 
 #include <cstring>
+#include <limits>
 
 #include "flashjit/tuning.hpp"
 
@@ -134,8 +135,12 @@ TEST_CASE("forward: sliding windows and softcap", "[forward]") {
     int left, right;
     bool causal;
   };
+  // Sides past both sequences (300 + 517 rows) bound nothing: the runtime takes them as unbounded, so
+  // INT_MAX cannot overflow the kernels' index sums; 800 stays a (non-binding) window.
+  constexpr int kHuge = std::numeric_limits<int>::max();
   for (Window w : {Window{0, 0, false}, Window{16, -1, false}, Window{-1, 7, false}, Window{100, 50, false},
-                   Window{64, 0, true}, Window{1000, 1000, false}})
+                   Window{64, 0, true}, Window{1000, 1000, false}, Window{800, 800, false}, Window{kHuge, 3, false},
+                   Window{3, kHuge, false}, Window{kHuge, 0, true}})
     for (float softcap : {0.f, 30.f, 2.f}) {
       Run r;
       r.shape = AttentionShape::make(2, 300, 517, 8, 2, 64);

@@ -77,6 +77,24 @@ def test_window_and_softcap(window, softcap):
     assert_close(out, want, torch.bfloat16)
 
 
+def test_window_sides_past_the_sequences_bound_nothing():
+    # flash-attn's callers pass huge sides for "no window": they must neither wrap in the 32-bit C
+    # fields (2**32 + 5 would become 5) nor overflow the kernels' index sums (INT32_MAX).
+    q, k, v = (torch.randn(2, 300, 4, 64, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    full = flash_attn_func(q, k, v)
+    causal = flash_attn_func(q, k, v, causal=True)
+    for huge in (2**31 - 1, 2**32 + 5, 2**40):
+        assert torch.equal(flash_attn_func(q, k, v, window_size=(-1, huge)), full)
+        assert torch.equal(flash_attn_func(q, k, v, window_size=(huge, huge)), full)
+        assert torch.equal(flash_attn_func(q, k, v, window_size=(huge, 0)), causal)
+    want, _ = reference(q, k, v, window=(600, 5))  # one side past the sequences, the other bounding
+    assert_close(flash_attn_func(q, k, v, window_size=(2**40, 5)), want, torch.bfloat16)
+    with pytest.raises(ValueError, match="window_size"):
+        flash_attn_func(q, k, v, window_size=(-2**32 - 3, 0))
+    with pytest.raises(ValueError, match="sm_margin must fit in 32 bits"):
+        flash_attn_func(q, k, v, sm_margin=2**32)
+
+
 def test_head_major_strides_and_side_stream():
     x = torch.randn(3, 3, 8, 512, 128, device="cuda", dtype=torch.bfloat16)  # (qkv, b, h, s, d)
     q, k, v = (t.transpose(1, 2) for t in x)  # (b, s, h, d) views with head-major strides

@@ -220,6 +220,31 @@ TEST_CASE("options become mask kinds and kernel arguments", "[dispatch]") {
   o = {};
   o.window_right = 3;
   CHECK(make(o).mask == MaskKind::window);
+  // A side past both sequences (10 + 20 rows) bounds nothing: INT_MAX is "no window", not an
+  // overflow in the kernels; one within them stays.
+  constexpr int kHuge = std::numeric_limits<int>::max();
+  o = {};
+  o.window_right = kHuge;
+  p = make(o);
+  CHECK(p.mask == MaskKind::none);
+  CHECK(p.params.window_right == -1);
+  o.window_left = kHuge;
+  CHECK(make(o).mask == MaskKind::none);
+  o = {};
+  o.causal = true;
+  o.window_left = 31;
+  p = make(o);
+  CHECK(p.mask == MaskKind::causal);
+  CHECK(p.params.window_left == -1);
+  o.window_left = 30;
+  CHECK(make(o).mask == MaskKind::window);
+  o = {};
+  o.window_left = 7;
+  o.window_right = kHuge;
+  p = make(o);
+  CHECK(p.mask == MaskKind::window);
+  CHECK(p.params.window_left == 7);
+  CHECK(p.params.window_right == -1);
   o = {};
   o.softcap = 30.f;
   o.softmax_scale = 0.5f;

@@ -56,7 +56,7 @@ typedef struct flashjit_tensor {
 typedef struct flashjit_attention_options {
   float softmax_scale; /* <= 0 or NaN: 1 / sqrt(head_dim) */
   int32_t causal;
-  int32_t window_left; /* -1: unbounded */
+  int32_t window_left; /* -1: unbounded (so is a side past seqlen_q + seqlen_k) */
   int32_t window_right;
   float softcap;       /* 0: off */
   int32_t backend;     /* flashjit_backend */

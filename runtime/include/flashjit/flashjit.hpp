@@ -125,7 +125,8 @@ enum class Backend { automatic, reference, fa2, sm90 };
 struct AttentionOptions {
   std::optional<float> softmax_scale;  // default 1 / sqrt(head_dim); positive and finite
   bool causal = false;                 // bottom-right aligned when seqlen_q != seqlen_k
-  int window_left = -1;                // sliding window (FlashAttention's window_size); -1 = none
+  int window_left = -1;                // sliding window (FlashAttention's window_size); -1 = none, as is a
+                                       // side past seqlen_q + seqlen_k
   int window_right = -1;
   float softcap = 0.f;                 // > 0: scores = softcap * tanh(scores / softcap)
   Backend backend = Backend::automatic;
