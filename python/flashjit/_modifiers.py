@@ -121,7 +121,8 @@ class BlockMask:
         for name in _capi.BLOCK_ARRAYS:
             array = getattr(self, name)
             views[name] = _view_any(array, f"block_mask.{name}") if array is not None else _capi.Tensor()
-        return _capi.BlockMaskArrays(**views, q_block_size=self.BLOCK_SIZE[0], kv_block_size=self.BLOCK_SIZE[1])
+        q_block, kv_block = (_capi.int32(size, "block_mask.BLOCK_SIZE") for size in self.BLOCK_SIZE)
+        return _capi.BlockMaskArrays(**views, q_block_size=q_block, kv_block_size=kv_block)
 
 
 def mod_arguments(mod, block_mask):
@@ -182,8 +183,9 @@ def _empty_block_mask(B, H, Sq, Sk, block_size, device):
 
 
 def _buffers(bm):
+    q_block, kv_block = (_capi.int32(size, "BLOCK_SIZE") for size in bm.BLOCK_SIZE)
     return _capi.BlockMaskBuffers(*(_view_any(getattr(bm, n), n) for n in _capi.BLOCK_ARRAYS),
-                                  q_block_size=bm.BLOCK_SIZE[0], kv_block_size=bm.BLOCK_SIZE[1])
+                                  q_block_size=q_block, kv_block_size=kv_block)
 
 
 def create_block_mask(mod, B, H, Q_LEN, KV_LEN, device="cuda", BLOCK_SIZE=128):
