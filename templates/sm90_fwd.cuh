@@ -16,7 +16,8 @@
 //   next tile, which balances causal work. The producer fetches each tile and publishes it (index
 //   and coordinates) to the consumers in shared memory with the Q tile (on that Q slot's q_full);
 //   -1 ends the loop. A consumer with no rows in a tile (a last query block) skips its GEMMs there
-//   but keeps its turns and barrier arrivals. Two Q
+//   but keeps its turns and barrier arrivals; so does one under a causal or window mask for the
+//   tile's key blocks right of its own 64 rows' band (the CTA's taller tile visits them). Two Q
 //   slots where shared memory allows, so the next tile's Q loads while this one runs. The next
 //   tile is claimed just before this one's last K and V loads (+4-5% at head dim 128, 2k; claiming
 //   it before loading any of this one's was tried: causal rows fell 3-8% against cuDNN between two
@@ -931,6 +932,26 @@ __device__ void sm90_fwd_kernel(const AttentionSm90FwdParams& params) {
     SequenceExtent seq;
     KeyTileRange keys;
   };
+  // Under a causal or window mask, how many of a tile's first key blocks (first in walking order:
+  // the last keys) lie right of every key this consumer's own rows see: the CTA's taller tile visits
+  // them for the consumers below it (at S = 512 causal a sixth of the steps). The consumer passes
+  // over them without a GEMM; one block is always left, so that its rows' output takes the usual
+  // path. Computed where it is needed: kept in FrontTile, it held one more register across the
+  // loop, and the heaviest spec (head dim 64, window, softcap, continuing) spilled. Only in tiles
+  // with key blocks shorter than the query tile: where block_n is a multiple of block_m, no
+  // consumer's band ends a block early under equal lengths, and the step's slot arithmetic alone
+  // cost head dim 128's m128n128 tile 1-2% (H100, causal 512-8k).
+  constexpr bool kSkipsMaskedBlocks = kMask != MaskKind::kNone && !Mods::kBlockSparse && kBlockN < kBlockM;
+  auto masked_leading_blocks = [&](const FrontTile& t) {
+    if constexpr (!kSkipsMaskedBlocks) {
+      return 0;
+    } else {
+      const KeyRange mine =
+          AttentionMask<kMask>(p, t.seq.seqlen_q, t.seq.seqlen_k).keys_of(p, t.m0 + consumer * 64, 64);
+      const int end_block = mine.end > 0 ? (mine.end + kBlockN - 1) / kBlockN : 0;
+      return warp_uniform(max(0, min(t.keys.n_block_max - end_block, t.keys.count() - 1)));
+    }
+  };
   int kv_count = 0, q_count = 0;
   auto fetch_tile = [&](FrontTile& t) {
     t.q_slot = q_count % kQStages;
@@ -968,27 +989,28 @@ __device__ void sm90_fwd_kernel(const AttentionSm90FwdParams& params) {
   float o_flat[Shape::kHeadDim / 2];
 #pragma unroll
   for (int i = 0; i < Shape::kHeadDim / 2; ++i) o_flat[i] = 0.f;
+  // A key block this consumer skips (a tile without its rows, or masked_leading_blocks), in K/V
+  // slot `slot`: no GEMM, so the others have the tensor core to themselves. It still takes the
+  // ping-pong token once per key block, as the others do, and frees the K and V stage once loaded
+  // (waiting for the load keeps its arrivals in the stage's current phase). The drain's V-staging
+  // barrier runs only in tiles where no consumer skips every block.
+  auto pass_over_block = [&](int slot) {
+    const int stage = slot % kStages;
+    k_ring.wait_full(slot);
+    wait_turn();
+    pass_turn();
+    release(bar_k_empty(stage));
+    pv_ring.wait_full(slot);
+    release(bar_v_empty(stage));
+  };
   FrontTile front;
   bool more = fetch_tile(front);
   while (more) {
     RowStatistics<Warp> st;
     st.reset();
-    if (front.keys.count() != 0 && !front.has_rows) {
-      // No rows of this consumer's: no GEMM, no store, so the others have the tensor core to
-      // themselves. It still takes the ping-pong token once per key block, as the others do,
-      // and frees each K and V stage once loaded (waiting for the load keeps its arrivals in the
-      // stage's current phase). The drain's V-staging barrier runs only in tiles where no consumer
-      // skips.
+    if (front.keys.count() != 0 && !front.has_rows) {  // no rows of this consumer's: no GEMM, no store
       release(bar_q_empty(front.q_slot));
-      for (int i = 0; i < front.keys.count(); ++i, ++kv_count) {
-        const int stage = kv_count % kStages;
-        k_ring.wait_full(kv_count);
-        wait_turn();
-        pass_turn();
-        release(bar_k_empty(stage));
-        pv_ring.wait_full(kv_count);
-        release(bar_v_empty(stage));
-      }
+      for (int i = 0; i < front.keys.count(); ++i, ++kv_count) pass_over_block(kv_count);
       more = fetch_tile(front);
       continue;
     }
@@ -1000,7 +1022,9 @@ __device__ void sm90_fwd_kernel(const AttentionSm90FwdParams& params) {
       mbarrier_arrive_if(!o_via_tma && fresh_thread_index() % 32 == 0, bar_q_empty(front.q_slot));
     } else {
       // The tile's first (last in key order) block: S, then its softmax; no P V is pending.
-      int stage = kv_count % kStages, n_block = front.keys.n_block_max - 1;
+      const int skip_blocks = masked_leading_blocks(front);
+      for (int i = 0; i < skip_blocks; ++i, ++kv_count) pass_over_block(kv_count);
+      int stage = kv_count % kStages, n_block = front.keys.n_block_max - 1 - skip_blocks;
       int staged_slot = -1;
       auto free_staged_slot = [&] {
         if (staged_slot >= 0) release_staged_output(bar_q_empty(staged_slot));
@@ -1022,7 +1046,8 @@ __device__ void sm90_fwd_kernel(const AttentionSm90FwdParams& params) {
         wgmma_wait<0>();
         fence_operands(s_flat);
         release(bar_k_empty(stage));
-        if (!o_via_tma && front.keys.count() == 1) release(bar_q_empty(front.q_slot));  // Q's last use (see the loop)
+        if (!o_via_tma && front.keys.count() - skip_blocks == 1)
+          release(bar_q_empty(front.q_slot));  // Q's last use (see the loop)
         scores_to_probabilities(st, s, front.seq, front.m0, tile, front.batch, front.head, front.qk_descale);
         pack_probabilities(a, s);
       }
@@ -1037,6 +1062,7 @@ __device__ void sm90_fwd_kernel(const AttentionSm90FwdParams& params) {
       // of this one.
       for (;;) {
         const bool tile_done = warp_uniform(n_block == front.keys.n_block_min);
+        int passed = 0;  // the next tile's masked_leading_blocks, passed over in this step
         if (tile_done) {
           // With one Q slot the next tile's Q loads only once this tile's last QK^T is done: waiting
           // for it here would stall this tile's last P V, so the pipeline drains first.
@@ -1046,16 +1072,24 @@ __device__ void sm90_fwd_kernel(const AttentionSm90FwdParams& params) {
           more = fetch_tile(front);
           fetched = true;
           // (A tile without this consumer's rows is skipped after the drain. A split item, whose O is
-          // merged, ends with the drain too.)
+          // merged, ends with the drain too.) Blocks the next tile skips pass here, between this
+          // tile's last S and its last P V, which holds V's stage: the producer can load the slot of
+          // the next tile's first S only if it lies within kStages - 1 of this one's; else drain.
           if (!more || front.keys.count() == 0 || !front.has_rows ||
               (kTailSplits && back_index >= sm90_whole_tiles(params)))
             break;
-          n_block = front.keys.n_block_max;
+          if constexpr (kSkipsMaskedBlocks) {
+            passed = masked_leading_blocks(front);
+            if (passed > kStages - 1) break;
+            for (int i = 0; i < passed; ++i) pass_over_block(kv_count + 1 + i);
+          }
+          n_block = front.keys.n_block_max - passed;
         }
-        const int next = (kv_count + 1) % kStages, next_block = n_block - 1;
+        const int qk_slot = kv_count + 1 + passed;  // the K slot of this step's S
+        const int next = qk_slot % kStages, next_block = n_block - 1;
         float s[1][Warp::kSFrags][4];
         float(&s_flat)[kBlockN / 2] = reinterpret_cast<float(&)[kBlockN / 2]>(s);
-        k_ring.wait_full(kv_count + 1, next);
+        k_ring.wait_full(qk_slot, next);
         pv_ring.wait_full(kv_count, stage);
         wait_turn();
         fence_operands(s_flat);
@@ -1104,7 +1138,7 @@ __device__ void sm90_fwd_kernel(const AttentionSm90FwdParams& params) {
         accumulate = !tile_done;  // the next P V starts the new tile's O
         st = st_next;
         stage = next;
-        ++kv_count;
+        kv_count += 1 + passed;
         n_block = next_block;
       }
       // P V of the tile's last block alone (the next tile has no key block, there is none, or it

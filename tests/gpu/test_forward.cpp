@@ -345,6 +345,56 @@ TEST_CASE("sm90_fwd: a consumer without rows in the last query block skips it", 
     }
 }
 
+TEST_CASE("sm90_fwd: consumers pass over the key blocks right of their own rows", "[forward][sm90]") {
+  if (!hopper_or_skip()) return;
+  // Under a right band edge a consumer skips the CTA tile's first key blocks that lie right of its
+  // own 64 rows' last visible key: at a tile's start, or inside the step that ends the previous
+  // tile (up to kStages - 1 of them), else after a drain. Shapes where the diagonal sits at the
+  // top (seqlen_q > seqlen_k: rows that see no key), in the middle and at the bottom; causal and a
+  // window with a right side; with one persistent CTA (sm_margin) every tile follows another, and
+  // its output must equal the many-CTA run's bit for bit. The tiles: skips of one block at three
+  // stages (d64 n128) and of two at three (d64 n64: inside the step) and two (d128 n64: drained),
+  // two consumers (d128 m128), and one Q slot (d256: every tile drains); windows on those the
+  // register rule admits for them.
+  struct Tiles {
+    int d, block_m, block_n, stages;
+  };
+  struct Band {
+    int seqlen_q, seqlen_k;
+    bool causal;
+    int left, right;
+  };
+  uint64_t seed = 7900;
+  for (Tiles t : {Tiles{64, 192, 128, 3}, Tiles{64, 192, 64, 3}, Tiles{128, 192, 64, 2}, Tiles{128, 128, 64, 2},
+                  Tiles{256, 128, 80, 2}})
+    for (Band b : {Band{700, 700, true, -1, -1}, Band{900, 333, true, -1, -1}, Band{333, 900, true, -1, -1},
+                   Band{700, 700, false, 150, 70}, Band{640, 500, false, 300, 0}}) {
+      AttentionShape shape = AttentionShape::make(2, b.seqlen_q, b.seqlen_k, 4, 2, t.d);
+      shape.causal = b.causal;
+      shape.window_left = b.left;
+      shape.window_right = b.right;
+      const MaskKind mask = b.causal ? MaskKind::causal : MaskKind::window;
+      KernelSpec spec = default_spec(Family::sm90_fwd, device_properties(0).arch(), DType::bf16, t.d, mask);
+      spec.block_m = t.block_m;
+      spec.block_n = t.block_n;
+      spec.num_warps = 4 * (1 + t.block_m / 64);
+      spec.num_stages = t.stages;
+      if (mask == MaskKind::window && spec.validate().has_value()) continue;  // (windows need more registers)
+      REQUIRE_FALSE(spec.validate().has_value());
+      AttentionCase c(shape, DType::bf16, seed++);
+      AttentionOptions options;
+      options.kernel = spec;
+      options.num_splits = 1;
+      c.run(test_runtime(), options);
+      INFO(c.describe() << " kernel " << spec.name());
+      check_against_oracle(c, tensor_core_output_tolerance(DType::bf16), tensor_core_lse_tolerance());
+      const auto out = c.output_bits();
+      options.sm_margin = device_properties(0).sm_count - 1;
+      c.run(test_runtime(), options);
+      CHECK(c.output_bits() == out);
+    }
+}
+
 TEST_CASE("sm90_fwd: sm_margin leaves SMs free and changes nothing else", "[forward][sm90]") {
   if (!hopper_or_skip()) return;
   AttentionShape s = AttentionShape::make(2, 1500, 1500, 8, 2, 128);
