@@ -74,20 +74,42 @@ void check_bitwise_reruns(AttentionCase& c, const AttentionOptions& options, int
   }
 }
 
-// The tile-shape tests' case: `family`'s default spec for head dim `d` and `mask` with its tile
-// fields replaced, on a shape with tails on both sides and GQA.
-std::pair<Run, KernelSpec> tile_case(Family family, int d, MaskKind mask, int block_m, int block_n, int warps,
-                                     int stages) {
-  Run r;
-  r.shape = AttentionShape::make(2, 333, 590, 4, 2, d);
-  r.shape.causal = mask == MaskKind::causal;
+// `family`'s default bf16 spec for head dim `d` and `mask` with its tile fields replaced.
+KernelSpec tile_spec(Family family, int d, MaskKind mask, int block_m, int block_n, int warps, int stages) {
   KernelSpec spec = default_spec(family, device_properties(0).arch(), DType::bf16, d, mask);
   spec.block_m = block_m;
   spec.block_n = block_n;
   spec.num_warps = warps;
   spec.num_stages = stages;
+  return spec;
+}
+
+// The tile-shape tests' case: tile_spec on a shape with tails on both sides and GQA.
+std::pair<Run, KernelSpec> tile_case(Family family, int d, MaskKind mask, int block_m, int block_n, int warps,
+                                     int stages) {
+  Run r;
+  r.shape = AttentionShape::make(2, 333, 590, 4, 2, d);
+  r.shape.causal = mask == MaskKind::causal;
+  const KernelSpec spec = tile_spec(family, d, mask, block_m, block_n, warps, stages);
   r.kernel = spec;
   return {r, spec};
+}
+
+// sm90_fwd's `spec` on `shape` against the float64 oracle, then again with one persistent CTA
+// (sm_margin), which takes every work tile in turn: its output must equal the many-CTA run's bit
+// for bit. No tail splits (they depend on the CTA count).
+void check_one_cta_matches(const AttentionShape& shape, const KernelSpec& spec, uint64_t seed) {
+  AttentionCase c(shape, DType::bf16, seed);
+  AttentionOptions options;
+  options.kernel = spec;
+  options.num_splits = 1;
+  c.run(test_runtime(), options);
+  INFO(c.describe() << " kernel " << spec.name());
+  check_against_oracle(c, tensor_core_output_tolerance(DType::bf16), tensor_core_lse_tolerance());
+  const auto out = c.output_bits();
+  options.sm_margin = device_properties(0).sm_count - 1;
+  c.run(test_runtime(), options);
+  CHECK(c.output_bits() == out);
 }
 
 }  // namespace
@@ -325,23 +347,10 @@ TEST_CASE("sm90_fwd: a consumer without rows in the last query block skips it", 
     for (MaskKind mask : {MaskKind::none, MaskKind::causal}) {
       AttentionShape shape = AttentionShape::make(2, 300, 590, 4, 2, t.d);
       shape.causal = mask == MaskKind::causal;
-      KernelSpec spec = default_spec(Family::sm90_fwd, device_properties(0).arch(), DType::bf16, t.d, mask);
-      spec.block_m = t.block_m;
-      spec.block_n = t.block_n;
-      spec.num_warps = 4 * (1 + t.block_m / 64);
-      spec.num_stages = t.stages;
+      const KernelSpec spec =
+          tile_spec(Family::sm90_fwd, t.d, mask, t.block_m, t.block_n, 4 * (1 + t.block_m / 64), t.stages);
       REQUIRE_FALSE(spec.validate().has_value());
-      AttentionCase c(shape, DType::bf16, seed++);
-      AttentionOptions options;
-      options.kernel = spec;
-      options.num_splits = 1;  // (tail splits depend on the CTA count; the bitwise check below must not)
-      c.run(test_runtime(), options);
-      INFO(c.describe() << " kernel " << spec.name());
-      check_against_oracle(c, tensor_core_output_tolerance(DType::bf16), tensor_core_lse_tolerance());
-      const auto out = c.output_bits();
-      options.sm_margin = device_properties(0).sm_count - 1;
-      c.run(test_runtime(), options);
-      CHECK(c.output_bits() == out);
+      check_one_cta_matches(shape, spec, seed++);
     }
 }
 
@@ -374,24 +383,11 @@ TEST_CASE("sm90_fwd: consumers pass over the key blocks right of their own rows"
       shape.window_left = b.left;
       shape.window_right = b.right;
       const MaskKind mask = b.causal ? MaskKind::causal : MaskKind::window;
-      KernelSpec spec = default_spec(Family::sm90_fwd, device_properties(0).arch(), DType::bf16, t.d, mask);
-      spec.block_m = t.block_m;
-      spec.block_n = t.block_n;
-      spec.num_warps = 4 * (1 + t.block_m / 64);
-      spec.num_stages = t.stages;
+      const KernelSpec spec =
+          tile_spec(Family::sm90_fwd, t.d, mask, t.block_m, t.block_n, 4 * (1 + t.block_m / 64), t.stages);
       if (mask == MaskKind::window && spec.validate().has_value()) continue;  // (windows need more registers)
       REQUIRE_FALSE(spec.validate().has_value());
-      AttentionCase c(shape, DType::bf16, seed++);
-      AttentionOptions options;
-      options.kernel = spec;
-      options.num_splits = 1;
-      c.run(test_runtime(), options);
-      INFO(c.describe() << " kernel " << spec.name());
-      check_against_oracle(c, tensor_core_output_tolerance(DType::bf16), tensor_core_lse_tolerance());
-      const auto out = c.output_bits();
-      options.sm_margin = device_properties(0).sm_count - 1;
-      c.run(test_runtime(), options);
-      CHECK(c.output_bits() == out);
+      check_one_cta_matches(shape, spec, seed++);
     }
 }
 
