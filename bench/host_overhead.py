@@ -1,5 +1,6 @@
 #!/usr/bin/env python3
-"""Host time per forward call: flashjit's Python entry point, its C API alone (views built once),
+"""Host time per forward call: flashjit's Python entry point (through its C++ extension and through
+the Python path), its C API alone (views built once),
 and SDPA's FLASH and CUDNN backends, on a shape whose GPU work is shorter than the host work, so the
 loop measures the host. A cProfile of flashjit's Python path follows on stderr.
 
@@ -60,15 +61,26 @@ def main():
     def sdpa_step():
         F.scaled_dot_product_attention(qgt, kgt, vgt, is_causal=True).backward(doutt)
 
+    # flashjit's calls through its C++ extension, where it builds, and through the Python path (ctypes
+    # and a Python autograd.Function), in turn.
+    native = flashjit._extension.wait()
+    print(f"flashjit C++ extension: {flashjit._extension.status()}", file=sys.stderr)
+    paths = [("C++", "1"), ("Python path", "0")] if native is not None else [("Python path", "0")]
+
     # (The backend is chosen outside the timed loops: sdpa_kernel's context costs host time itself.)
     rows = {}
     with torch.no_grad():
-        rows["flashjit.flash_attn_func"] = host_us(lambda: flashjit.flash_attn_func(q, k, v, causal=True))
+        for path, mode in paths:
+            flashjit._extension._MODE = mode
+            rows[f"flashjit.flash_attn_func ({path})"] = host_us(lambda: flashjit.flash_attn_func(q, k, v, causal=True))
         rows["flashjit C API (views prebuilt)"] = host_us(lambda: lib.flashjit_forward(*refs))
         for name, backend in (("sdpa flash", SDPBackend.FLASH_ATTENTION), ("sdpa cudnn", SDPBackend.CUDNN_ATTENTION)):
             with sdpa_kernel(backend):
                 rows[name] = host_us(sdpa)
-    rows["flashjit fwd+bwd"] = host_us(flashjit_step, calls=500)
+    for path, mode in paths:
+        flashjit._extension._MODE = mode
+        rows[f"flashjit fwd+bwd ({path})"] = host_us(flashjit_step, calls=500)
+    flashjit._extension._MODE = "0"  # the profile below is of the Python path
     for name, backend in (("sdpa flash fwd+bwd", SDPBackend.FLASH_ATTENTION),
                           ("sdpa cudnn fwd+bwd", SDPBackend.CUDNN_ATTENTION)):
         with sdpa_kernel(backend):

@@ -79,6 +79,9 @@ wheel() {
   python3 -m venv "$venv"
   "$venv/bin/pip" install -q "$root"
   (cd "$venv" && "$venv/bin/python" -c 'import flashjit; print("dev.sh: installed flashjit", flashjit.__version__, "at", flashjit.__file__)')
+  # What the package's C++ torch extension compiles from on first use: its source and the C API's header.
+  (cd "$venv" && "$venv/bin/python" -c 'from flashjit import _extension as e; h = e._include_dir(); s = e._HERE / "_autograd.cpp"
+assert h.is_relative_to(e._HERE) and s.exists(), (h, s); print("dev.sh: extension sources", s, h)')
   "$venv/bin/flashjit-warm" --version
   # One compile through the installed tool, into a cache of its own.
   printf '[{"family":"reference_fwd","arch":"sm_90a","dtype":"bf16","head_dim":64,"block_m":4,"block_n":32,"num_warps":4,"num_stages":1,"mask":"causal","softcap":false,"block_sparse":false,"continues":false}]' \

@@ -13,7 +13,7 @@ import os
 import sys
 import threading
 
-from . import _capi
+from . import _capi, _extension
 
 __all__ = ["flash_attn_func", "ring_flash_attn_func", "ring_flash_attn_local", "ring_shard", "ring_unshard",
            "ring_flash_attn_varlen_func", "ring_flash_attn_varlen_local", "ring_shard_varlen", "ring_unshard_varlen", "AttentionMod", "BlockMask", "create_block_mask", "block_mask_from_tiles", "flash_attn_varlen_func", "flash_attn_with_kvcache", "check_kvcache", "FlashJitError", "cache_stats", "load_tuning_db", "quantize_fp8",
@@ -439,7 +439,16 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
         out, lse = _ops().mod_attention(q, k, v, softmax_scale, bool(causal), int(window_size[0]), int(window_size[1]),
                                         float(softcap), backend, int(sm_margin), mod, block_mask)
         return (out, lse) if return_lse else out
-    if path is not None:
+    native = _extension.module() if path != "traced" else None
+    if native is not None:  # the C++ calls: the raw forward, or the autograd node
+        window_left, window_right = _capi.window(window_size[0], window_size[1])
+        arguments = (q, k, v, softmax_scale, bool(causal), window_left, window_right, float(softcap),
+                     _capi.BACKENDS[backend], _capi.int32(sm_margin, "sm_margin"))
+        if path is None:
+            out, lse = native.forward(*arguments, bool(return_lse))
+        else:
+            out, lse = native.attention(*arguments, bool(deterministic))
+    elif path is not None:
         attention = _ops().attention if path == "traced" else _ops().eager_attention
         out, lse = attention(q, k, v, softmax_scale, bool(causal), int(window_size[0]), int(window_size[1]),
                              float(softcap), backend, int(sm_margin), bool(deterministic))
