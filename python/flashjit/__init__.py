@@ -16,7 +16,7 @@ import threading
 from . import _capi, _extension
 
 __all__ = ["flash_attn_func", "ring_flash_attn_func", "ring_flash_attn_local", "ring_shard", "ring_unshard",
-           "ring_flash_attn_varlen_func", "ring_flash_attn_varlen_local", "ring_shard_varlen", "ring_unshard_varlen", "AttentionMod", "BlockMask", "create_block_mask", "block_mask_from_tiles", "flash_attn_varlen_func", "flash_attn_with_kvcache", "check_kvcache", "FlashJitError", "cache_stats", "load_tuning_db", "quantize_fp8",
+           "ring_flash_attn_varlen_func", "ring_flash_attn_varlen_local", "ring_shard_varlen", "ring_unshard_varlen", "AttentionMod", "BlockMask", "create_block_mask", "block_mask_from_tiles", "flash_attn_varlen_func", "flash_attn_with_kvcache", "check_kvcache", "FlashJitError", "build_torch_extension", "cache_stats", "load_tuning_db", "quantize_fp8",
            "__version__"]
 
 _lib = _capi.load()
@@ -539,6 +539,14 @@ def check_kvcache(device=None):
     torch = _torch()
     stream = torch.cuda.current_stream(device).cuda_stream
     _check(_lib.flashjit_check_kvcache(ctypes.c_void_p(stream)))
+
+
+def build_torch_extension(timeout=None):
+    """Builds (or loads) the C++ torch extension of the dense calls now, at deploy time say, rather than
+    in the background of the first call (see _extension). Returns its status: 'ready', 'off', or why
+    it is unavailable."""
+    _extension.wait(timeout)
+    return _extension.status()
 
 
 def _autograd_path(*tensors):

@@ -11,7 +11,7 @@ The compile runs in a process of its own, in a session of its own: a program tha
 killed) during the build leaves it to finish, not torch's build lock held by a dead process, which
 would make every later load wait on it. A lock older than any build is removed.
 
-Run as a script (`python _extension.py`), this file builds the extension and exits.
+Run as a script (`python _extension.py`, as the build does), this file builds the extension and exits.
 """
 import hashlib
 import os
@@ -83,10 +83,11 @@ def _build():
     try:
         # (ninja from pip sits beside the interpreter, which need not be on PATH)
         path = os.pathsep.join([os.path.dirname(sys.executable), os.environ.get("PATH", "")])
-        child = subprocess.run([sys.executable, str(_HERE / "_extension.py")], capture_output=True, text=True,
+        child = subprocess.run([sys.executable, str(_HERE / "_extension.py")], capture_output=not _VERBOSE, text=True,
                                timeout=_BUILD_TIMEOUT_SECONDS, start_new_session=True, env={**os.environ, "PATH": path})
-        if child.returncode != 0:
-            raise RuntimeError(f"the build exited with {child.returncode}: " + (child.stderr or child.stdout)[-2000:])
+        if child.returncode != 0:  # (its last line is the exception; with FLASHJIT_VERBOSE=1 all went to stderr)
+            lines = (child.stderr or child.stdout or "see above").strip().splitlines()
+            raise RuntimeError(f"its build exited with {child.returncode}: {lines[-1]}")
         import ctypes
         import torch.utils.cpp_extension as cpp_extension
         from . import FlashJitError, _lib
