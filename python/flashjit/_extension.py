@@ -78,20 +78,24 @@ def _compile():
 
 
 def _build():
-    """Builds in a child process, then loads the module here and binds it to the loaded library."""
+    """Builds in a child process unless an earlier one did, then loads the module here and binds it to
+    the loaded library."""
     global _module, _failure
     try:
-        # (ninja from pip sits beside the interpreter, which need not be on PATH)
-        path = os.pathsep.join([os.path.dirname(sys.executable), os.environ.get("PATH", "")])
-        child = subprocess.run([sys.executable, str(_HERE / "_extension.py")], capture_output=not _VERBOSE, text=True,
-                               timeout=_BUILD_TIMEOUT_SECONDS, start_new_session=True, env={**os.environ, "PATH": path})
-        if child.returncode != 0:  # (its last line is the exception; with FLASHJIT_VERBOSE=1 all went to stderr)
-            lines = (child.stderr or child.stdout or "see above").strip().splitlines()
-            raise RuntimeError(f"its build exited with {child.returncode}: {lines[-1]}")
         import ctypes
         import torch.utils.cpp_extension as cpp_extension
         from . import FlashJitError, _lib
-        module = cpp_extension.load(**_load_arguments())  # (built: this only loads it)
+        arguments = _load_arguments()
+        if not (pathlib.Path(arguments["build_directory"]) / f"{arguments['name']}.so").exists():
+            # (ninja from pip sits beside the interpreter, which need not be on PATH)
+            path = os.pathsep.join([os.path.dirname(sys.executable), os.environ.get("PATH", "")])
+            child = subprocess.run([sys.executable, str(_HERE / "_extension.py")], capture_output=not _VERBOSE,
+                                   text=True, timeout=_BUILD_TIMEOUT_SECONDS, start_new_session=True,
+                                   env={**os.environ, "PATH": path})
+            if child.returncode != 0:  # (its last line is the exception; with FLASHJIT_VERBOSE=1 all went to stderr)
+                lines = (child.stderr or child.stdout or "see above").strip().splitlines()
+                raise RuntimeError(f"its build exited with {child.returncode}: {lines[-1]}")
+        module = cpp_extension.load(**arguments)  # (built: this checks it is current and loads it)
         address = lambda function: ctypes.cast(function, ctypes.c_void_p).value
         module.bind(address(_lib.flashjit_attention_options_init), address(_lib.flashjit_forward),
                     address(_lib.flashjit_backward), address(_lib.flashjit_last_error), FlashJitError, _VERBOSE)
