@@ -478,7 +478,17 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
                                 varlen=(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k))
         return (out, lse) if return_lse else out
     path = _autograd_path(q, k, v)
-    if path is not None:
+    native = _extension.module() if path != "traced" else None
+    if native is not None:  # the C++ calls: the raw forward, or the autograd node
+        window_left, window_right = _capi.window(window_size[0], window_size[1])
+        arguments = (q, k, v, cu_seqlens_q, cu_seqlens_k, _capi.int32(max_seqlen_q, "max_seqlen_q"),
+                     _capi.int32(max_seqlen_k, "max_seqlen_k"), softmax_scale, bool(causal), window_left,
+                     window_right, float(softcap), _capi.BACKENDS[backend], _capi.int32(sm_margin, "sm_margin"))
+        if path is None:
+            out, lse = native.forward_varlen(*arguments, bool(return_lse))
+        else:
+            out, lse = native.attention_varlen(*arguments, bool(deterministic))
+    elif path is not None:
         attention = _ops().attention_varlen if path == "traced" else _ops().eager_attention_varlen
         out, lse = attention(q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k),
                              softmax_scale, bool(causal), int(window_size[0]), int(window_size[1]),
@@ -517,6 +527,13 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=N
         if t is not None:
             tensors.append((t, name))
     _same_device([t for t, _ in tensors], [n for _, n in tensors])
+    native = _extension.module() if not torch.compiler.is_compiling() else None
+    if native is not None:  # the C++ call
+        window_left, window_right = _capi.window(window_size[0], window_size[1])
+        out, lse = native.forward_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table, softmax_scale,
+                                          bool(causal), window_left, window_right, float(softcap),
+                                          _capi.int32(num_splits, "num_splits"), bool(return_softmax_lse))
+        return (out, lse) if return_softmax_lse else out
     q = _kernel_input(q, "q")  # (the caches are written in place: they must be readable as they are)
     k, v = (None if t is None else _kernel_input(t, n) for t, n in ((k, "k"), (v, "v")))
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
@@ -542,8 +559,8 @@ def check_kvcache(device=None):
 
 
 def build_torch_extension(timeout=None):
-    """Builds (or loads) the C++ torch extension of the dense calls now, at deploy time say, rather than
-    in the background of the first call (see _extension). Returns its status: 'ready', 'off', or why
+    """Builds (or loads) the C++ torch extension (the dense, varlen and KV-cache calls) now, at deploy
+    time say, rather than in the background of the first call (see _extension). Returns its status: 'ready', 'off', or why
     it is unavailable."""
     _extension.wait(timeout)
     return _extension.status()

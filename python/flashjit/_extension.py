@@ -1,6 +1,7 @@
-"""The dense attention's eager calls and autograd node in C++ (_autograd.cpp), compiled for the
-installed torch and Python by torch.utils.cpp_extension on first use and kept in torch's extension
-folder (TORCH_EXTENSIONS_DIR, or torch's default), so that a later process loads it in milliseconds.
+"""The attention's eager calls (dense, packed variable-length, KV cache) and autograd nodes in C++
+(_autograd.cpp), compiled for the installed torch and Python by torch.utils.cpp_extension on first
+use and kept in torch's extension folder (TORCH_EXTENSIONS_DIR, or torch's default), so that a later
+process loads it in milliseconds.
 
 FLASHJIT_TORCH_EXTENSION: 1 (default) builds it in the background, calls taking the Python path
 until it is ready; sync builds it inside the first call that wants it; 0 never uses it. Where it
@@ -26,6 +27,8 @@ _MODE = os.environ.get("FLASHJIT_TORCH_EXTENSION", "1").strip().lower()
 _VERBOSE = os.environ.get("FLASHJIT_VERBOSE", "") not in ("", "0")
 _STALE_LOCK_SECONDS = 900  # a build takes under a minute; a lock this old belongs to a dead one
 _BUILD_TIMEOUT_SECONDS = 600
+_C_FUNCTIONS = ("flashjit_attention_options_init", "flashjit_forward", "flashjit_backward", "flashjit_forward_varlen",
+                "flashjit_backward_varlen", "flashjit_forward_kvcache", "flashjit_last_error")  # what bind() takes
 
 _module = None  # the built and bound module, once ready
 _failure = None  # why it is not available, once known
@@ -96,9 +99,8 @@ def _build():
                 lines = (child.stderr or child.stdout or "see above").strip().splitlines()
                 raise RuntimeError(f"its build exited with {child.returncode}: {lines[-1]}")
         module = cpp_extension.load(**arguments)  # (built: this checks it is current and loads it)
-        address = lambda function: ctypes.cast(function, ctypes.c_void_p).value
-        module.bind(address(_lib.flashjit_attention_options_init), address(_lib.flashjit_forward),
-                    address(_lib.flashjit_backward), address(_lib.flashjit_last_error), FlashJitError, _VERBOSE)
+        functions = {name: ctypes.cast(getattr(_lib, name), ctypes.c_void_p).value for name in _C_FUNCTIONS}
+        module.bind(functions, FlashJitError, _VERBOSE)
         _module = module
     except Exception as e:  # (no compiler or ninja, a build error, a timeout: the Python path stays)
         _failure = f"{type(e).__name__}: {e}"

@@ -23,6 +23,7 @@ status=$?
 [[ $status -eq 0 ]] || exit $status
 export FLASHJIT_LIBRARY=${1:?usage: run_tests.sh path/to/libflashjit.so}
 # The C++ extension (python/flashjit/_extension.py) built before the first call that wants it, so that
-# every dense call in the suite takes it; its agreement test runs the Python path beside it.
+# every dense, varlen and KV-cache call in the suite takes it; its agreement tests run the Python path
+# beside it.
 export FLASHJIT_TORCH_EXTENSION=${FLASHJIT_TORCH_EXTENSION:-sync}
 exec python3 -m pytest -q "$(dirname "$0")" "${@:2}"

@@ -477,6 +477,67 @@ def test_cpp_extension_errors_name_the_argument():
                 flash_attn_func(q, q, q, sm_margin=2**32 + 5)
 
 
+def test_cpp_extension_varlen_and_kvcache_agree_with_python_path(monkeypatch):
+    """The C++ varlen calls (forward and autograd node) and the C++ KV-cache call (paged, tokens
+    appended in place) against the Python path on the same inputs: bitwise equal."""
+    _native_or_skip()
+    torch.manual_seed(22)
+    lens_q, lens_k = [0, 3, 300, 37], [5, 0, 300, 129]
+    hq, hkv, d = 8, 2, 64
+    cu = lambda lens: torch.tensor([0] + list(torch.tensor(lens).cumsum(0)), device="cuda", dtype=torch.int32)
+    # q a slice of a packed projection (strides the kernels cannot read: copied on both paths)
+    q = torch.randn(sum(lens_q), hq, d + 4, device="cuda", dtype=torch.bfloat16)[..., 2:d + 2]
+    k, v = (torch.randn(sum(lens_k), hkv, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    dout = torch.randn(q.shape, device="cuda", dtype=torch.bfloat16)
+    b, cap, page = 3, 96, 16
+    q_step = torch.randn(b, 2, hq, d, device="cuda", dtype=torch.bfloat16)
+    k_pages = torch.randn(b * cap // page, page, hkv, d, device="cuda", dtype=torch.bfloat16)
+    v_pages = torch.randn_like(k_pages)
+    table = torch.randperm(b * cap // page, device="cuda", dtype=torch.int32).view(b, cap // page)
+    k_new, v_new = (torch.randn(b, 2, hkv, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+
+    def run():
+        leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+        out, lse = flash_attn_varlen_func(*leaves, cu(lens_q), cu(lens_k), max(lens_q), max(lens_k), causal=True,
+                                          window_size=(64, 0), deterministic=True, return_lse=True)
+        node = out.grad_fn.name()
+        out.backward(dout)
+        with torch.no_grad():
+            plain = flash_attn_varlen_func(q, k, v, cu(lens_q), cu(lens_k), max(lens_q), max(lens_k), softcap=5.0)
+        caches = k_pages.clone(), v_pages.clone()
+        step, step_lse = flash_attn_with_kvcache(q_step, *caches, k=k_new, v=v_new, block_table=table, causal=True,
+                                                 cache_seqlens=torch.tensor([0, 17, 94], device="cuda",
+                                                                            dtype=torch.int32),
+                                                 return_softmax_lse=True)
+        return node, (out, lse, plain, step, step_lse) + caches + tuple(t.grad for t in leaves)
+
+    native_node, native = run()
+    monkeypatch.setattr(flashjit._extension, "_MODE", "0")
+    python_node, python = run()
+    assert "CppNode" in native_node and python_node == "EagerAttentionVarlenBackward", (native_node, python_node)
+    names = ("out", "lse", "inference out", "kvcache out", "kvcache lse", "k_cache", "v_cache", "dq", "dk", "dv")
+    for a, b_, name in zip(native, python, names):
+        assert a.shape == b_.shape and torch.equal(a, b_), name
+    want, _ = reference(q[None, 3:303], k[None, 5:305], v[None, 5:305], True, (64, 0))
+    assert_close(native[0][3:303], want[0], torch.bfloat16)
+
+
+def test_cpp_extension_varlen_and_kvcache_errors():
+    """Bad input through the C++ varlen and KV-cache calls: ValueError naming the argument."""
+    _native_or_skip()
+    q = torch.randn(10, 4, 64, device="cuda", dtype=torch.bfloat16)
+    cu = torch.tensor([0, 10], device="cuda", dtype=torch.int32)
+    with pytest.raises(ValueError, match="cu_seqlens_q: expected dtype int32, got int64"):
+        flash_attn_varlen_func(q, q, q, cu.long(), cu, 10, 10)
+    with pytest.raises(ValueError, match="max_seqlen_k must fit in 32 bits"):
+        flash_attn_varlen_func(q, q, q, cu, cu, 10, 2**32)
+    step = torch.randn(1, 1, 4, 64, device="cuda", dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="cache_seqlens: expected dtype int32"):
+        flash_attn_with_kvcache(step, q[None], q[None], cache_seqlens=cu[:1].long())
+    with pytest.raises(ValueError, match="num_splits must fit in 32 bits"):
+        flash_attn_with_kvcache(step, q[None], q[None], cache_seqlens=1, num_splits=2**40)
+
+
 def test_backward_argument_errors():
     q = torch.randn(1, 64, 4, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     out, lse = flashjit._forward(q, q, q, None, False, -1, -1, 0.0, "auto", 0)
