@@ -560,8 +560,8 @@ def check_kvcache(device=None):
 
 def build_torch_extension(timeout=None):
     """Builds (or loads) the C++ torch extension (the dense, varlen and KV-cache calls) now, at deploy
-    time say, rather than in the background of the first call (see _extension). Returns its status: 'ready', 'off', or why
-    it is unavailable."""
+    time say, rather than in the background of the first call (see _extension). Returns its status:
+    'ready', 'off', or why it is unavailable."""
     _extension.wait(timeout)
     return _extension.status()
 
